@@ -1,0 +1,99 @@
+"""vLLM's per-layer KV tensors -> registered memory regions and per-block regions.
+
+Each layer's tensor has one dimension of size ``num_blocks``; every index of the
+dimensions before it (e.g. K/V on GPU layouts) is its own region of blocks. Blocks
+are treated as opaque bytes between identically configured engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.wire import KvRegion
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    num_blocks: int
+    regions: list[KvRegion]
+    buffers: list[tuple[int, int]]  # distinct (addr, length) to register with NIXL
+
+
+def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
+    regions: list[KvRegion] = []
+    buffers: dict[int, int] = {}
+    device = None
+    for name in sorted(kv_caches, key=_layer_order):
+        tensor = kv_caches[name]
+        device = tensor.device
+        try:
+            block_dim = list(tensor.shape).index(num_blocks)
+        except ValueError:
+            raise ValueError(
+                f"layer {name}: no dimension of size num_blocks={num_blocks} in {tuple(tensor.shape)}"
+            ) from None
+        elem = tensor.element_size()
+        block_stride = tensor.stride(block_dim) * elem
+        block_len = elem
+        for size in tensor.shape[block_dim + 1 :]:
+            block_len *= size
+        if not tensor[(0,) * (block_dim + 1)].is_contiguous():
+            raise ValueError(f"layer {name}: a block is not contiguous in memory")
+        leading = tensor.shape[:block_dim]
+        for flat in range(_prod(leading)):
+            index, rest = [], flat
+            for size in reversed(leading):
+                index.append(rest % size)
+                rest //= size
+            index.reverse()
+            offset = sum(i * tensor.stride(d) for d, i in enumerate(index)) * elem
+            regions.append(KvRegion(tensor.data_ptr() + offset, block_stride, block_len))
+        storage = tensor.untyped_storage()
+        buffers[storage.data_ptr()] = max(buffers.get(storage.data_ptr(), 0), storage.nbytes())
+    if device is None:
+        raise ValueError("no KV cache tensors to register")
+    mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+    return KvLayout(
+        mem_type=mem_type,
+        device_id=device.index or 0,
+        num_blocks=num_blocks,
+        regions=regions,
+        buffers=_merge(buffers),
+    )
+
+
+def compatible(local: list[KvRegion], remote: list[KvRegion]) -> str | None:
+    """None when blocks can be copied region by region, else why not."""
+    if len(local) != len(remote):
+        return f"{len(local)} local KV regions but {len(remote)} remote"
+    for i, (a, b) in enumerate(zip(local, remote)):
+        if a.block_len != b.block_len:
+            return f"region {i}: block is {a.block_len} bytes here, {b.block_len} remote"
+    return None
+
+
+def _merge(buffers: dict[int, int]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for addr, length in sorted(buffers.items()):
+        if merged and addr <= merged[-1][0] + merged[-1][1]:
+            start, old = merged[-1]
+            merged[-1] = (start, max(old, addr + length - start))
+        else:
+            merged.append((addr, length))
+    return merged
+
+
+def _prod(sizes) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out
+
+
+def _layer_order(name: str):
+    digits = "".join(c if c.isdigit() else " " for c in name).split()
+    return ([int(d) for d in digits], name)

@@ -1,0 +1,235 @@
+"""The one thread that owns the NIXL agent.
+
+Everything NIXL goes through here: creating the agent, registering the KV pool,
+adding remote agents, building descriptors, posting WRITEs with a notification,
+polling them to completion, and (on decode) polling for notifications. Nothing
+else touches the agent. vLLM's engine loop only enqueues work and never waits on it;
+completions are driven by this thread, not by the engine's step cadence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from connector.block_ranges import byte_ranges, coalesce
+from connector.kv_layout import KvLayout
+from shared.wire import AgentInfo
+
+log = logging.getLogger("kvpush.transfer")
+
+# How long the thread sleeps between polls while something is in flight, and when idle.
+ACTIVE_POLL_S = 0.0005
+IDLE_POLL_S = 0.05
+
+os.environ.setdefault("UCX_TCP_NODELAY", "y")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+@dataclass
+class WriteResult:
+    transfer_id: str
+    ok: bool
+    bytes: int = 0
+    descriptors: int = 0
+    prepare_ms: float = 0.0
+    write_ms: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class WriteJob:
+    transfer_id: str
+    remote: AgentInfo
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    notif: bytes
+    on_done: Callable[[WriteResult], None]
+
+
+@dataclass
+class _InFlight:
+    job: WriteJob
+    handle: object
+    nbytes: int
+    descriptors: int
+    prepare_ms: float
+    posted_at: float
+
+
+_STOP = object()
+
+
+class TransferThread:
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int,
+        layout: KvLayout,
+        on_notification: Callable[[bytes], None] | None = None,
+    ):
+        self.engine_id = engine_id
+        self.rank = rank
+        self.layout = layout
+        self.agent_name = f"{engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
+        self.agent_metadata: bytes = b""
+        self._on_notification = on_notification
+        self._jobs: queue.Queue = queue.Queue(maxsize=10_000)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._expecting = 0  # notifications decode waits for; guarded by _expect_lock
+        self._expect_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"kvpush-transfer-{rank}", daemon=True)
+
+    # ------------------------------------------------------------------ other threads
+
+    def start(self, timeout: float = 60.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("NIXL agent did not start")
+        if self._error is not None:
+            raise self._error
+
+    def agent_info(self) -> AgentInfo:
+        return AgentInfo(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            agent_name=self.agent_name,
+            agent_metadata=self.agent_metadata,
+            mem_type=self.layout.mem_type,
+            device_id=self.layout.device_id,
+            num_blocks=self.layout.num_blocks,
+            regions=self.layout.regions,
+        )
+
+    def submit(self, job: WriteJob) -> None:
+        self._jobs.put_nowait(job)
+
+    def expect(self, count: int) -> None:
+        """Decode: ``count`` more (or, negative, fewer) notifications are awaited."""
+        with self._expect_lock:
+            self._expecting = max(0, self._expecting + count)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            agent = nixl_agent(
+                self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=[])
+            )
+            agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+            regs = [(addr, length, self.layout.device_id, "") for addr, length in self.layout.buffers]
+            agent.register_memory(regs, self.layout.mem_type)
+            self.agent_metadata = agent.get_agent_metadata()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._agent = agent
+        self._known_agents: set[str] = set()
+        self._in_flight: list[_InFlight] = []
+        self._ready.set()
+        while True:
+            with self._expect_lock:
+                active = bool(self._in_flight) or self._expecting > 0
+            try:
+                item = self._jobs.get(timeout=ACTIVE_POLL_S if active else IDLE_POLL_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            if item is not None:
+                self._post(item)
+            self._poll_writes()
+            if self._on_notification is not None:
+                self._poll_notifications()
+        for flight in self._in_flight:
+            self._finish(flight, ok=False, error="transfer thread stopped")
+
+    def _post(self, job: WriteJob) -> None:
+        started = time.perf_counter()
+        try:
+            remote = job.remote
+            if remote.agent_name not in self._known_agents:
+                self._agent.add_remote_agent(remote.agent_metadata)
+                self._known_agents.add(remote.agent_name)
+            runs = coalesce(job.src_block_ids, job.dst_block_ids)
+            src, dst = byte_ranges(runs, self.layout.regions, remote.regions)
+            local_descs = self._agent.get_xfer_descs(
+                _as_array(src, self.layout.device_id), self.layout.mem_type
+            )
+            remote_descs = self._agent.get_xfer_descs(
+                _as_array(dst, remote.device_id), remote.mem_type
+            )
+            handle = self._agent.initialize_xfer(
+                "WRITE", local_descs, remote_descs, remote.agent_name, job.notif
+            )
+            prepare_ms = (time.perf_counter() - started) * 1000
+            posted_at = time.perf_counter()
+            state = self._agent.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL refused to post the WRITE")
+        except Exception as exc:
+            log.warning("write %s could not be posted: %s", job.transfer_id, exc)
+            job.on_done(WriteResult(job.transfer_id, ok=False, error=str(exc)))
+            return
+        self._in_flight.append(
+            _InFlight(job, handle, sum(n for _, n in src), len(src), prepare_ms, posted_at)
+        )
+
+    def _poll_writes(self) -> None:
+        still: list[_InFlight] = []
+        for flight in self._in_flight:
+            state = self._agent.check_xfer_state(flight.handle)
+            if state == "PROC":
+                still.append(flight)
+            else:
+                self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else "WRITE failed")
+        self._in_flight = still
+
+    def _finish(self, flight: _InFlight, ok: bool, error: str) -> None:
+        try:
+            self._agent.release_xfer_handle(flight.handle)
+        except Exception:
+            pass
+        flight.job.on_done(
+            WriteResult(
+                flight.job.transfer_id,
+                ok=ok,
+                bytes=flight.nbytes,
+                descriptors=flight.descriptors,
+                prepare_ms=flight.prepare_ms,
+                write_ms=(time.perf_counter() - flight.posted_at) * 1000,
+                error=error,
+            )
+        )
+
+    def _poll_notifications(self) -> None:
+        for messages in self._agent.get_new_notifs().values():
+            for message in messages:
+                try:
+                    self._on_notification(message)
+                except Exception:
+                    log.exception("bad notification %r", message)
+
+
+def _as_array(ranges: list[tuple[int, int]], device_id: int) -> np.ndarray:
+    out = np.empty((len(ranges), 3), dtype=np.uint64)
+    for i, (addr, length) in enumerate(ranges):
+        out[i] = (addr, length, device_id)
+    return out

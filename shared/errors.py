@@ -1,0 +1,76 @@
+"""kvpush's exceptions; the ``code`` of each is what goes on the wire.
+
+    KvpushError
+    ├── RequestError            the client's request is unusable (never retried)
+    │   ├── BadJson             body is not JSON / not an object
+    │   ├── InvalidField        unknown field, wrong type, out-of-range value
+    │   ├── EmptyPrompt
+    │   ├── PromptTooLong       prompt does not fit the model's context
+    │   └── PayloadTooLarge     bigger than the NATS server accepts
+    ├── NoWorkers               no live prefill or decode worker to dispatch to
+    ├── DispatchFailed          a worker did not accept the job
+    ├── EngineFailed            the engine raised while serving the request
+    └── TransferError           the KV push could not be done (code per reason)
+
+``to_error_body`` is the one boundary that turns any exception into an error reply.
+"""
+
+from __future__ import annotations
+
+from shared.wire import ErrorBody
+
+
+class KvpushError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class RequestError(KvpushError):
+    code = "invalid_request"
+
+
+class BadJson(RequestError):
+    code = "bad_json"
+
+
+class InvalidField(RequestError):
+    code = "invalid_field"
+
+
+class EmptyPrompt(RequestError):
+    code = "empty_prompt"
+
+
+class PromptTooLong(RequestError):
+    code = "prompt_too_long"
+
+
+class PayloadTooLarge(RequestError):
+    code = "payload_too_large"
+
+
+class NoWorkers(KvpushError):
+    code = "no_workers"
+
+
+class DispatchFailed(KvpushError):
+    code = "dispatch_failed"
+
+
+class EngineFailed(KvpushError):
+    code = "engine_failed"
+
+
+class TransferError(KvpushError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def to_error_body(exc: BaseException) -> ErrorBody:
+    if isinstance(exc, KvpushError):
+        return ErrorBody(code=exc.code, message=exc.message)
+    return ErrorBody(code="internal", message=f"internal error: {type(exc).__name__}: {exc}")

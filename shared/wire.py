@@ -1,0 +1,251 @@
+"""Every message kvpush puts on NATS, and the subject each one travels on.
+
+Public (JSON, for clients):
+
+    kvpush.generate                 GenerateRequest  client -> scheduler (queue group)
+    <client reply subject>          TokenChunk* then FinalReply    decode worker -> client
+                                    (or FinalReply with an error from the scheduler)
+
+Internal (msgpack):
+
+    kvpush.worker.heartbeat         WorkerHeartbeat   worker -> scheduler, every second
+    kvpush.prefill.<worker_id>      PrefillJob        scheduler -> prefill worker (request, ack)
+    kvpush.decode.<worker_id>       DecodeJob         scheduler -> decode worker (request, ack)
+    kvpush.kv.register.<engine_id>  Registration      decode connector -> prefill connector
+    kvpush.kv.agent.<engine_id>.<rank>  AgentInfo     reply to an empty request: a worker
+                                                       rank's NIXL agent and KV layout
+    kvpush.kv.agents                AgentInfo         announced once when a rank is ready
+    kvpush.handoff                  Handoff           prefill worker: prefill finished
+    kvpush.kv.completion            TransferDone | TransferFailed   prefill writer thread
+
+Protocol history:
+    1 - first version.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+GENERATE_SUBJECT = "kvpush.generate"
+SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
+HEARTBEAT_SUBJECT = "kvpush.worker.heartbeat"
+HANDOFF_SUBJECT = "kvpush.handoff"
+COMPLETION_SUBJECT = "kvpush.kv.completion"
+AGENTS_SUBJECT = "kvpush.kv.agents"
+
+TransferMode = Literal["push"]
+Role = Literal["prefill", "decode"]
+
+
+def prefill_job_subject(worker_id: str) -> str:
+    return f"kvpush.prefill.{worker_id}"
+
+
+def decode_job_subject(worker_id: str) -> str:
+    return f"kvpush.decode.{worker_id}"
+
+
+def registration_subject(prefill_engine_id: str) -> str:
+    return f"kvpush.kv.register.{prefill_engine_id}"
+
+
+def agent_subject(engine_id: str, rank: int) -> str:
+    return f"kvpush.kv.agent.{engine_id}.{rank}"
+
+
+# --------------------------------------------------------------------------- public JSON
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of a request on ``kvpush.generate``; exactly one of the two prompts."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    request_id: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    code: str
+    message: str
+
+
+class TokenChunk(msgspec.Struct):
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(msgspec.Struct):
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    kv_wait_ms: float
+
+
+class FinalReply(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    finished: bool = True
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: ErrorBody | None = None
+
+
+# --------------------------------------------------------------------------- internal msgpack
+
+class Internal(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+class WorkerHeartbeat(Internal):
+    worker_id: str
+    role: Role
+    free_kv_blocks: int
+    total_kv_blocks: int
+    running: int
+    waiting: int
+    block_size: int
+    max_model_len: int
+
+
+class SamplingSpec(msgspec.Struct):
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+
+
+class PrefillJob(Internal):
+    request_id: str
+    transfer_id: str
+    prompt_token_ids: list[int]
+    decode_engine_id: str
+    received_at: float
+
+
+class DecodeJob(Internal):
+    request_id: str
+    transfer_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    prefill_engine_id: str
+    reply_to: str
+    received_at: float
+
+
+class JobAck(Internal):
+    accepted: bool
+    error: ErrorBody | None = None
+
+
+class KvRegion(msgspec.Struct, array_like=True):
+    """One run of equally sized blocks in registered memory: block b lives at
+    ``base_addr + b * block_stride`` and is ``block_len`` bytes long."""
+
+    base_addr: int
+    block_stride: int
+    block_len: int
+
+
+class AgentInfo(Internal):
+    engine_id: str
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    device_id: int
+    num_blocks: int
+    regions: list[KvRegion]
+
+
+class Registration(Internal):
+    """Decode allocated ``block_ids`` for the prompt of ``transfer_id``; push into them."""
+
+    transfer_id: str
+    request_id: str
+    decode_engine_id: str
+    decode_request_id: str
+    decode_tp_size: int
+    block_ids: list[int]
+    num_tokens: int
+    registered_at: float
+
+
+class Handoff(Internal):
+    request_id: str
+    transfer_id: str
+    prefill_engine_id: str
+    first_token_id: int | None
+    prefill_started_at: float
+    prefill_finished_at: float
+    error: ErrorBody | None = None
+
+
+RendezvousOrder = Literal["registration_first", "prefill_first"]
+
+
+class TransferDone(Internal):
+    transfer_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    rank: int
+    order: RendezvousOrder
+    waited_ms: float
+    bytes: int
+    descriptors: int
+    write_ms: float
+    finished_at: float
+
+
+class TransferFailed(Internal):
+    transfer_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    rank: int
+    code: str
+    reason: str
+
+
+Completion = TransferDone | TransferFailed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, kind):
+    """Decode ``data`` as ``kind`` (a Struct type or a union of them).
+
+    Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on bad input; callers
+    turn those into an error event and keep serving.
+    """
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return decoder.decode(data)
+
+
+_json_encoder = msgspec.json.Encoder()
+_generate_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def encode_json(message: msgspec.Struct) -> bytes:
+    return _json_encoder.encode(message)
+
+
+def decode_generate_request(data: bytes) -> GenerateRequest:
+    return _generate_decoder.decode(data)

@@ -1,0 +1,75 @@
+"""Real NIXL agents in two processes: the transfer thread WRITEs blocks into a peer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import msgspec
+import torch
+
+from connector.completion import notification, parse_notification
+from connector.kv_layout import describe
+from connector.transfer_thread import TransferThread, WriteJob
+from shared.wire import AgentInfo
+
+NUM_BLOCKS = 16
+# two "layers" of [num_blocks, kv_heads=2, block_size=4, 2*head=8] fp32, in one buffer
+SHAPE = (NUM_BLOCKS, 2, 4, 8)
+
+
+def _kv_caches(fill: float) -> dict[str, torch.Tensor]:
+    pool = torch.full((2, *SHAPE), fill, dtype=torch.float32)
+    return {f"model.layers.{i}.attn": pool[i] for i in range(2)}
+
+
+def _decode_side(conn) -> None:
+    caches = _kv_caches(0.0)
+    notes: list[bytes] = []
+    thread = TransferThread("decode", 0, describe(caches, NUM_BLOCKS), on_notification=notes.append)
+    thread.start()
+    thread.expect(1)
+    conn.send_bytes(msgspec.msgpack.encode(thread.agent_info()))
+    deadline = time.monotonic() + 20
+    while not notes and time.monotonic() < deadline:
+        time.sleep(0.005)
+    conn.send([n.decode() for n in notes])
+    conn.send({name: t.clone().numpy().tolist() for name, t in caches.items()})
+    thread.stop()
+
+
+def test_write_lands_in_the_registered_blocks_of_another_process():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(child,))
+    proc.start()
+    try:
+        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+        caches = _kv_caches(0.0)
+        for name, tensor in caches.items():
+            for block in range(NUM_BLOCKS):
+                tensor[block] = 1000 * int(name.split(".")[2]) + block
+        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
+        writer.start()
+        results = []
+        src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
+        writer.submit(
+            WriteJob("t-1", remote, src, dst, notification("t-1", 0, 1), results.append)
+        )
+        notes = parent.recv()
+        landed = parent.recv()
+        writer.stop()
+    finally:
+        proc.join(timeout=30)
+    assert [parse_notification(n.encode()) for n in notes] == [("t-1", 0, 1)]
+    assert len(results) == 1 and results[0].ok, results
+    # 2 layers x 2 runs ([0,1,2]->[5,6,7] and [7]->[12])
+    assert results[0].descriptors == 4
+    block_bytes = 2 * 4 * 8 * 4
+    assert results[0].bytes == 2 * 4 * block_bytes
+    for layer in range(2):
+        got = torch.tensor(landed[f"model.layers.{layer}.attn"])
+        for s, d in zip(src, dst):
+            assert torch.all(got[d] == 1000 * layer + s)
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+        assert torch.all(got[untouched] == 0)
