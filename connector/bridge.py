@@ -103,6 +103,21 @@ class NatsBridge:
         except concurrent.futures.TimeoutError as exc:
             raise TimeoutError(f"no reply on {subject} within {timeout} s") from exc
 
+    def request_async(
+        self, subject: str, data: bytes, timeout: float, on_reply: Callable[[bytes | None, str | None], None]
+    ) -> None:
+        """Non-blocking request from any thread; ``on_reply(data, error)`` runs on the bridge thread."""
+
+        async def ask() -> None:
+            try:
+                msg = await self._nc.request(subject, data, timeout=timeout)
+            except Exception as exc:
+                on_reply(None, f"{type(exc).__name__} on {subject}: {exc}")
+                return
+            on_reply(msg.data, None)
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(ask()))
+
     def close(self) -> None:
         if self._closed:
             return

@@ -1,0 +1,31 @@
+"""What the scheduler-side connector hands the worker side each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyPrefill:
+    """Prefill of this request completes in this step; push its blocks afterwards."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedKv:
+    """Decode registered blocks for this request; a producer will WRITE into them."""
+
+    request_id: str
+    transfer_id: str
+    num_producer_ranks: int
+
+
+@dataclass
+class KvpushMetadata(KVConnectorMetadata):
+    ready_prefills: list[ReadyPrefill] = field(default_factory=list)
+    expected: list[ExpectedKv] = field(default_factory=list)

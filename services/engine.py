@@ -1,0 +1,56 @@
+"""Build a vLLM AsyncLLM for a prefill or decode worker, with kvpush's connector."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Set before vLLM is imported anywhere in this process.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("UCX_TCP_NODELAY", "y")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    role: str | None  # "prefill", "decode", or None for a plain single instance
+    engine_id: str
+    nats_url: str | None
+    max_model_len: int = 2048
+    block_size: int | None = None
+    max_num_seqs: int = 16
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+
+
+def engine_args(settings: EngineSettings):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kv_transfer_config = None
+    if settings.role is not None:
+        kv_transfer_config = {
+            "kv_connector": "KvpushConnector",
+            "kv_connector_module_path": "connector.kvpush_connector",
+            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
+            "engine_id": settings.engine_id,
+            "kv_connector_extra_config": {"nats_url": settings.nats_url},
+        }
+    return AsyncEngineArgs(
+        model=settings.model,
+        tokenizer=settings.model,
+        dtype=settings.dtype,
+        enforce_eager=True,
+        max_model_len=settings.max_model_len,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        enable_prefix_caching=False,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        kv_transfer_config=kv_transfer_config,
+        disable_hybrid_kv_cache_manager=True,
+        disable_log_stats=False,
+    )
