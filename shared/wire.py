@@ -3,11 +3,12 @@
 Public (JSON, for clients):
 
     kvpush.generate                 GenerateRequest  client -> scheduler (queue group)
-    <client reply subject>          TokenChunk* then FinalReply    decode worker -> client
-                                    (or FinalReply with an error from the scheduler)
+    <client reply subject>          TokenChunk* then FinalReply   decode worker -> client
+                                    (or ErrorReply, from whichever service failed)
 
 Internal (msgpack):
 
+    kvpush.scheduler.status         SchedulerStatus (JSON reply to any request)
     kvpush.worker.heartbeat         WorkerHeartbeat   worker -> scheduler, every second
     kvpush.prefill.<worker_id>      PrefillJob        scheduler -> prefill worker (request, ack)
     kvpush.decode.<worker_id>       DecodeJob         scheduler -> decode worker (request, ack)
@@ -36,6 +37,7 @@ HEARTBEAT_SUBJECT = "kvpush.worker.heartbeat"
 HANDOFF_SUBJECT = "kvpush.handoff"
 COMPLETION_SUBJECT = "kvpush.kv.completion"
 AGENTS_SUBJECT = "kvpush.kv.agents"
+SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
 
 TransferMode = Literal["push"]
 Role = Literal["prefill", "decode"]
@@ -91,16 +93,20 @@ class Timings(msgspec.Struct):
     ttft_ms: float
     tpot_ms: float
     e2e_ms: float
-    kv_wait_ms: float
 
 
-class FinalReply(msgspec.Struct, omit_defaults=True):
+class FinalReply(msgspec.Struct):
     request_id: str
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
     finished: bool = True
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-    error: ErrorBody | None = None
+
+
+class ErrorReply(msgspec.Struct):
+    request_id: str
+    error: ErrorBody
+    finished: bool = True
 
 
 # --------------------------------------------------------------------------- internal msgpack
@@ -249,3 +255,11 @@ def encode_json(message: msgspec.Struct) -> bytes:
 
 def decode_generate_request(data: bytes) -> GenerateRequest:
     return _generate_decoder.decode(data)
+
+
+class SchedulerStatus(msgspec.Struct):
+    """JSON reply on ``kvpush.scheduler.status``: the workers the scheduler would route to."""
+
+    scheduler_id: str
+    prefill_workers: list[str]
+    decode_workers: list[str]

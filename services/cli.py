@@ -1,0 +1,243 @@
+"""The ``kvpush`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_NATS_URL = os.environ.get("KVPUSH_NATS_URL", "nats://127.0.0.1:4222")
+
+DEMO_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Config:",
+    "for line in open(path):",
+]
+
+
+def _say(message: str) -> None:
+    print(f"[kvpush] {message}", file=sys.stderr, flush=True)
+
+
+def _model_path(args) -> str:
+    if args.model:
+        return args.model
+    from services.model_build import build_model, default_model_dir
+
+    folder = default_model_dir("small")
+    _say(f"using the built-in small model in {folder} (building it if needed)")
+    return str(build_model(folder))
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+# ------------------------------------------------------------------ commands
+
+def cmd_model_build(args) -> int:
+    from services.model_build import build_model, default_model_dir
+
+    out = Path(args.out) if args.out else default_model_dir(args.profile)
+    started = time.monotonic()
+    path = build_model(out, profile=args.profile, seed=args.seed, force=args.force)
+    _say(f"model '{args.profile}' ready in {path} ({time.monotonic() - started:.1f} s)")
+    print(path)
+    return 0
+
+
+def cmd_scheduler(args) -> int:
+    from services import logs
+    from services.scheduler import Scheduler
+
+    logs.configure(args.log_level)
+
+    async def serve() -> None:
+        async with Scheduler(args.nats_url, _model_path(args), args.max_model_len):
+            await _until_signalled()
+
+    asyncio.run(serve())
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from services import logs
+    from services.worker import Worker
+
+    logs.configure(args.log_level)
+
+    async def serve() -> None:
+        async with Worker(args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len):
+            await _until_signalled()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _start_stack(args):
+    from services.stack import Stack
+
+    stack = Stack(
+        _model_path(args),
+        nats_url=args.nats_url,
+        prefill=args.prefill,
+        decode=args.decode,
+        max_model_len=args.max_model_len,
+    )
+    _say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
+         "(vLLM engines take 30-60 s each on a CPU)")
+    stack.start()
+    return stack
+
+
+def cmd_up(args) -> int:
+    stack = _start_stack(args)
+
+    async def run() -> None:
+        await stack.wait_ready(timeout=args.ready_timeout, progress=_say)
+        print(f"ready {stack.nats_url}", flush=True)
+        _say(f"try: kvpush generate --nats-url {stack.nats_url} 'def main():'   (Ctrl-C stops everything)")
+        await _until_signalled()
+
+    try:
+        asyncio.run(run())
+    finally:
+        _say("stopping")
+        stack.stop()
+    return 0
+
+
+async def _stream(nats_url: str, body: dict, out=sys.stdout) -> dict:
+    import nats
+
+    from services.client import generate
+
+    nc = await nats.connect(nats_url)
+    try:
+        final: dict = {}
+        async for reply in generate(nc, body):
+            if reply.get("finished"):
+                final = reply
+            else:
+                out.write(reply["text"])
+                out.flush()
+        out.write("\n")
+        return final
+    finally:
+        await nc.close()
+
+
+def _describe_final(final: dict) -> str:
+    if "error" in final:
+        return f"error {final['error']['code']}: {final['error']['message']}"
+    t = final.get("timings", {})
+    return (f"finish_reason={final.get('finish_reason')} tokens={final.get('usage', {}).get('completion_tokens')} "
+            f"ttft={t.get('ttft_ms', 0):.0f} ms tpot={t.get('tpot_ms', 0):.1f} ms")
+
+
+def cmd_generate(args) -> int:
+    body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    if args.token_ids:
+        body["prompt_token_ids"] = [int(t) for t in args.prompt.replace(",", " ").split()]
+    else:
+        body["prompt"] = args.prompt
+    final = asyncio.run(_stream(args.nats_url, body))
+    _say(_describe_final(final))
+    return 1 if "error" in final else 0
+
+
+def cmd_demo(args) -> int:
+    stack = _start_stack(args)
+
+    async def run() -> int:
+        await stack.wait_ready(timeout=args.ready_timeout, progress=_say)
+        _say(f"ready {stack.nats_url}")
+        failures = 0
+        for prompt in DEMO_PROMPTS:
+            print(f"\n>>> {prompt!r}", flush=True)
+            final = await _stream(stack.nats_url, {"prompt": prompt, "max_tokens": args.max_tokens})
+            _say(_describe_final(final))
+            failures += "error" in final
+        return failures
+
+    try:
+        failures = asyncio.run(run())
+    finally:
+        _say("stopping")
+        stack.stop()
+    return 1 if failures else 0
+
+
+# ------------------------------------------------------------------ parser
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpush", description="Disaggregated LLM serving with pushed KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage the built-in model").add_subparsers(dest="model_command", required=True)
+    build = model.add_parser("build", help="build the small offline model (deterministic)")
+    build.add_argument("--profile", default="small", choices=["small", "kv-heavy"])
+    build.add_argument("--out", help="folder (default: ~/.cache/kvpush/models/<profile>)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--force", action="store_true")
+    build.set_defaults(func=cmd_model_build)
+
+    def engine_options(p, nats_default):
+        p.add_argument("--nats-url", default=nats_default)
+        p.add_argument("--model", help="a local Hugging Face model folder (default: the built-in small model)")
+        p.add_argument("--max-model-len", type=int, default=2048)
+
+    def stack_options(p):
+        engine_options(p, None)
+        p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+        p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+        p.add_argument("--ready-timeout", type=float, default=600.0)
+
+    up = sub.add_parser("up", help="start NATS (unless --nats-url), a scheduler and workers; Ctrl-C stops")
+    stack_options(up)
+    up.set_defaults(func=cmd_up)
+
+    demo = sub.add_parser("demo", help="start the stack, stream a few requests through NATS, stop")
+    stack_options(demo)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
+
+    scheduler = sub.add_parser("scheduler", help="run one scheduler")
+    engine_options(scheduler, DEFAULT_NATS_URL)
+    scheduler.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
+    scheduler.set_defaults(func=cmd_scheduler)
+
+    worker = sub.add_parser("worker", help="run one prefill or decode worker")
+    engine_options(worker, DEFAULT_NATS_URL)
+    worker.add_argument("--role", required=True, choices=["prefill", "decode"])
+    worker.add_argument("--worker-id", help="default: <role>-<random>; a restart gets a new identity")
+    worker.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
+    worker.set_defaults(func=cmd_worker)
+
+    generate = sub.add_parser("generate", help="send one request to kvpush.generate and stream the reply")
+    generate.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
+    generate.add_argument("--nats-url", default=DEFAULT_NATS_URL)
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
+    generate.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

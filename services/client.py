@@ -1,0 +1,45 @@
+"""Client side of ``kvpush.generate``: publish with a reply inbox, read the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+from shared import wire
+
+
+async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncIterator[dict]:
+    """Yield each reply (token chunks, then the final message) for one request.
+
+    Raises TimeoutError when no message arrives for ``timeout`` seconds.
+    """
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(wire.GENERATE_SUBJECT, data, reply=inbox)
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            reply = json.loads(msg.data)
+            yield reply
+            if reply.get("finished"):
+                return
+    except asyncio.TimeoutError as exc:  # nats raises its own subclass
+        raise TimeoutError(f"no reply within {timeout} s") from exc
+    finally:
+        await sub.unsubscribe()
+
+
+async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[list[int], str, dict]:
+    """(all token ids, all text, final message) for one request."""
+    token_ids: list[int] = []
+    text = []
+    final: dict = {}
+    async for reply in generate(nc, body, timeout):
+        if reply.get("finished"):
+            final = reply
+        else:
+            token_ids.extend(reply["token_ids"])
+            text.append(reply["text"])
+    return token_ids, "".join(text), final

@@ -1,0 +1,64 @@
+"""The live worker set, from heartbeats, and the choice of workers for a request.
+
+Pure: no NATS. Time is passed in, so tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared import wire
+from shared.errors import NoWorkers
+
+
+@dataclass
+class _Entry:
+    beat: wire.WorkerHeartbeat
+    seen_at: float
+    dispatched: int = 0  # jobs sent since this heartbeat, not yet reflected in it
+
+
+class WorkerPool:
+    def __init__(self, stale_after_s: float = 5.0):
+        self.stale_after_s = stale_after_s
+        self._workers: dict[str, _Entry] = {}
+
+    def observe(self, beat: wire.WorkerHeartbeat, now: float) -> None:
+        self._workers[beat.worker_id] = _Entry(beat, now)
+
+    def live(self, role: str, now: float) -> list[wire.WorkerHeartbeat]:
+        return [e.beat for e in self._live_entries(role, now)]
+
+    def _live_entries(self, role: str, now: float) -> list[_Entry]:
+        return [
+            e
+            for e in self._workers.values()
+            if e.beat.role == role and now - e.seen_at <= self.stale_after_s
+        ]
+
+    def pick(self, num_prompt_tokens: int, now: float) -> tuple[str, str]:
+        """(prefill worker id, decode worker id) for a new request."""
+        prefills = self._live_entries("prefill", now)
+        decodes = self._live_entries("decode", now)
+        if not prefills or not decodes:
+            raise NoWorkers(
+                f"no live workers to serve the request: {len(prefills)} prefill, {len(decodes)} decode"
+            )
+        prefill = min(prefills, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, e.beat.worker_id))
+
+        def free_after(e: _Entry) -> int:
+            blocks_needed = -(-num_prompt_tokens // max(e.beat.block_size, 1))
+            return e.beat.free_kv_blocks - blocks_needed * (e.dispatched + 1)
+
+        # Among decode workers with room for the prompt, the least busy; else the emptiest.
+        with_room = [e for e in decodes if free_after(e) >= 0]
+        if with_room:
+            decode = min(with_room, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, -free_after(e), e.beat.worker_id))
+        else:
+            decode = max(decodes, key=lambda e: (free_after(e), e.beat.worker_id))
+        prefill.dispatched += 1
+        decode.dispatched += 1
+        return prefill.beat.worker_id, decode.beat.worker_id
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)

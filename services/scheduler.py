@@ -1,0 +1,180 @@
+"""The scheduler: takes ``kvpush.generate`` requests (as a queue group, so several
+schedulers can share the load), validates them, and dispatches prefill and decode at
+the same time, each attempt with a fresh transfer id."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import nats
+import structlog
+from tokenizers import Tokenizer
+
+from services.routing import WorkerPool
+from services.validation import RequestValidator, request_id_of
+from shared import wire
+from shared.errors import DispatchFailed, KvpushError, PayloadTooLarge, RequestError, to_error_body
+
+log = structlog.get_logger("kvpush.scheduler")
+
+DISPATCH_TIMEOUT_S = 5.0
+
+
+def load_validator(model: str, max_model_len: int) -> RequestValidator:
+    folder = Path(model)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    max_len = min(max_model_len, int(config.get("max_position_embeddings", max_model_len)))
+    return RequestValidator(
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids, vocab_size, max_len
+    )
+
+
+class Scheduler:
+    def __init__(self, nats_url: str, model: str, max_model_len: int = 2048, scheduler_id: str | None = None):
+        self.nats_url = nats_url
+        self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:10]}"
+        self.validator = load_validator(model, max_model_len)
+        self.pool = WorkerPool()
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self.nc = None
+
+    async def __aenter__(self) -> "Scheduler":
+        self.nc = await nats.connect(self.nats_url, name=self.scheduler_id, max_reconnect_attempts=-1)
+        await self.nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_heartbeat)
+        await self.nc.subscribe(wire.SCHEDULER_STATUS_SUBJECT, cb=self._on_status)
+        await self.nc.subscribe(wire.HANDOFF_SUBJECT, cb=self._on_handoff)
+        await self.nc.subscribe(wire.COMPLETION_SUBJECT, cb=self._on_completion)
+        await self.nc.subscribe(wire.GENERATE_SUBJECT, queue=wire.SCHEDULER_QUEUE_GROUP, cb=self._on_generate)
+        await self.nc.flush()
+        log.info("scheduler ready", scheduler_id=self.scheduler_id)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.nc is not None:
+            await self.nc.drain()  # stop taking requests, finish the callbacks under way
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        log.info("scheduler stopped", scheduler_id=self.scheduler_id)
+
+    # ---------------------------------------------------------------- events
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            beat = wire.decode(msg.data, wire.WorkerHeartbeat)
+        except msgspec.MsgspecError as exc:
+            log.warning("ignored a malformed heartbeat", error=str(exc))
+            return
+        self.pool.observe(beat, time.monotonic())
+
+    async def _on_status(self, msg) -> None:
+        now = time.monotonic()
+        status = wire.SchedulerStatus(
+            scheduler_id=self.scheduler_id,
+            prefill_workers=[b.worker_id for b in self.pool.live("prefill", now)],
+            decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
+        )
+        if msg.reply:
+            await self.nc.publish(msg.reply, wire.encode_json(status))
+
+    async def _on_handoff(self, msg) -> None:
+        try:
+            handoff = wire.decode(msg.data, wire.Handoff)
+        except msgspec.MsgspecError as exc:
+            log.warning("ignored a malformed handoff", error=str(exc))
+            return
+        log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
+                  prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
+
+    async def _on_completion(self, msg) -> None:
+        try:
+            event = wire.decode(msg.data, wire.Completion)
+        except msgspec.MsgspecError as exc:
+            log.warning("ignored a malformed completion event", error=str(exc))
+            return
+        match event:
+            case wire.TransferDone():
+                log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
+                          bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
+            case wire.TransferFailed():
+                log.warning("kv push failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
+
+    async def _on_generate(self, msg) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(msg, time.time()))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg, received_at: float) -> None:
+        if not msg.reply:
+            log.warning("dropped a request without a reply subject")
+            return
+        try:
+            request = self.validator.validate(msg.data)
+        except RequestError as exc:
+            await self._reply_error(msg.reply, request_id_of(msg.data), exc)
+            return
+        try:
+            await self._dispatch(request, msg.reply, received_at)
+        except KvpushError as exc:
+            await self._reply_error(msg.reply, request.request_id, exc)
+        except Exception as exc:
+            log.exception("dispatch failed", request_id=request.request_id)
+            await self._reply_error(msg.reply, request.request_id, exc)
+
+    async def _dispatch(self, request, reply_to: str, received_at: float) -> None:
+        prefill_id, decode_id = self.pool.pick(len(request.prompt_token_ids), time.monotonic())
+        transfer_id = uuid.uuid4().hex
+        prefill_job = wire.PrefillJob(
+            request_id=request.request_id,
+            transfer_id=transfer_id,
+            prompt_token_ids=request.prompt_token_ids,
+            decode_engine_id=decode_id,
+            received_at=received_at,
+        )
+        decode_job = wire.DecodeJob(
+            request_id=request.request_id,
+            transfer_id=transfer_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            prefill_engine_id=prefill_id,
+            reply_to=reply_to,
+            received_at=received_at,
+        )
+        prefill_body, decode_body = wire.encode(prefill_job), wire.encode(decode_job)
+        limit = self.nc.max_payload
+        if max(len(prefill_body), len(decode_body)) > limit:
+            raise PayloadTooLarge(
+                f"the prompt makes a {max(len(prefill_body), len(decode_body))}-byte job, over the "
+                f"NATS server's max_payload of {limit} bytes; raise max_payload or send a shorter prompt"
+            )
+        # Both at once: decode registers its blocks while prefill computes.
+        acks = await asyncio.gather(
+            self.nc.request(wire.prefill_job_subject(prefill_id), prefill_body, timeout=DISPATCH_TIMEOUT_S),
+            self.nc.request(wire.decode_job_subject(decode_id), decode_body, timeout=DISPATCH_TIMEOUT_S),
+            return_exceptions=True,
+        )
+        for worker_id, ack in zip((prefill_id, decode_id), acks):
+            if isinstance(ack, BaseException):
+                raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(ack).__name__}")
+            decoded = wire.decode(ack.data, wire.JobAck)
+            if not decoded.accepted:
+                raise DispatchFailed(f"worker {worker_id} refused the job: {decoded.error.message}")
+        log.info("dispatched", request_id=request.request_id, transfer_id=transfer_id,
+                 prefill=prefill_id, decode=decode_id, prompt_tokens=len(request.prompt_token_ids))
+
+    async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
+        body = to_error_body(exc)
+        log.info("request rejected", request_id=request_id, code=body.code, message=body.message)
+        await self.nc.publish(reply_to, wire.encode_json(wire.ErrorReply(request_id, body)))

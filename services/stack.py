@@ -1,0 +1,145 @@
+"""``kvpush up``: NATS (when no URL is given), a scheduler and the workers, as child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+from services.natsd import LocalNatsServer, free_port
+from shared import wire
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if ``kvpush up`` itself dies, so no engine is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Stack:
+    def __init__(
+        self,
+        model: str,
+        nats_url: str | None = None,
+        prefill: int = 1,
+        decode: int = 1,
+        max_model_len: int = 2048,
+        log_dir: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ):
+        self.model = model
+        self.nats_url = nats_url
+        self.num_prefill = prefill
+        self.num_decode = decode
+        self.max_model_len = max_model_len
+        self.log_dir = log_dir
+        self.extra_env = extra_env or {}
+        self.nats_server: LocalNatsServer | None = None
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self) -> "Stack":
+        if self.nats_url is None:
+            port = 4222 if _port_free(4222) else free_port()
+            self.nats_server = LocalNatsServer(port=port).start()
+            self.nats_url = self.nats_server.url
+        common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
+        self._spawn("scheduler", ["scheduler", *common])
+        for i in range(self.num_prefill):
+            self._spawn(f"prefill-{i}", ["worker", "--role", "prefill", *common])
+        for i in range(self.num_decode):
+            self._spawn(f"decode-{i}", ["worker", "--role", "decode", *common])
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = {**os.environ, **self.extra_env}
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent,
+        )
+        self.children.append((name, process))
+
+    async def wait_ready(self, timeout: float = 300.0, progress=None) -> None:
+        """Return once the scheduler routes to every worker; raise if a child died."""
+        nc = await nats.connect(self.nats_url)
+        try:
+            deadline = time.monotonic() + timeout
+            last = None
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    msg = await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=1.0)
+                    status = json.loads(msg.data)
+                    counts = (len(status["prefill_workers"]), len(status["decode_workers"]))
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    counts = None
+                if counts != last and progress is not None:
+                    progress(
+                        "waiting for the scheduler"
+                        if counts is None
+                        else f"workers ready: prefill {counts[0]}/{self.num_prefill}, decode {counts[1]}/{self.num_decode}"
+                    )
+                last = counts
+                if counts is not None and counts[0] >= self.num_prefill and counts[1] >= self.num_decode:
+                    return
+                await asyncio.sleep(0.5)
+            raise TimeoutError(f"the stack was not ready within {timeout} s")
+        finally:
+            await nc.close()
+
+    def check_alive(self) -> None:
+        for name, process in self.children:
+            code = process.poll()
+            if code is not None:
+                raise RuntimeError(f"{name} exited with code {code} before the stack was ready")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for _, process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, process in self.children:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.children.clear()
+        if self.nats_server is not None:
+            self.nats_server.stop()
+            self.nats_server = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

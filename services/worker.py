@@ -1,0 +1,255 @@
+"""A prefill or decode worker: one vLLM engine with kvpush's connector, served over NATS.
+
+Prefill: takes PrefillJob on ``kvpush.prefill.<id>``, runs the prompt with
+max_tokens=1, and announces the handoff; the connector pushes the KV by itself.
+Decode: takes DecodeJob on ``kvpush.decode.<id>``, starts generating at once (the
+connector registers the blocks with prefill and holds the request until the KV has
+arrived), and streams tokens straight to the client's reply subject.
+Both heartbeat their load and free KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import uuid
+
+import msgspec
+import nats
+import structlog
+
+from services.engine import EngineSettings, engine_args
+from shared import wire
+from shared.errors import EngineFailed, to_error_body
+
+log = structlog.get_logger("kvpush.worker")
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{uuid.uuid4().hex[:10]}"
+
+
+class _EngineLoad:
+    """Latest scheduler stats of the engine, fed by vLLM's stat logger hook."""
+
+    def __init__(self) -> None:
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+
+    def factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        load = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    load.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    load.running = scheduler_stats.num_running_reqs
+                    load.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+
+            def log_engine_initialized(self):
+                pass
+
+        return Recorder
+
+
+class Worker:
+    def __init__(
+        self,
+        role: str,
+        nats_url: str,
+        model: str,
+        worker_id: str | None = None,
+        max_model_len: int = 2048,
+    ):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, not {role!r}")
+        self.role = role
+        self.nats_url = nats_url
+        self.worker_id = worker_id or new_worker_id(role)
+        self.settings = EngineSettings(
+            model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
+            max_model_len=max_model_len,
+        )
+        self._load = _EngineLoad()
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self.engine = None
+        self.nc = None
+
+    async def __aenter__(self) -> "Worker":
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.nc = await nats.connect(self.nats_url, name=self.worker_id, max_reconnect_attempts=-1)
+        log.info("starting engine", worker_id=self.worker_id, role=self.role, model=self.settings.model)
+        started = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(
+            engine_args(self.settings), stat_loggers=[self._load.factory()]
+        )
+        config = self.engine.vllm_config
+        self.total_blocks = config.cache_config.num_gpu_blocks or 0
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.model_config.max_model_len
+        log.info("engine ready", worker_id=self.worker_id, seconds=round(time.monotonic() - started, 1),
+                 kv_blocks=self.total_blocks, block_size=self.block_size)
+        subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
+        await self.nc.subscribe(subject, cb=self._on_job)
+        self._spawn(self._heartbeat_loop())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.nc is not None:
+            await self.nc.drain()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+            del engine
+            gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit where it fails
+        log.info("worker stopped", worker_id=self.worker_id)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            beat = wire.WorkerHeartbeat(
+                worker_id=self.worker_id,
+                role=self.role,
+                free_kv_blocks=int(round(self.total_blocks * (1.0 - self._load.kv_cache_usage))),
+                total_kv_blocks=self.total_blocks,
+                running=self._load.running,
+                waiting=self._load.waiting,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+            )
+            try:
+                await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(beat))
+            except Exception as exc:
+                log.warning("heartbeat failed", error=str(exc))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _on_job(self, msg) -> None:
+        kind = wire.PrefillJob if self.role == "prefill" else wire.DecodeJob
+        try:
+            job = wire.decode(msg.data, kind)
+        except msgspec.MsgspecError as exc:
+            log.warning("rejected a malformed job", error=str(exc))
+            if msg.reply:
+                ack = wire.JobAck(accepted=False, error=wire.ErrorBody("bad_job", f"malformed job: {exc}"))
+                await self.nc.publish(msg.reply, wire.encode(ack))
+            return
+        if msg.reply:
+            await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
+        self._spawn(self._run_prefill(job) if self.role == "prefill" else self._run_decode(job))
+
+    # ---------------------------------------------------------------- prefill
+
+    async def _run_prefill(self, job: wire.PrefillJob) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            extra_args={"kv_transfer_params": {"do_remote_decode": True, "transfer_id": job.transfer_id}},
+        )
+        started = time.time()
+        first_token = None
+        error = None
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-p-{job.transfer_id[:8]}"
+            ):
+                if output.outputs and output.outputs[0].token_ids:
+                    first_token = output.outputs[0].token_ids[0]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("prefill failed", request_id=job.request_id)
+            error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
+        handoff = wire.Handoff(
+            request_id=job.request_id,
+            transfer_id=job.transfer_id,
+            prefill_engine_id=self.worker_id,
+            first_token_id=first_token,
+            prefill_started_at=started,
+            prefill_finished_at=time.time(),
+            error=error,
+        )
+        await self.nc.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+
+    # ---------------------------------------------------------------- decode
+
+    async def _run_decode(self, job: wire.DecodeJob) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=job.sampling.max_tokens,
+            temperature=job.sampling.temperature,
+            ignore_eos=job.sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "transfer_id": job.transfer_id,
+                    "request_id": job.request_id,
+                    "prefill_engine_id": job.prefill_engine_id,
+                    "prefill_tp_size": 1,
+                }
+            },
+        )
+        first_at = None
+        completion_tokens = 0
+        finish_reason = None
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-d-{job.transfer_id[:8]}"
+            ):
+                completion = output.outputs[0]
+                if completion.token_ids:
+                    if first_at is None:
+                        first_at = time.time()
+                    completion_tokens += len(completion.token_ids)
+                    chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
+                    await self.nc.publish(job.reply_to, wire.encode_json(chunk))
+                if completion.finish_reason is not None:
+                    finish_reason = completion.finish_reason
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("decode failed", request_id=job.request_id)
+            final = wire.ErrorReply(job.request_id, to_error_body(EngineFailed(f"decode failed: {exc}")))
+            await self.nc.publish(job.reply_to, wire.encode_json(final))
+            return
+        done = time.time()
+        first_at = first_at or done
+        final = wire.FinalReply(
+            request_id=job.request_id,
+            finish_reason=finish_reason,
+            usage=wire.Usage(len(job.prompt_token_ids), completion_tokens),
+            timings=wire.Timings(
+                ttft_ms=(first_at - job.received_at) * 1000,
+                tpot_ms=((done - first_at) / (completion_tokens - 1) * 1000) if completion_tokens > 1 else 0.0,
+                e2e_ms=(done - job.received_at) * 1000,
+            ),
+        )
+        await self.nc.publish(job.reply_to, wire.encode_json(final))
