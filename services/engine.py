@@ -28,19 +28,10 @@ class EngineSettings:
     tensor_parallel_size: int = 1
 
 
-def engine_args(settings: EngineSettings):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    kv_transfer_config = None
-    if settings.role is not None:
-        kv_transfer_config = {
-            "kv_connector": "KvpushConnector",
-            "kv_connector_module_path": "connector.kvpush_connector",
-            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
-            "engine_id": settings.engine_id,
-            "kv_connector_extra_config": {"nats_url": settings.nats_url},
-        }
-    return AsyncEngineArgs(
+def engine_kwargs(settings: EngineSettings) -> dict:
+    """Keyword arguments for vLLM's AsyncEngineArgs or LLM; the same for every role, so
+    a plain single instance computes exactly what the disaggregated pair computes."""
+    kwargs = dict(
         model=settings.model,
         tokenizer=settings.model,
         dtype=settings.dtype,
@@ -50,7 +41,20 @@ def engine_args(settings: EngineSettings):
         max_num_seqs=settings.max_num_seqs,
         enable_prefix_caching=False,
         tensor_parallel_size=settings.tensor_parallel_size,
-        kv_transfer_config=kv_transfer_config,
-        disable_hybrid_kv_cache_manager=True,
-        disable_log_stats=False,
     )
+    if settings.role is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvpushConnector",
+            "kv_connector_module_path": "connector.kvpush_connector",
+            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
+            "engine_id": settings.engine_id,
+            "kv_connector_extra_config": {"nats_url": settings.nats_url},
+        }
+        kwargs["disable_hybrid_kv_cache_manager"] = True
+    return kwargs
+
+
+def engine_args(settings: EngineSettings):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs(settings), disable_log_stats=False)

@@ -47,14 +47,14 @@ class RequestValidator:
             raise EmptyPrompt("the request has no prompt: give 'prompt' or 'prompt_token_ids'")
         if body.prompt is not None:
             if not body.prompt:
-                raise EmptyPrompt("'prompt' is empty")
+                raise EmptyPrompt("the prompt is an empty string")
             token_ids = self.tokenize(body.prompt)
             if not token_ids:
-                raise EmptyPrompt("'prompt' has no tokens")
+                raise EmptyPrompt("the prompt has no tokens")
         else:
             token_ids = body.prompt_token_ids
             if not token_ids:
-                raise EmptyPrompt("'prompt_token_ids' is empty")
+                raise EmptyPrompt("the prompt_token_ids list is empty")
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidField(

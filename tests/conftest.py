@@ -1,0 +1,74 @@
+"""Session fixtures: a real nats-server, the built model, one kvpush stack (scheduler,
+prefill and decode workers on real vLLM engines) and one plain vLLM reference run,
+each started once for the whole session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import pytest
+
+from services.model_build import build_model, default_model_dir
+from services.natsd import LocalNatsServer
+from services.stack import Stack
+from tests import prompts
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return str(build_model(default_model_dir("small")))
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    with LocalNatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def stack_logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stack-logs")
+
+
+@pytest.fixture(scope="session")
+async def stack(model_dir, nats_server, stack_logs):
+    stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
+                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs)
+    stack.start()
+    try:
+        await stack.wait_ready(timeout=400)
+        yield stack
+    except BaseException:
+        for log in sorted(stack_logs.glob("*.log")):
+            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-4000:]}\n")
+        raise
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir, tmp_path_factory) -> list[list[int]]:
+    """Token ids a single plain vLLM instance generates for prompts.reference_requests()."""
+    folder = tmp_path_factory.mktemp("reference")
+    requests, out = folder / "requests.json", folder / "out.json"
+    requests.write_text(json.dumps(prompts.reference_requests()))
+    subprocess.run(
+        [sys.executable, "-m", "services.reference", "--model", model_dir, "--requests", str(requests),
+         "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
+        check=True, timeout=400, stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    yield conn
+    await conn.close()

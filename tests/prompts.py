@@ -1,0 +1,44 @@
+"""Prompts the end-to-end tests send, shared so the reference engine runs once."""
+
+from __future__ import annotations
+
+import random
+
+BLOCK_SIZE = 128  # vLLM's CPU default
+MAX_MODEL_LEN = 2048
+VOCAB = 4096
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(length)]
+
+
+# (name, prompt token ids, max_tokens): lengths around block boundaries and the context.
+CORRECTNESS = [
+    ("shorter-than-a-block", token_prompt(5, 1), 24),
+    ("one-token-short-of-a-block", token_prompt(BLOCK_SIZE - 1, 2), 24),
+    ("exactly-one-block", token_prompt(BLOCK_SIZE, 3), 24),
+    ("one-block-and-one-token", token_prompt(BLOCK_SIZE + 1, 4), 24),
+    ("many-blocks-not-a-multiple", token_prompt(1000, 5), 24),
+    ("exactly-eight-blocks", token_prompt(8 * BLOCK_SIZE, 6), 24),
+    ("long", token_prompt(1700, 7), 24),
+    ("near-the-context", token_prompt(MAX_MODEL_LEN - 8, 8), 8),
+    ("single-token", token_prompt(1, 9), 24),
+]
+
+# The KV of PUSHED is written into decode's blocks for TARGET: same length, same last
+# token (decode recomputes the last prompt position itself), different everything else.
+CROSS_LENGTH = 300
+CROSS_TARGET = token_prompt(CROSS_LENGTH, 100)
+CROSS_PUSHED = token_prompt(CROSS_LENGTH - 1, 101) + [CROSS_TARGET[-1]]
+
+ORDER_PROMPT = token_prompt(400, 200)
+CROSS_MAX_TOKENS = 24
+
+
+def reference_requests() -> list[dict]:
+    requests = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in CORRECTNESS]
+    for prompt in (CROSS_TARGET, CROSS_PUSHED, ORDER_PROMPT):
+        requests.append({"prompt_token_ids": prompt, "max_tokens": CROSS_MAX_TOKENS, "ignore_eos": True})
+    return requests
