@@ -40,6 +40,8 @@ async def _until_signalled() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
 
 
 # ------------------------------------------------------------------ commands
@@ -83,15 +85,17 @@ def cmd_worker(args) -> int:
     return 0
 
 
-def _start_stack(args):
+def _start_stack(args, quiet: bool = False):
     from services.stack import Stack
 
+    env = {"KVPUSH_LOG_LEVEL": os.environ.get("KVPUSH_LOG_LEVEL", "WARNING")} if quiet else {}
     stack = Stack(
         _model_path(args),
         nats_url=args.nats_url,
         prefill=args.prefill,
         decode=args.decode,
         max_model_len=args.max_model_len,
+        extra_env=env,
     )
     _say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
          "(vLLM engines take 30-60 s each on a CPU)")
@@ -156,7 +160,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    stack = _start_stack(args)
+    stack = _start_stack(args, quiet=True)
 
     async def run() -> int:
         await stack.wait_ready(timeout=args.ready_timeout, progress=_say)
