@@ -226,4 +226,10 @@ class ConnectorWorker:
             for transfer_id in self._counter.take_done(list(self._awaiting_kv)):
                 receiving.add(self._awaiting_kv.pop(transfer_id))
                 self.transfer.expect(-1)
+            # Requests that ended while waiting (aborted): stop waiting for their KV.
+            for transfer_id, request_id in list(self._awaiting_kv.items()):
+                if request_id in finished_req_ids:
+                    del self._awaiting_kv[transfer_id]
+                    self._counter.forget(transfer_id)
+                    self.transfer.expect(-1)
         return sending or None, receiving or None

@@ -16,6 +16,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from services.routing import WorkerPool
+from services.tasks import BackgroundTasks
 from services.validation import RequestValidator, request_id_of
 from shared import wire
 from shared.errors import DispatchFailed, KvpushError, PayloadTooLarge, RequestError, to_error_body
@@ -42,7 +43,7 @@ class Scheduler:
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:10]}"
         self.validator = load_validator(model, max_model_len)
         self.pool = WorkerPool()
-        self._tasks: set[asyncio.Task] = set()
+        self._requests = BackgroundTasks()
         self._closed = False
         self.nc = None
 
@@ -66,7 +67,7 @@ class Scheduler:
         self._closed = True
         if self.nc is not None:
             await self.nc.drain()  # stop taking requests, finish the callbacks under way
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._requests.close(grace_s=DISPATCH_TIMEOUT_S)
         log.info("scheduler stopped", scheduler_id=self.scheduler_id)
 
     # ---------------------------------------------------------------- events
@@ -112,9 +113,7 @@ class Scheduler:
                 log.warning("kv push failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
 
     async def _on_generate(self, msg) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(msg, time.time()))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._requests.spawn(self._serve(msg, time.time()))
 
     async def _serve(self, msg, received_at: float) -> None:
         if not msg.reply:

@@ -20,12 +20,14 @@ import nats
 import structlog
 
 from services.engine import EngineSettings, engine_args
+from services.tasks import BackgroundTasks
 from shared import wire
 from shared.errors import EngineFailed, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 
 HEARTBEAT_INTERVAL_S = 1.0
+SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
 
 
 def new_worker_id(role: str) -> str:
@@ -80,7 +82,9 @@ class Worker:
             max_model_len=max_model_len,
         )
         self._load = _EngineLoad()
-        self._tasks: set[asyncio.Task] = set()
+        self._requests = BackgroundTasks()
+        self._heartbeat: asyncio.Task | None = None
+        self._job_sub = None
         self._closed = False
         self.engine = None
         self.nc = None
@@ -101,8 +105,8 @@ class Worker:
         log.info("engine ready", worker_id=self.worker_id, seconds=round(time.monotonic() - started, 1),
                  kv_blocks=self.total_blocks, block_size=self.block_size)
         subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
-        await self.nc.subscribe(subject, cb=self._on_job)
-        self._spawn(self._heartbeat_loop())
+        self._job_sub = await self.nc.subscribe(subject, cb=self._on_job)
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -112,9 +116,12 @@ class Worker:
         if self._closed:
             return
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._job_sub is not None:
+            await self._job_sub.unsubscribe()  # no new jobs; let the ones under way finish
+        await self._requests.close(grace_s=SHUTDOWN_GRACE_S)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
         if self.nc is not None:
             await self.nc.drain()
         if self.engine is not None:
@@ -123,11 +130,6 @@ class Worker:
             del engine
             gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit where it fails
         log.info("worker stopped", worker_id=self.worker_id)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -159,7 +161,7 @@ class Worker:
             return
         if msg.reply:
             await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
-        self._spawn(self._run_prefill(job) if self.role == "prefill" else self._run_decode(job))
+        self._requests.spawn(self._run_prefill(job) if self.role == "prefill" else self._run_decode(job))
 
     # ---------------------------------------------------------------- prefill
 

@@ -39,7 +39,6 @@ COMPLETION_SUBJECT = "kvpush.kv.completion"
 AGENTS_SUBJECT = "kvpush.kv.agents"
 SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
 
-TransferMode = Literal["push"]
 Role = Literal["prefill", "decode"]
 
 

@@ -139,12 +139,21 @@ async def test_both_rendezvous_orders_deliver_the_right_kv(stack, nc, reference,
     assert tokens == reference[REF_ORDER]
 
 
-async def test_malformed_job_is_refused_and_the_worker_keeps_serving(stack, nc, reference):
+async def test_malformed_messages_are_refused_and_the_workers_keep_serving(stack, nc, reference):
     prefill_id, decode_id = await _workers(nc)
     for subject in (wire.prefill_job_subject(prefill_id), wire.decode_job_subject(decode_id)):
         ack = wire.decode((await nc.request(subject, b"\xc1garbage", timeout=5)).data, wire.JobAck)
         assert ack.accepted is False
         assert ack.error.code == "bad_job" and "malformed" in ack.error.message
+    for subject in (wire.registration_subject(prefill_id), wire.HEARTBEAT_SUBJECT, wire.COMPLETION_SUBJECT,
+                    wire.HANDOFF_SUBJECT, wire.AGENTS_SUBJECT):
+        await nc.publish(subject, b"\xc1garbage")
+    # a registration that parses but names blocks decode never allocated
+    bogus = wire.Registration(transfer_id="nobody", request_id="nobody", decode_engine_id=decode_id,
+                              decode_request_id="nobody", decode_tp_size=1, block_ids=[10**9], num_tokens=5,
+                              registered_at=time.time())
+    await nc.publish(wire.registration_subject(prefill_id), wire.encode(bogus))
+    await nc.flush()
     # and a real request still goes through both workers
     from services.client import generate_all
 
