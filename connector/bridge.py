@@ -2,7 +2,7 @@
 
 One daemon thread runs an asyncio loop with one nats-py connection. Other threads
 publish without blocking, subscribe with plain callbacks (run on the bridge thread,
-so they must be quick), and may make blocking requests. One bridge per process and
+so they must be quick), and make requests whose replies come back as callbacks. One bridge per process and
 NATS URL (``NatsBridge.shared``), because both connector roles live in the same
 engine-core process on a single-rank engine.
 """
@@ -10,12 +10,13 @@ engine-core process on a single-rank engine.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from typing import Callable
 
 import nats
+
+from otel.messaging import consumer, producer
 
 log = logging.getLogger("kvpush.bridge")
 
@@ -65,27 +66,34 @@ class NatsBridge:
         self._ready.set()
         self._loop.run_forever()
 
-    def publish(self, subject: str, data: bytes) -> None:
-        self._loop.call_soon_threadsafe(self._publish_soon, subject, data)
+    def publish(self, subject: str, data: bytes, template: str | None = None) -> None:
+        """Publish from any thread, in a PRODUCER span under the caller's current context."""
+        with producer(subject, template) as headers:
+            self._loop.call_soon_threadsafe(self._publish_soon, subject, data, headers)
 
-    def _publish_soon(self, subject: str, data: bytes) -> None:
-        self._loop.create_task(self._publish(subject, data))
+    def _publish_soon(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        self._loop.create_task(self._publish(subject, data, headers))
 
-    async def _publish(self, subject: str, data: bytes) -> None:
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         try:
-            await self._nc.publish(subject, data)
+            await self._nc.publish(subject, data, headers=headers)
         except Exception as exc:
             log.warning("publish to %s failed: %s", subject, exc)
 
-    def subscribe(self, subject: str, handler: Handler) -> None:
+    def subscribe(self, subject: str, handler: Handler, template: str | None = None) -> None:
+        """``handler(data)`` runs on the bridge thread inside a CONSUMER span; bytes it
+        returns are the reply."""
+
         async def on_message(msg) -> None:
-            try:
-                reply = handler(msg.data)
-            except Exception:
-                log.exception("handler for %s failed", subject)
-                return
-            if reply is not None and msg.reply:
-                await self._nc.publish(msg.reply, reply)
+            with consumer(msg.subject, template or subject, msg.headers):
+                try:
+                    reply = handler(msg.data)
+                except Exception:
+                    log.exception("handler for %s failed", subject)
+                    return
+                if reply is not None and msg.reply:
+                    with producer(msg.reply, "(temporary)") as headers:
+                        await self._nc.publish(msg.reply, reply, headers=headers)
 
         async def subscribe() -> None:
             await self._nc.subscribe(subject, cb=on_message)
@@ -93,24 +101,18 @@ class NatsBridge:
 
         asyncio.run_coroutine_threadsafe(subscribe(), self._loop).result(timeout=10)
 
-    def request(self, subject: str, data: bytes, timeout: float = 5.0) -> bytes:
-        """Blocking request; never call it from the bridge thread itself."""
-        future = asyncio.run_coroutine_threadsafe(
-            self._nc.request(subject, data, timeout=timeout), self._loop
-        )
-        try:
-            return future.result(timeout + 1).data
-        except concurrent.futures.TimeoutError as exc:
-            raise TimeoutError(f"no reply on {subject} within {timeout} s") from exc
-
     def request_async(
-        self, subject: str, data: bytes, timeout: float, on_reply: Callable[[bytes | None, str | None], None]
+        self, subject: str, data: bytes, timeout: float, on_reply: Callable[[bytes | None, str | None], None],
+        template: str | None = None,
     ) -> None:
         """Non-blocking request from any thread; ``on_reply(data, error)`` runs on the bridge thread."""
 
+        with producer(subject, template) as headers:
+            pass  # the span marks the send; the reply is awaited on the bridge thread
+
         async def ask() -> None:
             try:
-                msg = await self._nc.request(subject, data, timeout=timeout)
+                msg = await self._nc.request(subject, data, timeout=timeout, headers=headers)
             except Exception as exc:
                 on_reply(None, f"{type(exc).__name__} on {subject}: {exc}")
                 return

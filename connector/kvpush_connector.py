@@ -38,6 +38,7 @@ from connector.bridge import NatsBridge
 from connector.metadata import KvpushMetadata
 from connector.scheduler_side import ConnectorScheduler
 from connector.worker_side import ConnectorWorker
+from otel import setup as otel_setup
 
 
 class KvpushConnector(KVConnectorBase_V1):
@@ -49,6 +50,8 @@ class KvpushConnector(KVConnectorBase_V1):
         if not nats_url:
             raise ValueError("KvpushConnector needs kv_connector_extra_config['nats_url']")
         engine_id = transfer_config.engine_id
+        side = "prefill" if transfer_config.is_kv_producer else "decode"
+        otel_setup.configure(f"kvpush-{side}-connector")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         bridge = NatsBridge.shared(nats_url, name=f"{engine_id}-connector")
         self._scheduler: ConnectorScheduler | None = None
@@ -121,6 +124,7 @@ class KvpushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        otel_setup.shutdown()
 
 
 def _num_blocks_of(kv_caches) -> int:

@@ -14,6 +14,7 @@ class ReadyPrefill:
     request_id: str
     transfer_id: str
     block_ids: list[int]
+    traceparent: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class ExpectedKv:
     request_id: str
     transfer_id: str
     num_producer_ranks: int
+    traceparent: str = ""
 
 
 @dataclass

@@ -14,9 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+
 from connector.bridge import NatsBridge
 from connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
+from otel import attributes as A
+from otel.messaging import context_from_traceparent
 from shared import wire
+
+_tracer = trace.get_tracer("kvpush.connector")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -32,6 +38,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class _Prefill:
     request: "Request"
     transfer_id: str
+    traceparent: str
     announced: bool = False
 
 
@@ -63,7 +70,9 @@ class ConnectorScheduler:
         if not params:
             return
         if params.get("do_remote_decode") and request.request_id not in self._prefills:
-            self._prefills[request.request_id] = _Prefill(request, params["transfer_id"])
+            self._prefills[request.request_id] = _Prefill(
+                request, params["transfer_id"], params.get("traceparent", "")
+            )
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             self._register(request, blocks.get_block_ids()[0], params)
             params["do_remote_prefill"] = False  # a re-entry must not register again
@@ -80,11 +89,24 @@ class ConnectorScheduler:
             num_tokens=num_tokens,
             registered_at=time.time(),
         )
-        self.bridge.publish(
-            wire.registration_subject(params["prefill_engine_id"]), wire.encode(registration)
-        )
+        traceparent = params.get("traceparent", "")
+        with _tracer.start_as_current_span(
+            A.KV_REGISTER,
+            context=context_from_traceparent(traceparent),
+            attributes={
+                A.REQUEST_ID: registration.request_id,
+                A.TRANSFER_ID: registration.transfer_id,
+                A.WORKER_ID: self.engine_id,
+                A.BLOCKS: len(registration.block_ids),
+            },
+        ):
+            self.bridge.publish(
+                wire.registration_subject(params["prefill_engine_id"]),
+                wire.encode(registration),
+                template="kvpush.kv.register.{engine_id}",
+            )
         self._expected.append(
-            ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1))
+            ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1), traceparent)
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
@@ -101,7 +123,7 @@ class ConnectorScheduler:
             (block_ids,) = self.kv_cache_manager.get_block_ids(request_id)[:1]
             needed = blocks_for(request.num_prompt_tokens, self.block_size)
             meta.ready_prefills.append(
-                ReadyPrefill(request_id, prefill.transfer_id, list(block_ids[:needed]))
+                ReadyPrefill(request_id, prefill.transfer_id, list(block_ids[:needed]), prefill.traceparent)
             )
             prefill.announced = True
         return meta

@@ -19,12 +19,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode
 
 from connector.block_ranges import byte_ranges, coalesce
 from connector.kv_layout import KvLayout
+from otel import attributes as A
 from shared.wire import AgentInfo
 
 log = logging.getLogger("kvpush.transfer")
+_tracer = trace.get_tracer("kvpush.transfer")
 
 # How long the thread sleeps between polls while something is in flight, and when idle.
 ACTIVE_POLL_S = 0.0005
@@ -52,7 +57,8 @@ class WriteJob:
     src_block_ids: list[int]
     dst_block_ids: list[int]
     notif: bytes
-    on_done: Callable[[WriteResult], None]
+    on_done: Callable[[WriteResult], None]  # runs on the transfer thread, inside the write's span
+    parent: Context | None = None  # the request's trace context, carried across the thread boundary
 
 
 @dataclass
@@ -63,6 +69,8 @@ class _InFlight:
     descriptors: int
     prepare_ms: float
     posted_at: float
+    span: trace.Span
+    transfer_span: trace.Span
 
 
 _STOP = object()
@@ -162,34 +170,42 @@ class TransferThread:
             self._finish(flight, ok=False, error="transfer thread stopped")
 
     def _post(self, job: WriteJob) -> None:
+        span = _tracer.start_span(A.KV_WRITE, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
         started = time.perf_counter()
         try:
-            remote = job.remote
-            if remote.agent_name not in self._known_agents:
-                self._agent.add_remote_agent(remote.agent_metadata)
-                self._known_agents.add(remote.agent_name)
-            runs = coalesce(job.src_block_ids, job.dst_block_ids)
-            src, dst = byte_ranges(runs, self.layout.regions, remote.regions)
-            local_descs = self._agent.get_xfer_descs(
-                _as_array(src, self.layout.device_id), self.layout.mem_type
-            )
-            remote_descs = self._agent.get_xfer_descs(
-                _as_array(dst, remote.device_id), remote.mem_type
-            )
-            handle = self._agent.initialize_xfer(
-                "WRITE", local_descs, remote_descs, remote.agent_name, job.notif
-            )
+            with trace.use_span(span, end_on_exit=False), _tracer.start_as_current_span(A.KV_WRITE_PREPARE):
+                remote = job.remote
+                if remote.agent_name not in self._known_agents:
+                    self._agent.add_remote_agent(remote.agent_metadata)
+                    self._known_agents.add(remote.agent_name)
+                runs = coalesce(job.src_block_ids, job.dst_block_ids)
+                src, dst = byte_ranges(runs, self.layout.regions, remote.regions)
+                local_descs = self._agent.get_xfer_descs(
+                    _as_array(src, self.layout.device_id), self.layout.mem_type
+                )
+                remote_descs = self._agent.get_xfer_descs(
+                    _as_array(dst, remote.device_id), remote.mem_type
+                )
+                handle = self._agent.initialize_xfer(
+                    "WRITE", local_descs, remote_descs, remote.agent_name, job.notif
+                )
             prepare_ms = (time.perf_counter() - started) * 1000
+            transfer_span = _tracer.start_span(A.KV_WRITE_TRANSFER, context=trace.set_span_in_context(span))
             posted_at = time.perf_counter()
             state = self._agent.transfer(handle)
             if state == "ERR":
+                transfer_span.end()
                 raise RuntimeError("NIXL refused to post the WRITE")
         except Exception as exc:
             log.warning("write %s could not be posted: %s", job.transfer_id, exc)
-            job.on_done(WriteResult(job.transfer_id, ok=False, error=str(exc)))
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            with trace.use_span(span, end_on_exit=True):
+                job.on_done(WriteResult(job.transfer_id, ok=False, error=str(exc)))
             return
+        nbytes = sum(n for _, n in src)
+        span.set_attributes({A.BYTES: nbytes, A.DESCRIPTORS: len(src), A.BLOCKS: len(job.src_block_ids)})
         self._in_flight.append(
-            _InFlight(job, handle, sum(n for _, n in src), len(src), prepare_ms, posted_at)
+            _InFlight(job, handle, nbytes, len(src), prepare_ms, posted_at, span, transfer_span)
         )
 
     def _poll_writes(self) -> None:
@@ -203,21 +219,25 @@ class TransferThread:
         self._in_flight = still
 
     def _finish(self, flight: _InFlight, ok: bool, error: str) -> None:
+        flight.transfer_span.end()
         try:
             self._agent.release_xfer_handle(flight.handle)
         except Exception:
             pass
-        flight.job.on_done(
-            WriteResult(
-                flight.job.transfer_id,
-                ok=ok,
-                bytes=flight.nbytes,
-                descriptors=flight.descriptors,
-                prepare_ms=flight.prepare_ms,
-                write_ms=(time.perf_counter() - flight.posted_at) * 1000,
-                error=error,
+        if not ok:
+            flight.span.set_status(Status(StatusCode.ERROR, error))
+        with trace.use_span(flight.span, end_on_exit=True):
+            flight.job.on_done(
+                WriteResult(
+                    flight.job.transfer_id,
+                    ok=ok,
+                    bytes=flight.nbytes,
+                    descriptors=flight.descriptors,
+                    prepare_ms=flight.prepare_ms,
+                    write_ms=(time.perf_counter() - flight.posted_at) * 1000,
+                    error=error,
+                )
             )
-        )
 
     def _poll_notifications(self) -> None:
         for messages in self._agent.get_new_notifs().values():

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+from opentelemetry import trace
 
 from connector import kv_layout
 from connector.bridge import NatsBridge
@@ -21,15 +22,20 @@ from connector.completion import CompletionCounter, notification, parse_notifica
 from connector.metadata import KvpushMetadata, ReadyPrefill
 from connector.rendezvous import Match, Rendezvous
 from connector.transfer_thread import TransferThread, WriteJob, WriteResult
+from otel import attributes as A
+from otel.messaging import context_from_traceparent
+from otel.metrics import instruments
 from shared import wire
 
 log = logging.getLogger("kvpush.connector")
+_tracer = trace.get_tracer("kvpush.connector")
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    match: Match[wire.Registration, ReadyPrefill]
-    started: float
+@dataclass(slots=True)
+class _AwaitedKv:
+    request_id: str
+    span: trace.Span
+    arrived_ns: int | None = None
 
 
 class ConnectorWorker:
@@ -48,7 +54,7 @@ class ConnectorWorker:
         self._finished: set[str] = set()  # prefill request ids vLLM reported finished
         self._pushing: set[str] = set()  # prefill request ids handed to the rendezvous
         self._counter = CompletionCounter()
-        self._awaiting_kv: dict[str, str] = {}  # decode: transfer id -> request id
+        self._awaiting_kv: dict[str, _AwaitedKv] = {}  # decode: transfer id -> request awaiting it
 
     # ---------------------------------------------------------------- setup
 
@@ -62,10 +68,15 @@ class ConnectorWorker:
         )
         self.transfer.start()
         info = wire.encode(self.transfer.agent_info())
-        self.bridge.subscribe(wire.agent_subject(self.engine_id, self.rank), lambda _: info)
+        self.bridge.subscribe(
+            wire.agent_subject(self.engine_id, self.rank), lambda _: info, template="kvpush.kv.agent.{engine_id}.{rank}"
+        )
         if self.is_producer:
             self.bridge.subscribe(wire.AGENTS_SUBJECT, self._on_agent_announced)
-            self.bridge.subscribe(wire.registration_subject(self.engine_id), self._on_registration)
+            self.bridge.subscribe(
+                wire.registration_subject(self.engine_id), self._on_registration,
+                template="kvpush.kv.register.{engine_id}",
+            )
         self.bridge.publish(wire.AGENTS_SUBJECT, info)
 
     def shutdown(self) -> None:
@@ -107,6 +118,24 @@ class ConnectorWorker:
                 self._start_write(match)
 
     def _start_write(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
+        parent = context_from_traceparent(match.prefill.traceparent)
+        now_ns = time.time_ns()
+        wait_ms = match.waited_s * 1000
+        second = "registration" if match.order == "prefill_first" else "prefill"
+        span = _tracer.start_span(
+            A.KV_RENDEZVOUS,
+            context=parent,
+            start_time=now_ns - int(match.waited_s * 1e9),
+            attributes={
+                A.TRANSFER_ID: match.transfer_id,
+                A.REQUEST_ID: match.registration.request_id,
+                A.WORKER_ID: self.engine_id,
+                A.RENDEZVOUS_SECOND: second,
+                A.RENDEZVOUS_WAIT_MS: wait_ms,
+            },
+        )
+        span.end(end_time=now_ns)
+        instruments().rendezvous_wait.record(wait_ms, {"second": second})
         registration = match.registration
         key = (registration.decode_engine_id, self.rank)
         with self._agents_lock:
@@ -128,7 +157,9 @@ class ConnectorWorker:
                 self._agents[key] = info
             self._submit(match, info)
 
-        self.bridge.request_async(wire.agent_subject(*key), b"", 5.0, on_reply)
+        self.bridge.request_async(
+            wire.agent_subject(*key), b"", 5.0, on_reply, template="kvpush.kv.agent.{engine_id}.{rank}"
+        )
 
     def _submit(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
         registration, ready = match.registration, match.prefill
@@ -149,6 +180,10 @@ class ConnectorWorker:
             if not result.ok:
                 self._fail(match.transfer_id, registration.decode_engine_id, "write_failed", result.error)
                 return
+            metrics = instruments()
+            metrics.transfer_bytes.record(result.bytes)
+            metrics.transfer_duration.record(result.write_ms)
+            metrics.descriptors.record(result.descriptors)
             self.bridge.publish(
                 wire.COMPLETION_SUBJECT,
                 wire.encode(
@@ -175,6 +210,7 @@ class ConnectorWorker:
                 registration.block_ids,
                 notification(match.transfer_id, self.rank, self.tp_size),
                 on_done,
+                parent=context_from_traceparent(ready.traceparent),
             )
         )
 
@@ -185,6 +221,7 @@ class ConnectorWorker:
 
     def _fail(self, transfer_id: str, decode_engine_id: str, code: str, reason: str) -> None:
         log.warning("transfer %s failed (%s): %s", transfer_id, code, reason)
+        instruments().failures.add(1, {"reason": code})
         self.bridge.publish(
             wire.COMPLETION_SUBJECT,
             wire.encode(
@@ -203,12 +240,20 @@ class ConnectorWorker:
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         for expected in meta.expected:
-            self._awaiting_kv[expected.transfer_id] = expected.request_id
+            span = _tracer.start_span(
+                A.KV_WAIT,
+                context=context_from_traceparent(expected.traceparent),
+                attributes={A.TRANSFER_ID: expected.transfer_id, A.WORKER_ID: self.engine_id},
+            )
+            self._awaiting_kv[expected.transfer_id] = _AwaitedKv(expected.request_id, span)
             self.transfer.expect(1)
 
     def _on_notification(self, message: bytes) -> None:
         transfer_id, rank, num_ranks = parse_notification(message)
-        self._counter.record(transfer_id, rank, num_ranks)
+        if self._counter.record(transfer_id, rank, num_ranks):
+            awaited = self._awaiting_kv.get(transfer_id)
+            if awaited is not None:
+                awaited.arrived_ns = time.time_ns()
 
     # ---------------------------------------------------------------- both
 
@@ -224,12 +269,16 @@ class ConnectorWorker:
         receiving: set[str] = set()
         if self._awaiting_kv:
             for transfer_id in self._counter.take_done(list(self._awaiting_kv)):
-                receiving.add(self._awaiting_kv.pop(transfer_id))
+                awaited = self._awaiting_kv.pop(transfer_id)
+                awaited.span.end(end_time=awaited.arrived_ns)
+                receiving.add(awaited.request_id)
                 self.transfer.expect(-1)
             # Requests that ended while waiting (aborted): stop waiting for their KV.
-            for transfer_id, request_id in list(self._awaiting_kv.items()):
-                if request_id in finished_req_ids:
+            for transfer_id, awaited in list(self._awaiting_kv.items()):
+                if awaited.request_id in finished_req_ids:
                     del self._awaiting_kv[transfer_id]
+                    awaited.span.set_attribute(A.ERROR_CODE, "aborted")
+                    awaited.span.end()
                     self._counter.forget(transfer_id)
                     self.transfer.expect(-1)
         return sending or None, receiving or None

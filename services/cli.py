@@ -58,30 +58,40 @@ def cmd_model_build(args) -> int:
 
 
 def cmd_scheduler(args) -> int:
+    from otel import setup as otel_setup
     from services import logs
     from services.scheduler import Scheduler
 
     logs.configure(args.log_level)
+    otel_setup.configure("kvpush-scheduler")
 
     async def serve() -> None:
         async with Scheduler(args.nats_url, _model_path(args), args.max_model_len):
             await _until_signalled()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        otel_setup.shutdown()
     return 0
 
 
 def cmd_worker(args) -> int:
+    from otel import setup as otel_setup
     from services import logs
     from services.worker import Worker
 
     logs.configure(args.log_level)
+    otel_setup.configure(f"kvpush-{args.role}")
 
     async def serve() -> None:
         async with Worker(args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len):
             await _until_signalled()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        otel_setup.shutdown()
     return 0
 
 
@@ -159,6 +169,29 @@ def cmd_generate(args) -> int:
     return 1 if "error" in final else 0
 
 
+def cmd_trace(args) -> int:
+    from pathlib import Path
+
+    from otel import view
+    from otel.files import default_trace_dir, read_spans
+
+    folder = Path(args.dir) if args.dir else default_trace_dir()
+    spans = read_spans(folder)
+    if args.summary:
+        print(view.summary(spans))
+        return 0
+    if not args.request_id:
+        print("give a request id, or --summary", file=sys.stderr)
+        return 2
+    trace = view.find_trace(spans, args.request_id)
+    if trace is None:
+        print(f"no trace for request {args.request_id!r} in {folder} (spans go there when "
+              "OTEL_EXPORTER_OTLP_ENDPOINT is not set)", file=sys.stderr)
+        return 1
+    print(view.waterfall(trace))
+    return 0
+
+
 def cmd_demo(args) -> int:
     stack = _start_stack(args, quiet=True)
 
@@ -166,18 +199,24 @@ def cmd_demo(args) -> int:
         await stack.wait_ready(timeout=args.ready_timeout, progress=_say)
         _say(f"ready {stack.nats_url}")
         failures = 0
-        for prompt in DEMO_PROMPTS:
+        for i, prompt in enumerate(DEMO_PROMPTS):
             print(f"\n>>> {prompt!r}", flush=True)
-            final = await _stream(stack.nats_url, {"prompt": prompt, "max_tokens": args.max_tokens})
+            body = {"prompt": prompt, "max_tokens": args.max_tokens, "request_id": f"demo-{run_id}-{i}"}
+            final = await _stream(stack.nats_url, body)
             _say(_describe_final(final))
             failures += "error" in final
         return failures
 
+    run_id = f"{int(time.time())}"
     try:
         failures = asyncio.run(run())
     finally:
         _say("stopping")
         stack.stop()
+    if not failures and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        request_id = f"demo-{run_id}-{len(DEMO_PROMPTS) - 1}"
+        _say(f"where the last request's time went (kvpush trace {request_id}):\n")
+        cmd_trace(argparse.Namespace(dir=None, summary=False, request_id=request_id))
     return 1 if failures else 0
 
 
@@ -235,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     generate.set_defaults(func=cmd_generate)
+    trace = sub.add_parser("trace", help="show where a request's time went, from the local span files")
+    trace.add_argument("request_id", nargs="?")
+    trace.add_argument("--summary", action="store_true", help="TTFT split across all recorded requests")
+    trace.add_argument("--dir", help="span folder (default: $KVPUSH_TRACE_DIR or ~/.cache/kvpush/traces)")
+    trace.set_defaults(func=cmd_trace)
     return parser
 
 

@@ -13,7 +13,13 @@ from pathlib import Path
 import msgspec
 import nats
 import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from tokenizers import Tokenizer
+
+from otel import attributes as A
+from otel.messaging import TEMPORARY, TracedNats
+from otel.metrics import instruments
 
 from services.routing import WorkerPool
 from services.tasks import BackgroundTasks
@@ -22,6 +28,7 @@ from shared import wire
 from shared.errors import DispatchFailed, KvpushError, PayloadTooLarge, RequestError, to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
+_tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
 
@@ -49,11 +56,13 @@ class Scheduler:
 
     async def __aenter__(self) -> "Scheduler":
         self.nc = await nats.connect(self.nats_url, name=self.scheduler_id, max_reconnect_attempts=-1)
+        self.bus = TracedNats(self.nc)
+        # Heartbeats and status polls are periodic, not part of any request: not traced.
         await self.nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_heartbeat)
         await self.nc.subscribe(wire.SCHEDULER_STATUS_SUBJECT, cb=self._on_status)
-        await self.nc.subscribe(wire.HANDOFF_SUBJECT, cb=self._on_handoff)
-        await self.nc.subscribe(wire.COMPLETION_SUBJECT, cb=self._on_completion)
-        await self.nc.subscribe(wire.GENERATE_SUBJECT, queue=wire.SCHEDULER_QUEUE_GROUP, cb=self._on_generate)
+        await self.bus.subscribe(wire.HANDOFF_SUBJECT, self._on_handoff)
+        await self.bus.subscribe(wire.COMPLETION_SUBJECT, self._on_completion)
+        await self.bus.subscribe(wire.GENERATE_SUBJECT, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP)
         await self.nc.flush()
         log.info("scheduler ready", scheduler_id=self.scheduler_id)
         return self
@@ -113,9 +122,10 @@ class Scheduler:
                 log.warning("kv push failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
 
     async def _on_generate(self, msg) -> None:
-        self._requests.spawn(self._serve(msg, time.time()))
+        self._requests.spawn(self._serve(msg, time.time_ns()))
 
-    async def _serve(self, msg, received_at: float) -> None:
+    async def _serve(self, msg, received_ns: int) -> None:
+        _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
         if not msg.reply:
             log.warning("dropped a request without a reply subject")
             return
@@ -124,13 +134,17 @@ class Scheduler:
         except RequestError as exc:
             await self._reply_error(msg.reply, request_id_of(msg.data), exc)
             return
-        try:
-            await self._dispatch(request, msg.reply, received_at)
-        except KvpushError as exc:
-            await self._reply_error(msg.reply, request.request_id, exc)
-        except Exception as exc:
-            log.exception("dispatch failed", request_id=request.request_id)
-            await self._reply_error(msg.reply, request.request_id, exc)
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id), _tracer.start_as_current_span(
+            A.SCHEDULER_DISPATCH,
+            attributes={A.REQUEST_ID: request.request_id, A.PROMPT_TOKENS: len(request.prompt_token_ids)},
+        ):
+            try:
+                await self._dispatch(request, msg.reply, received_ns / 1e9)
+            except KvpushError as exc:
+                await self._reply_error(msg.reply, request.request_id, exc)
+            except Exception as exc:
+                log.exception("dispatch failed")
+                await self._reply_error(msg.reply, request.request_id, exc)
 
     async def _dispatch(self, request, reply_to: str, received_at: float) -> None:
         prefill_id, decode_id = self.pool.pick(len(request.prompt_token_ids), time.monotonic())
@@ -158,10 +172,15 @@ class Scheduler:
                 f"the prompt makes a {max(len(prefill_body), len(decode_body))}-byte job, over the "
                 f"NATS server's max_payload of {limit} bytes; raise max_payload or send a shorter prompt"
             )
+        trace.get_current_span().set_attributes(
+            {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
+        )
         # Both at once: decode registers its blocks while prefill computes.
         acks = await asyncio.gather(
-            self.nc.request(wire.prefill_job_subject(prefill_id), prefill_body, timeout=DISPATCH_TIMEOUT_S),
-            self.nc.request(wire.decode_job_subject(decode_id), decode_body, timeout=DISPATCH_TIMEOUT_S),
+            self.bus.request(wire.prefill_job_subject(prefill_id), prefill_body, DISPATCH_TIMEOUT_S,
+                             template="kvpush.prefill.{worker_id}"),
+            self.bus.request(wire.decode_job_subject(decode_id), decode_body, DISPATCH_TIMEOUT_S,
+                             template="kvpush.decode.{worker_id}"),
             return_exceptions=True,
         )
         for worker_id, ack in zip((prefill_id, decode_id), acks):
@@ -170,10 +189,15 @@ class Scheduler:
             decoded = wire.decode(ack.data, wire.JobAck)
             if not decoded.accepted:
                 raise DispatchFailed(f"worker {worker_id} refused the job: {decoded.error.message}")
-        log.info("dispatched", request_id=request.request_id, transfer_id=transfer_id,
-                 prefill=prefill_id, decode=decode_id, prompt_tokens=len(request.prompt_token_ids))
+        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
+                 prompt_tokens=len(request.prompt_token_ids))
 
     async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
         body = to_error_body(exc)
         log.info("request rejected", request_id=request_id, code=body.code, message=body.message)
-        await self.nc.publish(reply_to, wire.encode_json(wire.ErrorReply(request_id, body)))
+        span = trace.get_current_span()
+        span.set_attributes({A.REQUEST_ID: request_id, A.ERROR_CODE: body.code})
+        span.set_status(Status(StatusCode.ERROR, body.message))
+        instruments().failures.add(1, {"reason": body.code})
+        instruments().requests.add(1, {"outcome": "error"})
+        await self.bus.publish(reply_to, wire.encode_json(wire.ErrorReply(request_id, body)), template=TEMPORARY)

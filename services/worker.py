@@ -11,6 +11,7 @@ Both heartbeat their load and free KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import uuid
@@ -18,13 +19,19 @@ import uuid
 import msgspec
 import nats
 import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
+from otel import attributes as A
+from otel.messaging import TEMPORARY, TracedNats, current_traceparent, trace_id_hex
+from otel.metrics import instruments
 from services.engine import EngineSettings, engine_args
 from services.tasks import BackgroundTasks
 from shared import wire
 from shared.errors import EngineFailed, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
+_tracer = trace.get_tracer("kvpush.worker")
 
 HEARTBEAT_INTERVAL_S = 1.0
 SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
@@ -93,6 +100,7 @@ class Worker:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.nc = await nats.connect(self.nats_url, name=self.worker_id, max_reconnect_attempts=-1)
+        self.bus = TracedNats(self.nc)
         log.info("starting engine", worker_id=self.worker_id, role=self.role, model=self.settings.model)
         started = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(
@@ -105,7 +113,7 @@ class Worker:
         log.info("engine ready", worker_id=self.worker_id, seconds=round(time.monotonic() - started, 1),
                  kv_blocks=self.total_blocks, block_size=self.block_size)
         subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
-        self._job_sub = await self.nc.subscribe(subject, cb=self._on_job)
+        self._job_sub = await self.bus.subscribe(subject, self._on_job, template=f"kvpush.{self.role}.{{worker_id}}")
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self
 
@@ -143,8 +151,9 @@ class Worker:
                 block_size=self.block_size,
                 max_model_len=self.max_model_len,
             )
+            instruments().free_kv_blocks.set(beat.free_kv_blocks, {A.WORKER_ID: self.worker_id})
             try:
-                await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(beat))
+                await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(beat))  # periodic: not traced
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
@@ -157,50 +166,86 @@ class Worker:
             log.warning("rejected a malformed job", error=str(exc))
             if msg.reply:
                 ack = wire.JobAck(accepted=False, error=wire.ErrorBody("bad_job", f"malformed job: {exc}"))
-                await self.nc.publish(msg.reply, wire.encode(ack))
+                await self.bus.publish(msg.reply, wire.encode(ack), template=TEMPORARY)
             return
         if msg.reply:
-            await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
-        self._requests.spawn(self._run_prefill(job) if self.role == "prefill" else self._run_decode(job))
+            await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
+        received_ns = time.time_ns()
+        self._requests.spawn(
+            self._run_prefill(job, received_ns) if self.role == "prefill" else self._run_decode(job, received_ns)
+        )
 
     # ---------------------------------------------------------------- prefill
 
-    async def _run_prefill(self, job: wire.PrefillJob) -> None:
+    async def _run_prefill(self, job: wire.PrefillJob, received_ns: int) -> None:
+        with self._request_span(A.PREFILL, job, received_ns) as span:
+            await self._prefill(job, received_ns, span)
+
+    async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
         from vllm import SamplingParams
 
         params = SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            extra_args={"kv_transfer_params": {"do_remote_decode": True, "transfer_id": job.transfer_id}},
+            extra_args={
+                "kv_transfer_params": {
+                    "do_remote_decode": True,
+                    "transfer_id": job.transfer_id,
+                    "traceparent": current_traceparent(),
+                }
+            },
         )
-        started = time.time()
         first_token = None
         error = None
+        last = None
         try:
             async for output in self.engine.generate(
                 {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-p-{job.transfer_id[:8]}"
             ):
+                last = output
                 if output.outputs and output.outputs[0].token_ids:
                     first_token = output.outputs[0].token_ids[0]
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("prefill failed", request_id=job.request_id)
+            log.exception("prefill failed")
             error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
+            span.set_status(Status(StatusCode.ERROR, error.message))
+        stages = _EngineStages(last)
+        stages.record(A.PREFILL_QUEUE, received_ns, stages.scheduled_ns)
+        stages.record(A.PREFILL_COMPUTE, stages.scheduled_ns, stages.first_token_ns)
         handoff = wire.Handoff(
             request_id=job.request_id,
             transfer_id=job.transfer_id,
             prefill_engine_id=self.worker_id,
             first_token_id=first_token,
-            prefill_started_at=started,
+            prefill_started_at=received_ns / 1e9,
             prefill_finished_at=time.time(),
             error=error,
         )
-        await self.nc.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+        await self.bus.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+        log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))
+
+    @contextlib.contextmanager
+    def _request_span(self, name: str, job, received_ns: int):
+        """The job's span, with request_id and trace_id on every log line under it."""
+        attributes = {
+            A.REQUEST_ID: job.request_id,
+            A.TRANSFER_ID: job.transfer_id,
+            A.WORKER_ID: self.worker_id,
+            A.PROMPT_TOKENS: len(job.prompt_token_ids),
+        }
+        with _tracer.start_as_current_span(name, start_time=received_ns, attributes=attributes) as span:
+            with structlog.contextvars.bound_contextvars(request_id=job.request_id, trace_id=trace_id_hex(span)):
+                yield span
 
     # ---------------------------------------------------------------- decode
 
-    async def _run_decode(self, job: wire.DecodeJob) -> None:
+    async def _run_decode(self, job: wire.DecodeJob, received_ns: int) -> None:
+        with self._request_span(A.DECODE, job, received_ns) as span:
+            await self._decode(job, received_ns, span)
+
+    async def _decode(self, job: wire.DecodeJob, received_ns: int, span) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -216,42 +261,86 @@ class Worker:
                     "request_id": job.request_id,
                     "prefill_engine_id": job.prefill_engine_id,
                     "prefill_tp_size": 1,
+                    "traceparent": current_traceparent(),
                 }
             },
         )
         first_at = None
         completion_tokens = 0
         finish_reason = None
+        last = None
         try:
             async for output in self.engine.generate(
                 {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-d-{job.transfer_id[:8]}"
             ):
+                last = output
                 completion = output.outputs[0]
                 if completion.token_ids:
                     if first_at is None:
                         first_at = time.time()
                     completion_tokens += len(completion.token_ids)
                     chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
+                    # Token chunks are not traced one by one; the final reply is.
                     await self.nc.publish(job.reply_to, wire.encode_json(chunk))
                 if completion.finish_reason is not None:
                     finish_reason = completion.finish_reason
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("decode failed", request_id=job.request_id)
-            final = wire.ErrorReply(job.request_id, to_error_body(EngineFailed(f"decode failed: {exc}")))
-            await self.nc.publish(job.reply_to, wire.encode_json(final))
+            log.exception("decode failed")
+            error = to_error_body(EngineFailed(f"decode failed: {exc}"))
+            span.set_status(Status(StatusCode.ERROR, error.message))
+            span.set_attribute(A.ERROR_CODE, error.code)
+            instruments().failures.add(1, {"reason": error.code})
+            instruments().requests.add(1, {"outcome": "error"})
+            await self.bus.publish(job.reply_to, wire.encode_json(wire.ErrorReply(job.request_id, error)),
+                                   template=TEMPORARY)
             return
         done = time.time()
         first_at = first_at or done
+        stages = _EngineStages(last)
+        stages.record(A.DECODE_WAIT_KV, received_ns, stages.scheduled_ns)
+        stages.record(A.DECODE_FIRST_TOKEN, stages.scheduled_ns, stages.first_token_ns)
+        stages.record(A.DECODE_GENERATE, stages.first_token_ns, stages.last_token_ns)
+        timings = wire.Timings(
+            ttft_ms=(first_at - job.received_at) * 1000,
+            tpot_ms=((done - first_at) / (completion_tokens - 1) * 1000) if completion_tokens > 1 else 0.0,
+            e2e_ms=(done - job.received_at) * 1000,
+        )
+        span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: completion_tokens})
+        metrics = instruments()
+        metrics.ttft.record(timings.ttft_ms)
+        if completion_tokens > 1:
+            metrics.tpot.record(timings.tpot_ms)
+        metrics.requests.add(1, {"outcome": "ok"})
         final = wire.FinalReply(
             request_id=job.request_id,
             finish_reason=finish_reason,
             usage=wire.Usage(len(job.prompt_token_ids), completion_tokens),
-            timings=wire.Timings(
-                ttft_ms=(first_at - job.received_at) * 1000,
-                tpot_ms=((done - first_at) / (completion_tokens - 1) * 1000) if completion_tokens > 1 else 0.0,
-                e2e_ms=(done - job.received_at) * 1000,
-            ),
+            timings=timings,
         )
-        await self.nc.publish(job.reply_to, wire.encode_json(final))
+        await self.bus.publish(job.reply_to, wire.encode_json(final), template=TEMPORARY)
+        log.info("request finished", transfer_id=job.transfer_id, completion_tokens=completion_tokens,
+                 ttft_ms=round(timings.ttft_ms, 1), finish_reason=finish_reason)
+
+
+class _EngineStages:
+    """Wall-clock times of vLLM's per-request stages, from its engine-core timestamps
+    (monotonic, same host), recorded as child spans of the current span."""
+
+    def __init__(self, output) -> None:
+        stats = getattr(output, "metrics", None) if output is not None else None
+        offset_ns = time.time_ns() - time.monotonic_ns()
+
+        def wall(ts: float) -> int | None:
+            return int(ts * 1e9) + offset_ns if ts else None
+
+        self.scheduled_ns = wall(stats.scheduled_ts) if stats else None
+        self.first_token_ns = wall(stats.first_token_ts) if stats else None
+        self.last_token_ns = wall(stats.last_token_ts) if stats else None
+
+    @staticmethod
+    def record(name: str, start_ns: int | None, end_ns: int | None) -> None:
+        if start_ns is None or end_ns is None:
+            return
+        _tracer.start_span(name, start_time=start_ns).end(end_time=max(start_ns, end_ns))

@@ -17,6 +17,7 @@ from services.model_build import build_model, default_model_dir
 from services.natsd import LocalNatsServer
 from services.stack import Stack
 from tests import prompts
+from tests.otlp_receiver import OtlpReceiver
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,9 +39,17 @@ def stack_logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-async def stack(model_dir, nats_server, stack_logs):
+def otlp():
+    """Every service of the session's stack exports its spans and metrics here."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+async def stack(model_dir, nats_server, stack_logs, otlp):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
     stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
-                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs)
+                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env)
     stack.start()
     try:
         await stack.wait_ready(timeout=400)

@@ -1,0 +1,71 @@
+"""Every span name and attribute kvpush records, declared once with what it means."""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------- attributes
+REQUEST_ID = "kvpush.request_id"  # the client's request id (or the one the scheduler made)
+TRANSFER_ID = "kvpush.transfer_id"  # one prefill->decode KV transfer attempt
+WORKER_ID = "kvpush.worker_id"  # the worker (= engine id) recording the span
+PREFILL_WORKER = "kvpush.prefill_worker"  # prefill worker chosen for the request
+DECODE_WORKER = "kvpush.decode_worker"  # decode worker chosen for the request
+PROMPT_TOKENS = "kvpush.prompt_tokens"  # prompt length in tokens
+COMPLETION_TOKENS = "kvpush.completion_tokens"  # tokens generated
+TTFT_MS = "kvpush.ttft_ms"  # time to first token, from the scheduler receiving the request
+BLOCKS = "kvpush.kv.blocks"  # KV blocks registered or pushed
+BYTES = "kvpush.kv.bytes"  # bytes a WRITE moved
+DESCRIPTORS = "kvpush.kv.descriptors"  # descriptor ranges a WRITE used (after coalescing)
+RENDEZVOUS_SECOND = "kvpush.rendezvous.second"  # "registration" or "prefill": which half came last
+RENDEZVOUS_WAIT_MS = "kvpush.rendezvous.wait_ms"  # how long the first half waited for the second
+ERROR_CODE = "kvpush.error.code"  # the error code sent to the client or in a failure event
+
+ATTRIBUTES: dict[str, str] = {
+    REQUEST_ID: "the client's request id (or the one the scheduler made)",
+    TRANSFER_ID: "one prefill->decode KV transfer attempt",
+    WORKER_ID: "the worker (= vLLM engine id) that recorded the span",
+    PREFILL_WORKER: "prefill worker the scheduler chose",
+    DECODE_WORKER: "decode worker the scheduler chose",
+    PROMPT_TOKENS: "prompt length in tokens",
+    COMPLETION_TOKENS: "tokens generated",
+    TTFT_MS: "time to first token in ms, from the scheduler receiving the request",
+    BLOCKS: "KV blocks registered or pushed",
+    BYTES: "bytes one NIXL WRITE moved",
+    DESCRIPTORS: "descriptor ranges one WRITE used, after coalescing contiguous blocks",
+    RENDEZVOUS_SECOND: "which half of the rendezvous arrived second: registration or prefill",
+    RENDEZVOUS_WAIT_MS: "how long the first half of the rendezvous waited for the second, in ms",
+    ERROR_CODE: "the error code of a failed request or transfer",
+}
+
+# ----------------------------------------------------------------------------- business spans
+SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts on it
+SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get both acks
+PREFILL = "prefill"  # a prefill job on its worker
+PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
+PREFILL_COMPUTE = "prefill.compute"  # vLLM computes the prompt
+DECODE = "decode"  # a decode job on its worker, to the final reply
+DECODE_WAIT_KV = "decode.wait_kv"  # job received -> vLLM schedules it with all KV present
+DECODE_FIRST_TOKEN = "decode.first_token"  # scheduled -> first token out
+DECODE_GENERATE = "decode.generate"  # first token -> last token
+KV_REGISTER = "kv.register"  # decode allocated blocks and sent the registration
+KV_RENDEZVOUS = "kv.rendezvous"  # first half arrived -> second half arrived
+KV_WRITE = "kv.write"  # the push: descriptor preparation, post, completion
+KV_WRITE_PREPARE = "kv.write.prepare"  # build and coalesce descriptors
+KV_WRITE_TRANSFER = "kv.write.transfer"  # WRITE posted -> NIXL reports it done
+KV_WAIT = "kv.wait"  # decode worker: blocks registered -> every producer's notification
+
+SPANS: dict[str, str] = {
+    SCHEDULER_QUEUE: "request received -> the scheduler starts on it",
+    SCHEDULER_DISPATCH: "pick workers, send prefill and decode jobs at once, get both acks",
+    PREFILL: "a prefill job on its worker",
+    PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
+    PREFILL_COMPUTE: "vLLM computes the prompt",
+    DECODE: "a decode job on its worker, to the final reply",
+    DECODE_WAIT_KV: "job received -> vLLM schedules it with all KV present",
+    DECODE_FIRST_TOKEN: "scheduled with KV -> first token out",
+    DECODE_GENERATE: "first token -> last token",
+    KV_REGISTER: "decode allocated blocks and published the registration",
+    KV_RENDEZVOUS: "first half (registration or finished prefill) -> second half",
+    KV_WRITE: "the push of one transfer, on the transfer thread",
+    KV_WRITE_PREPARE: "build and coalesce descriptors",
+    KV_WRITE_TRANSFER: "WRITE posted -> NIXL reports it done",
+    KV_WAIT: "decode: blocks registered -> every producer rank's notification arrived",
+}

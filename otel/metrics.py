@@ -1,0 +1,31 @@
+"""kvpush's OpenTelemetry metrics, each declared once."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from opentelemetry import metrics
+
+_meter = metrics.get_meter("kvpush")
+
+
+@cache
+def instruments():
+    return _Instruments()
+
+
+class _Instruments:
+    def __init__(self) -> None:
+        m = _meter
+        self.requests = m.create_counter("kvpush.requests", description="requests finished, by outcome")
+        self.failures = m.create_counter("kvpush.failures", description="failed requests and transfers, by reason")
+        self.ttft = m.create_histogram("kvpush.ttft", unit="ms", description="time to first token")
+        self.tpot = m.create_histogram("kvpush.tpot", unit="ms", description="time per output token")
+        self.transfer_bytes = m.create_histogram("kvpush.transfer.bytes", unit="By", description="bytes per KV push")
+        self.transfer_duration = m.create_histogram(
+            "kvpush.transfer.duration", unit="ms", description="KV push from post to completion")
+        self.descriptors = m.create_histogram(
+            "kvpush.transfer.descriptors", description="descriptor ranges per KV push, after coalescing")
+        self.rendezvous_wait = m.create_histogram(
+            "kvpush.rendezvous.wait", unit="ms", description="how long the first half of a rendezvous waited")
+        self.free_kv_blocks = m.create_gauge("kvpush.worker.free_kv_blocks", description="free KV blocks per worker")
