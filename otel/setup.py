@@ -52,8 +52,9 @@ def configure(service_name: str) -> None:
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=200))
-            reader = PeriodicExportingMetricReader(OTLPMetricExporter())
-            metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
+            if os.environ.get("OTEL_METRICS_EXPORTER", "otlp") != "none":
+                reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+                metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=[reader]))
         else:
             # One short line per span: cheap, and nothing is lost when a process is killed.
             provider.add_span_processor(

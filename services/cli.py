@@ -11,6 +11,22 @@ import sys
 import time
 from pathlib import Path
 
+# Environment variables kvpush reads, each the default of an option or a setting.
+ENVIRONMENT = {
+    "KVPUSH_NATS_URL": "NATS server URL (--nats-url)",
+    "KVPUSH_MODEL": "local Hugging Face model folder (--model)",
+    "KVPUSH_MAX_MODEL_LEN": "context length the engines serve (--max-model-len)",
+    "KVPUSH_LOG_LEVEL": "log level of the services (--log-level)",
+    "KVPUSH_CACHE_DIR": "where built models and local traces go (default ~/.cache/kvpush)",
+    "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
+}
+OTEL_ENVIRONMENT = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "send spans and metrics there (OTLP/HTTP) instead of local files",
+    "OTEL_METRICS_EXPORTER": "'none' turns metric export off (e.g. for a traces-only backend)",
+    "OTEL_METRIC_EXPORT_INTERVAL": "metric export interval in ms",
+    "OTEL_SERVICE_NAME": "overrides the service name of one process",
+}
+
 DEFAULT_NATS_URL = os.environ.get("KVPUSH_NATS_URL", "nats://127.0.0.1:4222")
 
 DEMO_PROMPTS = [
@@ -169,6 +185,28 @@ def cmd_generate(args) -> int:
     return 1 if "error" in final else 0
 
 
+def cmd_status(args) -> int:
+    import nats
+
+    from shared import wire
+
+    async def ask() -> dict:
+        nc = await nats.connect(args.nats_url, connect_timeout=args.timeout, max_reconnect_attempts=0)
+        try:
+            return json.loads((await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=args.timeout)).data)
+        finally:
+            await nc.close()
+
+    try:
+        status = asyncio.run(ask())
+    except Exception as exc:
+        print(f"no scheduler answered on {args.nats_url}: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    print(json.dumps(status))
+    enough = len(status["prefill_workers"]) >= args.min_prefill and len(status["decode_workers"]) >= args.min_decode
+    return 0 if enough else 1
+
+
 def cmd_trace(args) -> int:
     from pathlib import Path
 
@@ -236,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_options(p, nats_default):
         p.add_argument("--nats-url", default=nats_default)
-        p.add_argument("--model", help="a local Hugging Face model folder (default: the built-in small model)")
-        p.add_argument("--max-model-len", type=int, default=2048)
+        p.add_argument("--model", default=os.environ.get("KVPUSH_MODEL"),
+                       help="a local Hugging Face model folder (default: the built-in small model)")
+        p.add_argument("--max-model-len", type=int, default=int(os.environ.get("KVPUSH_MAX_MODEL_LEN", "2048")))
 
     def stack_options(p):
         engine_options(p, None)
@@ -274,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     generate.set_defaults(func=cmd_generate)
+    status = sub.add_parser("status", help="ask the scheduler which workers it routes to; exit 1 if too few")
+    status.add_argument("--nats-url", default=DEFAULT_NATS_URL)
+    status.add_argument("--min-prefill", type=int, default=0)
+    status.add_argument("--min-decode", type=int, default=0)
+    status.add_argument("--timeout", type=float, default=2.0)
+    status.set_defaults(func=cmd_status)
+
     trace = sub.add_parser("trace", help="show where a request's time went, from the local span files")
     trace.add_argument("request_id", nargs="?")
     trace.add_argument("--summary", action="store_true", help="TTFT split across all recorded requests")
