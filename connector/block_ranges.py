@@ -1,9 +1,9 @@
 """Block ids -> the fewest byte ranges a NIXL transfer needs.
 
-Pure Python: no NIXL, no torch. Source and destination block lists are paired
-position by position (prompt block i on prefill goes to block i on decode); a run
-is coalesced only while *both* sides stay contiguous, so one descriptor pair moves
-``count`` whole blocks.
+Pure Python: no NIXL, no torch. The two block lists are paired position by position
+(prompt block i on prefill is block i on decode); a run is coalesced only while *both*
+sides stay contiguous, so one descriptor pair moves ``count`` whole blocks. "src" and
+"dst" name the two sides; for a READ the local side is the destination.
 """
 
 from __future__ import annotations

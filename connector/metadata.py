@@ -9,12 +9,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True, slots=True)
 class ReadyPrefill:
-    """Prefill of this request completes in this step; push its blocks afterwards."""
+    """Prefill of this request completes in this step. Push: push its blocks afterwards.
+    Pull: keep them until decode's READ notification arrives."""
 
     request_id: str
     transfer_id: str
     block_ids: list[int]
     traceparent: str = ""
+    mode: str = "push"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,20 @@ class ExpectedKv:
     traceparent: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class PullRead:
+    """Pull: decode allocated ``local_block_ids``; READ the prefill's blocks into them."""
+
+    request_id: str
+    transfer_id: str
+    local_block_ids: list[int]
+    prefill_engine_id: str
+    remote_block_ids: list[int]
+    traceparent: str = ""
+
+
 @dataclass
 class KvpushMetadata(KVConnectorMetadata):
     ready_prefills: list[ReadyPrefill] = field(default_factory=list)
     expected: list[ExpectedKv] = field(default_factory=list)
+    reads: list[PullRead] = field(default_factory=list)

@@ -1,11 +1,14 @@
 """The connector's scheduler side: runs inside vLLM's scheduler, never blocks it.
 
-Decode: the moment vLLM allocates blocks for a request whose KV comes from a
-prefill instance, publish the registration on NATS (no waiting for prefill, no
-extra engine step). Prefill: tell the worker side, in the step that computes a
-request's last prompt token, which blocks hold that prompt, so the push can start
-right after that step's forward pass; hold the blocks until the worker reports
-the WRITE finished.
+Push, decode: the moment vLLM allocates blocks for a request whose KV comes from a
+prefill instance, publish the registration on NATS (no waiting for prefill, no extra
+engine step). Pull, decode: at the same moment, tell the worker side to READ the
+prefill's blocks (named in the request's parameters) into them.
+Prefill, both modes: tell the worker side, in the step that computes a request's last
+prompt token, which blocks hold that prompt, so the push can start right after that
+step's forward pass; hold the blocks until the worker reports the KV gone (written,
+or read by decode). In pull mode the block ids go back in the output's
+kv_transfer_params for the scheduler to hand to decode.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 
 from connector.bridge import NatsBridge
-from connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
+from connector.metadata import ExpectedKv, KvpushMetadata, PullRead, ReadyPrefill
 from otel import attributes as A
 from otel.messaging import context_from_traceparent
 from shared import wire
@@ -39,7 +42,8 @@ class _Prefill:
     request: "Request"
     transfer_id: str
     traceparent: str
-    announced: bool = False
+    mode: str
+    block_ids: list[int] | None = None  # set once announced to the worker side
 
 
 class ConnectorScheduler:
@@ -50,7 +54,8 @@ class ConnectorScheduler:
         self.bridge = bridge
         self.kv_cache_manager: "KVCacheManager | None" = None
         self._prefills: dict[str, _Prefill] = {}  # prefill side, do_remote_decode requests
-        self._expected: list[ExpectedKv] = []  # decode side, for the next metadata
+        self._expected: list[ExpectedKv] = []  # decode side, push: for the next metadata
+        self._reads: list[PullRead] = []  # decode side, pull: for the next metadata
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
 
     # ---------------------------------------------------------------- both sides
@@ -71,11 +76,28 @@ class ConnectorScheduler:
             return
         if params.get("do_remote_decode") and request.request_id not in self._prefills:
             self._prefills[request.request_id] = _Prefill(
-                request, params["transfer_id"], params.get("traceparent", "")
+                request, params["transfer_id"], params.get("traceparent", ""), params.get("mode", "push")
             )
         if params.get("do_remote_prefill") and num_external_tokens > 0:
-            self._register(request, blocks.get_block_ids()[0], params)
+            block_ids = blocks.get_block_ids()[0]
+            if params.get("mode", "push") == "pull":
+                self._read(request, block_ids, params)
+            else:
+                self._register(request, block_ids, params)
             params["do_remote_prefill"] = False  # a re-entry must not register again
+
+    def _read(self, request: "Request", block_ids: list[int], params: dict[str, Any]) -> None:
+        needed = blocks_for(len(request.prompt_token_ids or ()), self.block_size)
+        self._reads.append(
+            PullRead(
+                request_id=request.request_id,
+                transfer_id=params["transfer_id"],
+                local_block_ids=list(block_ids[:needed]),
+                prefill_engine_id=params["prefill_engine_id"],
+                remote_block_ids=list(params["remote_block_ids"]),
+                traceparent=params.get("traceparent", ""),
+            )
+        )
 
     def _register(self, request: "Request", block_ids: list[int], params: dict[str, Any]) -> None:
         num_tokens = len(request.prompt_token_ids or ())
@@ -110,11 +132,11 @@ class ConnectorScheduler:
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
-        meta = KvpushMetadata(expected=self._expected)
-        self._expected = []
+        meta = KvpushMetadata(expected=self._expected, reads=self._reads)
+        self._expected, self._reads = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, prefill in self._prefills.items():
-            if prefill.announced or request_id not in scheduled:
+            if prefill.block_ids is not None or request_id not in scheduled:
                 continue
             request = prefill.request
             # num_computed_tokens is not advanced until after this call.
@@ -122,19 +144,24 @@ class ConnectorScheduler:
                 continue
             (block_ids,) = self.kv_cache_manager.get_block_ids(request_id)[:1]
             needed = blocks_for(request.num_prompt_tokens, self.block_size)
+            prefill.block_ids = list(block_ids[:needed])
             meta.ready_prefills.append(
-                ReadyPrefill(request_id, prefill.transfer_id, list(block_ids[:needed]), prefill.traceparent)
+                ReadyPrefill(request_id, prefill.transfer_id, prefill.block_ids, prefill.traceparent, prefill.mode)
             )
-            prefill.announced = True
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]):
         prefill = self._prefills.pop(request.request_id, None)
-        if prefill is None or not prefill.announced:
+        if prefill is None or prefill.block_ids is None:
             return False, None
-        # Blocks stay ours until the worker reports the WRITE done (get_finished).
+        # Blocks stay ours until the worker reports the KV gone (get_finished).
         self._awaiting_send.add(request.request_id)
-        return True, {"transfer_id": prefill.transfer_id, "prefill_engine_id": self.engine_id}
+        return True, {
+            "transfer_id": prefill.transfer_id,
+            "prefill_engine_id": self.engine_id,
+            "prefill_tp_size": self.tp_size,
+            "remote_block_ids": prefill.block_ids,
+        }
 
     def update_connector_output(self, connector_output) -> None:
         for request_id in connector_output.finished_sending or ():

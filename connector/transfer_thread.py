@@ -1,8 +1,8 @@
 """The one thread that owns the NIXL agent.
 
 Everything NIXL goes through here: creating the agent, registering the KV pool,
-adding remote agents, building descriptors, posting WRITEs with a notification,
-polling them to completion, and (on decode) polling for notifications. Nothing
+adding remote agents, building descriptors, posting WRITEs (push) or READs (pull) with
+a notification, polling them to completion, and polling for notifications from peers. Nothing
 else touches the agent. vLLM's engine loop only enqueues work and never waits on it;
 completions are driven by this thread, not by the engine's step cadence.
 """
@@ -40,7 +40,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 @dataclass
-class WriteResult:
+class TransferResult:
     transfer_id: str
     ok: bool
     bytes: int = 0
@@ -51,19 +51,23 @@ class WriteResult:
 
 
 @dataclass
-class WriteJob:
+class TransferJob:
+    """Copy blocks between this agent and ``remote``: "WRITE" pushes local blocks into the
+    remote's, "READ" pulls the remote's blocks into local ones. The peer is notified."""
+
+    op: str  # "WRITE" | "READ"
     transfer_id: str
     remote: AgentInfo
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
     notif: bytes
-    on_done: Callable[[WriteResult], None]  # runs on the transfer thread, inside the write's span
+    on_done: Callable[[TransferResult], None]  # runs on the transfer thread, inside the job's span
     parent: Context | None = None  # the request's trace context, carried across the thread boundary
 
 
 @dataclass
 class _InFlight:
-    job: WriteJob
+    job: TransferJob
     handle: object
     nbytes: int
     descriptors: int
@@ -118,11 +122,11 @@ class TransferThread:
             regions=self.layout.regions,
         )
 
-    def submit(self, job: WriteJob) -> None:
+    def submit(self, job: TransferJob) -> None:
         self._jobs.put_nowait(job)
 
     def expect(self, count: int) -> None:
-        """Decode: ``count`` more (or, negative, fewer) notifications are awaited."""
+        """``count`` more (or, negative, fewer) peer notifications are awaited: poll eagerly."""
         with self._expect_lock:
             self._expecting = max(0, self._expecting + count)
 
@@ -169,43 +173,44 @@ class TransferThread:
         for flight in self._in_flight:
             self._finish(flight, ok=False, error="transfer thread stopped")
 
-    def _post(self, job: WriteJob) -> None:
-        span = _tracer.start_span(A.KV_WRITE, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
+    def _post(self, job: TransferJob) -> None:
+        name = A.KV_WRITE if job.op == "WRITE" else A.KV_READ
+        span = _tracer.start_span(name, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
         started = time.perf_counter()
         try:
-            with trace.use_span(span, end_on_exit=False), _tracer.start_as_current_span(A.KV_WRITE_PREPARE):
+            with trace.use_span(span, end_on_exit=False), _tracer.start_as_current_span(A.KV_TRANSFER_PREPARE):
                 remote = job.remote
                 if remote.agent_name not in self._known_agents:
                     self._agent.add_remote_agent(remote.agent_metadata)
                     self._known_agents.add(remote.agent_name)
-                runs = coalesce(job.src_block_ids, job.dst_block_ids)
-                src, dst = byte_ranges(runs, self.layout.regions, remote.regions)
+                runs = coalesce(job.local_block_ids, job.remote_block_ids)
+                local, far = byte_ranges(runs, self.layout.regions, remote.regions)
                 local_descs = self._agent.get_xfer_descs(
-                    _as_array(src, self.layout.device_id), self.layout.mem_type
+                    _as_array(local, self.layout.device_id), self.layout.mem_type
                 )
                 remote_descs = self._agent.get_xfer_descs(
-                    _as_array(dst, remote.device_id), remote.mem_type
+                    _as_array(far, remote.device_id), remote.mem_type
                 )
                 handle = self._agent.initialize_xfer(
-                    "WRITE", local_descs, remote_descs, remote.agent_name, job.notif
+                    job.op, local_descs, remote_descs, remote.agent_name, job.notif
                 )
             prepare_ms = (time.perf_counter() - started) * 1000
-            transfer_span = _tracer.start_span(A.KV_WRITE_TRANSFER, context=trace.set_span_in_context(span))
+            transfer_span = _tracer.start_span(A.KV_TRANSFER, context=trace.set_span_in_context(span))
             posted_at = time.perf_counter()
             state = self._agent.transfer(handle)
             if state == "ERR":
                 transfer_span.end()
-                raise RuntimeError("NIXL refused to post the WRITE")
+                raise RuntimeError(f"NIXL refused to post the {job.op}")
         except Exception as exc:
-            log.warning("write %s could not be posted: %s", job.transfer_id, exc)
+            log.warning("%s %s could not be posted: %s", job.op, job.transfer_id, exc)
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             with trace.use_span(span, end_on_exit=True):
-                job.on_done(WriteResult(job.transfer_id, ok=False, error=str(exc)))
+                job.on_done(TransferResult(job.transfer_id, ok=False, error=str(exc)))
             return
-        nbytes = sum(n for _, n in src)
-        span.set_attributes({A.BYTES: nbytes, A.DESCRIPTORS: len(src), A.BLOCKS: len(job.src_block_ids)})
+        nbytes = sum(n for _, n in local)
+        span.set_attributes({A.BYTES: nbytes, A.DESCRIPTORS: len(local), A.BLOCKS: len(job.local_block_ids)})
         self._in_flight.append(
-            _InFlight(job, handle, nbytes, len(src), prepare_ms, posted_at, span, transfer_span)
+            _InFlight(job, handle, nbytes, len(local), prepare_ms, posted_at, span, transfer_span)
         )
 
     def _poll_writes(self) -> None:
@@ -215,7 +220,7 @@ class TransferThread:
             if state == "PROC":
                 still.append(flight)
             else:
-                self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else "WRITE failed")
+                self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else f"{flight.job.op} failed")
         self._in_flight = still
 
     def _finish(self, flight: _InFlight, ok: bool, error: str) -> None:
@@ -228,7 +233,7 @@ class TransferThread:
             flight.span.set_status(Status(StatusCode.ERROR, error))
         with trace.use_span(flight.span, end_on_exit=True):
             flight.job.on_done(
-                WriteResult(
+                TransferResult(
                     flight.job.transfer_id,
                     ok=ok,
                     bytes=flight.nbytes,

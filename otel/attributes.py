@@ -17,6 +17,7 @@ DESCRIPTORS = "kvpush.kv.descriptors"  # descriptor ranges a WRITE used (after c
 RENDEZVOUS_SECOND = "kvpush.rendezvous.second"  # "registration" or "prefill": which half came last
 RENDEZVOUS_WAIT_MS = "kvpush.rendezvous.wait_ms"  # how long the first half waited for the second
 ERROR_CODE = "kvpush.error.code"  # the error code sent to the client or in a failure event
+TRANSFER_MODE = "kvpush.transfer_mode"  # push or pull
 
 ATTRIBUTES: dict[str, str] = {
     REQUEST_ID: "the client's request id (or the one the scheduler made)",
@@ -33,11 +34,13 @@ ATTRIBUTES: dict[str, str] = {
     RENDEZVOUS_SECOND: "which half of the rendezvous arrived second: registration or prefill",
     RENDEZVOUS_WAIT_MS: "how long the first half of the rendezvous waited for the second, in ms",
     ERROR_CODE: "the error code of a failed request or transfer",
+    TRANSFER_MODE: "push (decode registers, prefill writes) or pull (prefill first, decode reads)",
 }
 
 # ----------------------------------------------------------------------------- business spans
 SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts on it
 SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get both acks
+SCHEDULER_WAIT_PREFILL = "scheduler.wait_prefill"  # pull: prefill job sent -> its handoff arrived
 PREFILL = "prefill"  # a prefill job on its worker
 PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
 PREFILL_COMPUTE = "prefill.compute"  # vLLM computes the prompt
@@ -47,14 +50,16 @@ DECODE_FIRST_TOKEN = "decode.first_token"  # scheduled -> first token out
 DECODE_GENERATE = "decode.generate"  # first token -> last token
 KV_REGISTER = "kv.register"  # decode allocated blocks and sent the registration
 KV_RENDEZVOUS = "kv.rendezvous"  # first half arrived -> second half arrived
-KV_WRITE = "kv.write"  # the push: descriptor preparation, post, completion
-KV_WRITE_PREPARE = "kv.write.prepare"  # build and coalesce descriptors
-KV_WRITE_TRANSFER = "kv.write.transfer"  # WRITE posted -> NIXL reports it done
+KV_WRITE = "kv.write"  # push: descriptor preparation, post, completion (prefill's transfer thread)
+KV_READ = "kv.read"  # pull: the same, as a READ on decode's transfer thread
+KV_TRANSFER_PREPARE = "kv.transfer.prepare"  # build and coalesce descriptors
+KV_TRANSFER = "kv.transfer"  # WRITE or READ posted -> NIXL reports it done
 KV_WAIT = "kv.wait"  # decode worker: blocks registered -> every producer's notification
 
 SPANS: dict[str, str] = {
     SCHEDULER_QUEUE: "request received -> the scheduler starts on it",
-    SCHEDULER_DISPATCH: "pick workers, send prefill and decode jobs at once, get both acks",
+    SCHEDULER_DISPATCH: "pick workers and send the jobs (push: both at once; pull: prefill, then decode)",
+    SCHEDULER_WAIT_PREFILL: "pull: prefill job sent -> the prefill's handoff arrived",
     PREFILL: "a prefill job on its worker",
     PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
     PREFILL_COMPUTE: "vLLM computes the prompt",
@@ -64,8 +69,9 @@ SPANS: dict[str, str] = {
     DECODE_GENERATE: "first token -> last token",
     KV_REGISTER: "decode allocated blocks and published the registration",
     KV_RENDEZVOUS: "first half (registration or finished prefill) -> second half",
-    KV_WRITE: "the push of one transfer, on the transfer thread",
-    KV_WRITE_PREPARE: "build and coalesce descriptors",
-    KV_WRITE_TRANSFER: "WRITE posted -> NIXL reports it done",
+    KV_WRITE: "push: one transfer's WRITE, on prefill's transfer thread",
+    KV_READ: "pull: one transfer's READ, on decode's transfer thread",
+    KV_TRANSFER_PREPARE: "build and coalesce descriptors",
+    KV_TRANSFER: "WRITE or READ posted -> NIXL reports it done",
     KV_WAIT: "decode: blocks registered -> every producer rank's notification arrived",
 }

@@ -4,7 +4,9 @@ split across many traces.
 The critical path to the first token runs through these milestones, in order:
 
     received by the scheduler -> prefill job received -> prefill scheduled -> prompt computed
-    -> push started -> push done -> decode scheduled with the KV -> first token
+    -> transfer started -> transfer done -> decode scheduled with the KV -> first token
+
+(the transfer is prefill's WRITE in push mode, decode's READ in pull mode)
 
 Each segment between two milestones belongs to one category: queueing (waiting for an
 engine), compute (an engine working on this request), transfer (the KV WRITE) or
@@ -19,13 +21,15 @@ from dataclasses import dataclass
 
 from otel import attributes as A
 
+_TRANSFER = "kv.write or kv.read"  # push writes from prefill, pull reads from decode
+
 # (segment name, category, span name, which end of that span is the milestone)
 _MILESTONES = [
     ("dispatch", "coordination", A.PREFILL_QUEUE, "start"),
     ("prefill queue", "queueing", A.PREFILL_QUEUE, "end"),
     ("prefill compute", "compute", A.PREFILL_COMPUTE, "end"),
-    ("handoff", "coordination", A.KV_WRITE, "start"),
-    ("transfer", "transfer", A.KV_WRITE, "end"),
+    ("handoff", "coordination", _TRANSFER, "start"),
+    ("transfer", "transfer", _TRANSFER, "end"),
     ("kv notice", "coordination", A.DECODE_FIRST_TOKEN, "start"),
     ("decode first token", "compute", A.DECODE_FIRST_TOKEN, "end"),
 ]
@@ -63,7 +67,8 @@ def find_trace(spans: list[dict], request_id: str) -> list[dict] | None:
 
 
 def _first(trace: list[dict], name: str) -> dict | None:
-    matching = [s for s in trace if s["name"] == name]
+    names = (A.KV_WRITE, A.KV_READ) if name == _TRANSFER else (name,)
+    matching = [s for s in trace if s["name"] in names]
     return min(matching, key=lambda s: s["start_ns"]) if matching else None
 
 

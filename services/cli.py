@@ -17,6 +17,7 @@ ENVIRONMENT = {
     "KVPUSH_MODEL": "local Hugging Face model folder (--model)",
     "KVPUSH_MAX_MODEL_LEN": "context length the engines serve (--max-model-len)",
     "KVPUSH_LOG_LEVEL": "log level of the services (--log-level)",
+    "KVPUSH_MODE": "how KV moves unless a request says: push or pull (scheduler --mode)",
     "KVPUSH_CACHE_DIR": "where built models and local traces go (default ~/.cache/kvpush)",
     "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
 }
@@ -82,7 +83,7 @@ def cmd_scheduler(args) -> int:
     otel_setup.configure("kvpush-scheduler")
 
     async def serve() -> None:
-        async with Scheduler(args.nats_url, _model_path(args), args.max_model_len):
+        async with Scheduler(args.nats_url, _model_path(args), args.max_model_len, mode=args.mode):
             await _until_signalled()
 
     try:
@@ -121,6 +122,7 @@ def _start_stack(args, quiet: bool = False):
         prefill=args.prefill,
         decode=args.decode,
         max_model_len=args.max_model_len,
+        mode=args.mode,
         extra_env=env,
     )
     _say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
@@ -278,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a local Hugging Face model folder (default: the built-in small model)")
         p.add_argument("--max-model-len", type=int, default=int(os.environ.get("KVPUSH_MAX_MODEL_LEN", "2048")))
 
+    def mode_option(p):
+        p.add_argument("--mode", choices=["push", "pull"], default=os.environ.get("KVPUSH_MODE", "push"),
+                       help="how the prompt's KV moves, unless a request says otherwise (transfer_mode)")
+
     def stack_options(p):
         engine_options(p, None)
+        mode_option(p)
         p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -295,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler, DEFAULT_NATS_URL)
+    mode_option(scheduler)
     scheduler.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
     scheduler.set_defaults(func=cmd_scheduler)
 

@@ -44,7 +44,20 @@ class WorkerPool:
             raise NoWorkers(
                 f"no live workers to serve the request: {len(prefills)} prefill, {len(decodes)} decode"
             )
+        return self.pick_prefill(now), self.pick_decode(num_prompt_tokens, now)
+
+    def pick_prefill(self, now: float) -> str:
+        prefills = self._live_entries("prefill", now)
+        if not prefills:
+            raise NoWorkers("no live prefill worker to serve the request")
         prefill = min(prefills, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, e.beat.worker_id))
+        prefill.dispatched += 1
+        return prefill.beat.worker_id
+
+    def pick_decode(self, num_prompt_tokens: int, now: float) -> str:
+        decodes = self._live_entries("decode", now)
+        if not decodes:
+            raise NoWorkers("no live decode worker to serve the request")
 
         def free_after(e: _Entry) -> int:
             blocks_needed = -(-num_prompt_tokens // max(e.beat.block_size, 1))
@@ -56,9 +69,8 @@ class WorkerPool:
             decode = min(with_room, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, -free_after(e), e.beat.worker_id))
         else:
             decode = max(decodes, key=lambda e: (free_after(e), e.beat.worker_id))
-        prefill.dispatched += 1
         decode.dispatched += 1
-        return prefill.beat.worker_id, decode.beat.worker_id
+        return decode.beat.worker_id
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)

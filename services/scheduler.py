@@ -1,6 +1,7 @@
 """The scheduler: takes ``kvpush.generate`` requests (as a queue group, so several
-schedulers can share the load), validates them, and dispatches prefill and decode at
-the same time, each attempt with a fresh transfer id."""
+schedulers can share the load), validates them, and dispatches them, each attempt with a
+fresh transfer id. Push: prefill and decode at the same time. Pull: prefill first, then
+decode, chosen by the load at that moment."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from services.routing import WorkerPool
 from services.tasks import BackgroundTasks
 from services.validation import RequestValidator, request_id_of
 from shared import wire
-from shared.errors import DispatchFailed, KvpushError, PayloadTooLarge, RequestError, to_error_body
+from shared.errors import DispatchFailed, EngineFailed, KvpushError, PayloadTooLarge, RequestError, to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
+PREFILL_TIMEOUT_S = 600.0  # pull: how long a request may wait for its prefill
 
 
 def load_validator(model: str, max_model_len: int) -> RequestValidator:
@@ -45,7 +47,12 @@ def load_validator(model: str, max_model_len: int) -> RequestValidator:
 
 
 class Scheduler:
-    def __init__(self, nats_url: str, model: str, max_model_len: int = 2048, scheduler_id: str | None = None):
+    def __init__(self, nats_url: str, model: str, max_model_len: int = 2048, scheduler_id: str | None = None,
+                 mode: str = "push"):
+        if mode not in ("push", "pull"):
+            raise ValueError(f"mode must be push or pull, not {mode!r}")
+        self.mode = mode
+        self._handoffs: dict[str, asyncio.Future] = {}  # pull: transfer id -> its prefill's handoff
         self.nats_url = nats_url
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:10]}"
         self.validator = load_validator(model, max_model_len)
@@ -105,6 +112,9 @@ class Scheduler:
         except msgspec.MsgspecError as exc:
             log.warning("ignored a malformed handoff", error=str(exc))
             return
+        waiting = self._handoffs.get(handoff.transfer_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(handoff)  # pull: now pick decode
         log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
                   prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
 
@@ -147,6 +157,11 @@ class Scheduler:
                 await self._reply_error(msg.reply, request.request_id, exc)
 
     async def _dispatch(self, request, reply_to: str, received_at: float) -> None:
+        mode = request.transfer_mode or self.mode
+        trace.get_current_span().set_attribute(A.TRANSFER_MODE, mode)
+        if mode == "pull":
+            await self._dispatch_pull(request, reply_to, received_at)
+            return
         prefill_id, decode_id = self.pool.pick(len(request.prompt_token_ids), time.monotonic())
         transfer_id = uuid.uuid4().hex
         prefill_job = wire.PrefillJob(
@@ -156,7 +171,52 @@ class Scheduler:
             decode_engine_id=decode_id,
             received_at=received_at,
         )
-        decode_job = wire.DecodeJob(
+        decode_job = self._decode_job(request, transfer_id, prefill_id, reply_to, received_at)
+        trace.get_current_span().set_attributes(
+            {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
+        )
+        # Both at once: decode registers its blocks while prefill computes.
+        await asyncio.gather(self._send(prefill_id, prefill_job), self._send(decode_id, decode_job))
+        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
+                 prompt_tokens=len(request.prompt_token_ids))
+
+    async def _dispatch_pull(self, request, reply_to: str, received_at: float) -> None:
+        """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
+        from the load at the moment prefill finished, and reads the prefill's blocks."""
+        prefill_id = self.pool.pick_prefill(time.monotonic())
+        transfer_id = uuid.uuid4().hex
+        span = trace.get_current_span()
+        span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id})
+        handoff_arrived = asyncio.get_running_loop().create_future()
+        self._handoffs[transfer_id] = handoff_arrived
+        try:
+            await self._send(prefill_id, wire.PrefillJob(
+                request_id=request.request_id,
+                transfer_id=transfer_id,
+                prompt_token_ids=request.prompt_token_ids,
+                received_at=received_at,
+                mode="pull",
+            ))
+            with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
+                handoff: wire.Handoff = await asyncio.wait_for(handoff_arrived, PREFILL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineFailed(f"prefill worker {prefill_id} did not finish within {PREFILL_TIMEOUT_S} s") from None
+        finally:
+            self._handoffs.pop(transfer_id, None)
+        if handoff.error is not None:
+            raise EngineFailed(handoff.error.message)
+        decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())
+        span.set_attribute(A.DECODE_WORKER, decode_id)
+        decode_job = self._decode_job(request, transfer_id, prefill_id, reply_to, received_at)
+        decode_job.mode = "pull"
+        decode_job.remote_block_ids = list((handoff.kv_transfer_params or {}).get("remote_block_ids", []))
+        await self._send(decode_id, decode_job)
+        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
+                 prompt_tokens=len(request.prompt_token_ids), mode="pull")
+
+    @staticmethod
+    def _decode_job(request, transfer_id: str, prefill_id: str, reply_to: str, received_at: float) -> wire.DecodeJob:
+        return wire.DecodeJob(
             request_id=request.request_id,
             transfer_id=transfer_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -165,32 +225,26 @@ class Scheduler:
             reply_to=reply_to,
             received_at=received_at,
         )
-        prefill_body, decode_body = wire.encode(prefill_job), wire.encode(decode_job)
-        limit = self.nc.max_payload
-        if max(len(prefill_body), len(decode_body)) > limit:
+
+    async def _send(self, worker_id: str, job: wire.PrefillJob | wire.DecodeJob) -> None:
+        """Hand a job to a worker and wait for its ack."""
+        body = wire.encode(job)
+        if len(body) > self.nc.max_payload:
             raise PayloadTooLarge(
-                f"the prompt makes a {max(len(prefill_body), len(decode_body))}-byte job, over the "
-                f"NATS server's max_payload of {limit} bytes; raise max_payload or send a shorter prompt"
+                f"the prompt makes a {len(body)}-byte job, over the NATS server's max_payload of "
+                f"{self.nc.max_payload} bytes; raise max_payload or send a shorter prompt"
             )
-        trace.get_current_span().set_attributes(
-            {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
-        )
-        # Both at once: decode registers its blocks while prefill computes.
-        acks = await asyncio.gather(
-            self.bus.request(wire.prefill_job_subject(prefill_id), prefill_body, DISPATCH_TIMEOUT_S,
-                             template="kvpush.prefill.{worker_id}"),
-            self.bus.request(wire.decode_job_subject(decode_id), decode_body, DISPATCH_TIMEOUT_S,
-                             template="kvpush.decode.{worker_id}"),
-            return_exceptions=True,
-        )
-        for worker_id, ack in zip((prefill_id, decode_id), acks):
-            if isinstance(ack, BaseException):
-                raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(ack).__name__}")
-            decoded = wire.decode(ack.data, wire.JobAck)
-            if not decoded.accepted:
-                raise DispatchFailed(f"worker {worker_id} refused the job: {decoded.error.message}")
-        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
-                 prompt_tokens=len(request.prompt_token_ids))
+        if isinstance(job, wire.PrefillJob):
+            subject, template = wire.prefill_job_subject(worker_id), "kvpush.prefill.{worker_id}"
+        else:
+            subject, template = wire.decode_job_subject(worker_id), "kvpush.decode.{worker_id}"
+        try:
+            reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S, template=template)
+        except Exception as exc:
+            raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(exc).__name__}") from None
+        ack = wire.decode(reply.data, wire.JobAck)
+        if not ack.accepted:
+            raise DispatchFailed(f"worker {worker_id} refused the job: {ack.error.message}")
 
     async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
         body = to_error_body(exc)

@@ -36,6 +36,7 @@ class Stack:
         prefill: int = 1,
         decode: int = 1,
         max_model_len: int = 2048,
+        mode: str = "push",
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
     ):
@@ -44,6 +45,7 @@ class Stack:
         self.num_prefill = prefill
         self.num_decode = decode
         self.max_model_len = max_model_len
+        self.mode = mode
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
         self.nats_server: LocalNatsServer | None = None
@@ -55,7 +57,7 @@ class Stack:
             self.nats_server = LocalNatsServer(port=port).start()
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        self._spawn("scheduler", ["scheduler", *common])
+        self._spawn("scheduler", ["scheduler", *common, "--mode", self.mode])
         for i in range(self.num_prefill):
             self._spawn(f"prefill-{i}", ["worker", "--role", "prefill", *common])
         for i in range(self.num_decode):

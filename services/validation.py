@@ -23,6 +23,7 @@ class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: wire.SamplingSpec
+    transfer_mode: str | None = None
 
 
 class RequestValidator:
@@ -73,6 +74,7 @@ class RequestValidator:
             request_id=request_id,
             prompt_token_ids=list(token_ids),
             sampling=wire.SamplingSpec(body.max_tokens, body.temperature, body.ignore_eos),
+            transfer_mode=body.transfer_mode,
         )
 
 

@@ -191,6 +191,7 @@ class Worker:
                 "kv_transfer_params": {
                     "do_remote_decode": True,
                     "transfer_id": job.transfer_id,
+                    "mode": job.mode,
                     "traceparent": current_traceparent(),
                 }
             },
@@ -222,6 +223,7 @@ class Worker:
             prefill_started_at=received_ns / 1e9,
             prefill_finished_at=time.time(),
             error=error,
+            kv_transfer_params=getattr(last, "kv_transfer_params", None),
         )
         await self.bus.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
         log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))
@@ -257,9 +259,11 @@ class Worker:
             extra_args={
                 "kv_transfer_params": {
                     "do_remote_prefill": True,
+                    "mode": job.mode,
                     "transfer_id": job.transfer_id,
                     "request_id": job.request_id,
                     "prefill_engine_id": job.prefill_engine_id,
+                    "remote_block_ids": job.remote_block_ids,
                     "prefill_tp_size": 1,
                     "traceparent": current_traceparent(),
                 }

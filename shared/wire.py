@@ -16,16 +16,18 @@ Internal (msgpack):
     kvpush.kv.agent.<engine_id>.<rank>  AgentInfo     reply to an empty request: a worker
                                                        rank's NIXL agent and KV layout
     kvpush.kv.agents                AgentInfo         announced once when a rank is ready
-    kvpush.handoff                  Handoff           prefill worker: prefill finished
+    kvpush.handoff                  Handoff           prefill worker: prefill finished (in pull
+                                                       mode the scheduler then picks decode)
     kvpush.kv.completion            TransferDone | TransferFailed   prefill writer thread
 
 Protocol history:
-    1 - first version.
+    1 - first version (push); pull added with defaulted fields (mode, remote_block_ids,
+        kv_transfer_params), so version-1 peers still decode each other.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -40,6 +42,7 @@ AGENTS_SUBJECT = "kvpush.kv.agents"
 SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
 
 Role = Literal["prefill", "decode"]
+TransferMode = Literal["push", "pull"]
 
 
 def prefill_job_subject(worker_id: str) -> str:
@@ -69,6 +72,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 0.0
     ignore_eos: bool = False
     request_id: str | None = None
+    transfer_mode: TransferMode | None = None  # default: the scheduler's --mode
 
 
 class ErrorBody(msgspec.Struct):
@@ -135,8 +139,9 @@ class PrefillJob(Internal):
     request_id: str
     transfer_id: str
     prompt_token_ids: list[int]
-    decode_engine_id: str
     received_at: float
+    mode: TransferMode = "push"
+    decode_engine_id: str = ""  # push only: pull picks decode after prefill
 
 
 class DecodeJob(Internal):
@@ -147,6 +152,8 @@ class DecodeJob(Internal):
     prefill_engine_id: str
     reply_to: str
     received_at: float
+    mode: TransferMode = "push"
+    remote_block_ids: list[int] = msgspec.field(default_factory=list)  # pull: prefill's blocks to READ
 
 
 class JobAck(Internal):
@@ -195,6 +202,7 @@ class Handoff(Internal):
     prefill_started_at: float
     prefill_finished_at: float
     error: ErrorBody | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # what the prefill engine returned
 
 
 RendezvousOrder = Literal["registration_first", "prefill_first"]

@@ -13,9 +13,11 @@ from tests import prompts
 pytestmark = pytest.mark.timeout(900)
 
 
-async def test_disaggregated_output_equals_a_single_instance(stack, nc, reference):
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_disaggregated_output_equals_a_single_instance(stack, nc, reference, mode):
     requests = [
-        {"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True, "request_id": f"eq-{name}"}
+        {"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True, "request_id": f"eq-{mode}-{name}",
+         "transfer_mode": mode}
         for name, p, n in prompts.CORRECTNESS
     ]
     results = await asyncio.gather(*(generate_all(nc, body) for body in requests))
@@ -23,7 +25,7 @@ async def test_disaggregated_output_equals_a_single_instance(stack, nc, referenc
         prompts.CORRECTNESS, reference, results
     ):
         assert "error" not in final, (name, final)
-        assert final["request_id"] == f"eq-{name}"
+        assert final["request_id"] == f"eq-{mode}-{name}"
         assert final["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(expected)}
         assert token_ids == expected, name
 

@@ -160,3 +160,23 @@ async def test_malformed_messages_are_refused_and_the_workers_keep_serving(stack
     name, prompt, max_tokens = prompts.CORRECTNESS[0]
     tokens, _, final = await generate_all(nc, {"prompt_token_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True})
     assert tokens == reference[0]
+
+
+async def test_pull_decode_reads_the_kv_prefill_computed(stack, nc, reference):
+    """Pull mode with the same trick: prefill computes PUSHED, decode (given TARGET) READs
+    the prefill's blocks named in the handoff, and follows PUSHED."""
+    prefill_id, decode_id = await _workers(nc)
+    transfer_id = uuid.uuid4().hex
+    inbox = nc.new_inbox()
+    prefill, decode = _jobs(transfer_id, prompts.CROSS_TARGET, prompts.CROSS_PUSHED, prefill_id, decode_id, inbox)
+    prefill.mode = decode.mode = "pull"
+    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.HANDOFF_SUBJECT, wire.Handoff) as handoffs:
+        await _send(nc, wire.prefill_job_subject(prefill_id), prefill)
+        handoff = await handoffs.wait_for(lambda h: h.transfer_id == transfer_id)
+        decode.remote_block_ids = handoff.kv_transfer_params["remote_block_ids"]
+        assert len(decode.remote_block_ids) == -(-prompts.CROSS_LENGTH // prompts.BLOCK_SIZE)
+        await _send(nc, wire.decode_job_subject(decode_id), decode)
+        tokens, final = await _collect_tokens(replies)
+    assert "error" not in final
+    assert tokens == reference[REF_PUSHED]
+    assert tokens != reference[REF_TARGET]

@@ -21,7 +21,7 @@ SERVICES = {"kvpush-scheduler", "kvpush-prefill", "kvpush-decode", "kvpush-prefi
 EXPECTED = {
     "process kvpush.generate", A.SCHEDULER_QUEUE, A.SCHEDULER_DISPATCH, A.PREFILL, A.PREFILL_QUEUE,
     A.PREFILL_COMPUTE, A.DECODE, A.DECODE_WAIT_KV, A.DECODE_FIRST_TOKEN, A.DECODE_GENERATE, A.KV_REGISTER,
-    A.KV_RENDEZVOUS, A.KV_WRITE, A.KV_WRITE_PREPARE, A.KV_WRITE_TRANSFER, A.KV_WAIT,
+    A.KV_RENDEZVOUS, A.KV_WRITE, A.KV_TRANSFER_PREPARE, A.KV_TRANSFER, A.KV_WAIT,
     "publish kvpush.kv.register.{engine_id}", "process kvpush.kv.register.{engine_id}",
     "publish kvpush.kv.completion", "publish kvpush.prefill.{worker_id}", "process kvpush.prefill.{worker_id}",
 }
@@ -81,7 +81,7 @@ async def test_one_request_is_one_trace_across_every_process_and_thread(stack, n
     assert parent(one(A.KV_WAIT))["name"] == A.DECODE
     assert parent(one("process kvpush.kv.register.{engine_id}"))["name"] == "publish kvpush.kv.register.{engine_id}"
     # across the thread boundary: the writer thread's spans, and what it published
-    assert parent(one(A.KV_WRITE_TRANSFER))["name"] == A.KV_WRITE
+    assert parent(one(A.KV_TRANSFER))["name"] == A.KV_WRITE
     assert parent(one("publish kvpush.kv.completion"))["name"] == A.KV_WRITE
     write = one(A.KV_WRITE)
     assert write["attributes"][A.BYTES] > 0 and write["attributes"][A.DESCRIPTORS] >= 1
@@ -140,3 +140,25 @@ async def test_log_lines_while_serving_carry_request_and_trace_ids(stack, nc, ot
     assert set(seen) == {"scheduler", "prefill-0", "decode-0"}, seen
     for record in seen.values():
         assert record["trace_id"] == expected_trace_id
+
+
+async def test_a_pull_request_is_traced_with_decodes_read(stack, nc, otlp):
+    request_id = f"pull-traced-{os.getpid()}"
+    body = {"prompt_token_ids": prompts.token_prompt(300, 32), "max_tokens": 4, "ignore_eos": True,
+            "request_id": request_id, "transfer_mode": "pull"}
+    client_ttft, final = await _timed_request(nc, body)
+    assert "error" not in final
+
+    def ready(spans):
+        trace = view.find_trace(spans, request_id)
+        return trace if trace and {A.KV_READ, A.DECODE_FIRST_TOKEN} <= {s["name"] for s in trace} else None
+
+    trace = otlp.wait_for(ready, timeout=20)
+    assert trace
+    names = {s["name"] for s in trace}
+    assert A.KV_WRITE not in names and A.KV_RENDEZVOUS not in names and A.SCHEDULER_WAIT_PREFILL in names
+    read = next(s for s in trace if s["name"] == A.KV_READ)
+    assert read["service"] == "kvpush-decode-connector" and read["attributes"][A.BYTES] > 0
+    segments = view.critical_path(trace)
+    assert segments is not None
+    assert abs(client_ttft - view.ttft_ms(segments)) <= max(25.0, 0.10 * client_ttft)

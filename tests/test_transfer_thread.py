@@ -10,7 +10,7 @@ import torch
 
 from connector.completion import notification, parse_notification
 from connector.kv_layout import describe
-from connector.transfer_thread import TransferThread, WriteJob
+from connector.transfer_thread import TransferJob, TransferThread
 from shared.wire import AgentInfo
 
 NUM_BLOCKS = 16
@@ -54,7 +54,7 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
         results = []
         src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
         writer.submit(
-            WriteJob("t-1", remote, src, dst, notification("t-1", 0, 1), results.append)
+            TransferJob("WRITE", "t-1", remote, src, dst, notification("t-1", 0, 1), results.append)
         )
         notes = parent.recv()
         landed = parent.recv()
