@@ -94,7 +94,7 @@ class ConnectorScheduler:
                 transfer_id=params["transfer_id"],
                 local_block_ids=list(block_ids[:needed]),
                 prefill_engine_id=params["prefill_engine_id"],
-                remote_block_ids=list(params["remote_block_ids"]),
+                remote_block_ids=list(params["remote_block_ids"]),  # what prefill's request_finished returned
                 traceparent=params.get("traceparent", ""),
             )
         )

@@ -18,6 +18,7 @@ ENVIRONMENT = {
     "KVPUSH_MAX_MODEL_LEN": "context length the engines serve (--max-model-len)",
     "KVPUSH_LOG_LEVEL": "log level of the services (--log-level)",
     "KVPUSH_MODE": "how KV moves unless a request says: push or pull (scheduler --mode)",
+    "KVPUSH_CONNECTOR": "the workers' KV connector: kvpush, vllm-nixl or vllm-nixl-push (--connector)",
     "KVPUSH_CACHE_DIR": "where built models and local traces go (default ~/.cache/kvpush)",
     "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
 }
@@ -102,7 +103,8 @@ def cmd_worker(args) -> int:
     otel_setup.configure(f"kvpush-{args.role}")
 
     async def serve() -> None:
-        async with Worker(args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len):
+        async with Worker(args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len,
+                          connector=args.connector):
             await _until_signalled()
 
     try:
@@ -123,6 +125,7 @@ def _start_stack(args, quiet: bool = False):
         decode=args.decode,
         max_model_len=args.max_model_len,
         mode=args.mode,
+        connector=args.connector,
         extra_env=env,
     )
     _say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
@@ -284,9 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mode", choices=["push", "pull"], default=os.environ.get("KVPUSH_MODE", "push"),
                        help="how the prompt's KV moves, unless a request says otherwise (transfer_mode)")
 
+    def connector_option(p):
+        p.add_argument("--connector", choices=["kvpush", "vllm-nixl", "vllm-nixl-push"],
+                       default=os.environ.get("KVPUSH_CONNECTOR", "kvpush"),
+                       help="KV connector of the engines: ours, or vLLM's NixlConnector (pull) or "
+                            "NixlPushConnector, for side-by-side comparison")
+
     def stack_options(p):
         engine_options(p, None)
         mode_option(p)
+        connector_option(p)
         p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -310,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(worker, DEFAULT_NATS_URL)
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: <role>-<random>; a restart gets a new identity")
+    connector_option(worker)
     worker.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
     worker.set_defaults(func=cmd_worker)
 

@@ -26,6 +26,10 @@ class EngineSettings:
     max_num_seqs: int = 16
     dtype: str = "float32"
     tensor_parallel_size: int = 1
+    connector: str = "kvpush"  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
+
+
+VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 
 
 def engine_kwargs(settings: EngineSettings) -> dict:
@@ -42,7 +46,7 @@ def engine_kwargs(settings: EngineSettings) -> dict:
         enable_prefix_caching=False,
         tensor_parallel_size=settings.tensor_parallel_size,
     )
-    if settings.role is not None:
+    if settings.role is not None and settings.connector == "kvpush":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvpushConnector",
             "kv_connector_module_path": "connector.kvpush_connector",
@@ -51,6 +55,13 @@ def engine_kwargs(settings: EngineSettings) -> dict:
             "kv_connector_extra_config": {"nats_url": settings.nats_url},
         }
         kwargs["disable_hybrid_kv_cache_manager"] = True
+    elif settings.role is not None:
+        # vLLM's own connectors, configured the way their examples run them.
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": VLLM_CONNECTORS[settings.connector],
+            "kv_role": "kv_both",
+            "engine_id": settings.engine_id,
+        }
     return kwargs
 
 

@@ -72,5 +72,14 @@ class WorkerPool:
         decode.dispatched += 1
         return decode.beat.worker_id
 
+    def beat(self, worker_id: str) -> wire.WorkerHeartbeat | None:
+        entry = self._workers.get(worker_id)
+        return entry.beat if entry else None
+
+    def connector(self, now: float) -> str:
+        """The KV connector the live prefill workers run ("kvpush" when none is known)."""
+        prefills = self._live_entries("prefill", now)
+        return prefills[0].beat.connector if prefills else "kvpush"
+
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)

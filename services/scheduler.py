@@ -33,6 +33,7 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 600.0  # pull: how long a request may wait for its prefill
+VLLM_CONNECTOR_MODES = {"vllm-nixl": "pull", "vllm-nixl-push": "push"}
 
 
 def load_validator(model: str, max_model_len: int) -> RequestValidator:
@@ -157,10 +158,12 @@ class Scheduler:
                 await self._reply_error(msg.reply, request.request_id, exc)
 
     async def _dispatch(self, request, reply_to: str, received_at: float) -> None:
-        mode = request.transfer_mode or self.mode
+        connector = self.pool.connector(time.monotonic())
+        # vLLM's own connectors each do one mode; ours does either, per request.
+        mode = VLLM_CONNECTOR_MODES.get(connector) or request.transfer_mode or self.mode
         trace.get_current_span().set_attribute(A.TRANSFER_MODE, mode)
         if mode == "pull":
-            await self._dispatch_pull(request, reply_to, received_at)
+            await self._dispatch_pull(request, reply_to, received_at, connector)
             return
         prefill_id, decode_id = self.pool.pick(len(request.prompt_token_ids), time.monotonic())
         transfer_id = uuid.uuid4().hex
@@ -172,6 +175,14 @@ class Scheduler:
             received_at=received_at,
         )
         decode_job = self._decode_job(request, transfer_id, prefill_id, reply_to, received_at)
+        if connector != "kvpush":
+            # vLLM's push matches prefill and decode by a shared request id, and decode
+            # registers with the prefill instance it is told about.
+            prefill_job.engine_request_id = decode_job.engine_request_id = transfer_id
+            beat = self.pool.beat(prefill_id)
+            decode_job.kv_transfer_params = {
+                "do_remote_prefill": True, "remote_request_id": transfer_id, **(beat.kv_params if beat else {})
+            }
         trace.get_current_span().set_attributes(
             {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
         )
@@ -180,7 +191,7 @@ class Scheduler:
         log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
                  prompt_tokens=len(request.prompt_token_ids))
 
-    async def _dispatch_pull(self, request, reply_to: str, received_at: float) -> None:
+    async def _dispatch_pull(self, request, reply_to: str, received_at: float, connector: str) -> None:
         """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
         from the load at the moment prefill finished, and reads the prefill's blocks."""
         prefill_id = self.pool.pick_prefill(time.monotonic())
@@ -196,6 +207,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 received_at=received_at,
                 mode="pull",
+                engine_request_id=transfer_id if connector != "kvpush" else "",
             ))
             with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
                 handoff: wire.Handoff = await asyncio.wait_for(handoff_arrived, PREFILL_TIMEOUT_S)
@@ -209,7 +221,10 @@ class Scheduler:
         span.set_attribute(A.DECODE_WORKER, decode_id)
         decode_job = self._decode_job(request, transfer_id, prefill_id, reply_to, received_at)
         decode_job.mode = "pull"
-        decode_job.remote_block_ids = list((handoff.kv_transfer_params or {}).get("remote_block_ids", []))
+        # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
+        decode_job.kv_transfer_params = dict(handoff.kv_transfer_params or {})
+        if connector != "kvpush":
+            decode_job.engine_request_id = transfer_id
         await self._send(decode_id, decode_job)
         log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
                  prompt_tokens=len(request.prompt_token_ids), mode="pull")

@@ -37,6 +37,7 @@ class Stack:
         decode: int = 1,
         max_model_len: int = 2048,
         mode: str = "push",
+        connector: str = "kvpush",
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
     ):
@@ -46,6 +47,7 @@ class Stack:
         self.num_decode = decode
         self.max_model_len = max_model_len
         self.mode = mode
+        self.connector = connector
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
         self.nats_server: LocalNatsServer | None = None
@@ -58,10 +60,11 @@ class Stack:
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
         self._spawn("scheduler", ["scheduler", *common, "--mode", self.mode])
+        workers = [*common, "--connector", self.connector]
         for i in range(self.num_prefill):
-            self._spawn(f"prefill-{i}", ["worker", "--role", "prefill", *common])
+            self._spawn(f"prefill-{i}", ["worker", "--role", "prefill", *workers])
         for i in range(self.num_decode):
-            self._spawn(f"decode-{i}", ["worker", "--role", "decode", *common])
+            self._spawn(f"decode-{i}", ["worker", "--role", "decode", *workers])
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:

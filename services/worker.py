@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import time
 import uuid
 
@@ -78,6 +79,7 @@ class Worker:
         model: str,
         worker_id: str | None = None,
         max_model_len: int = 2048,
+        connector: str = "kvpush",
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -86,8 +88,19 @@ class Worker:
         self.worker_id = worker_id or new_worker_id(role)
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len, connector=connector,
         )
+        self.connector = connector
+        self.kv_params: dict = {}
+        if connector != "kvpush":
+            # vLLM's NIXL connectors talk over a side channel of their own: one port per engine.
+            from services.natsd import free_port
+
+            port = free_port()
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+            self.kv_params = {"remote_engine_id": self.worker_id, "remote_host": "127.0.0.1",
+                              "remote_port": port, "tp_size": 1}
         self._load = _EngineLoad()
         self._requests = BackgroundTasks()
         self._heartbeat: asyncio.Task | None = None
@@ -150,6 +163,8 @@ class Worker:
                 waiting=self._load.waiting,
                 block_size=self.block_size,
                 max_model_len=self.max_model_len,
+                connector=self.connector,
+                kv_params=self.kv_params,
             )
             instruments().free_kv_blocks.set(beat.free_kv_blocks, {A.WORKER_ID: self.worker_id})
             try:
@@ -184,24 +199,17 @@ class Worker:
     async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            extra_args={
-                "kv_transfer_params": {
-                    "do_remote_decode": True,
-                    "transfer_id": job.transfer_id,
-                    "mode": job.mode,
-                    "traceparent": current_traceparent(),
-                }
-            },
-        )
+        kv_params = {"do_remote_decode": True}
+        if self.connector == "kvpush":
+            kv_params |= {"transfer_id": job.transfer_id, "mode": job.mode, "traceparent": current_traceparent()}
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kv_params})
         first_token = None
         error = None
         last = None
         try:
             async for output in self.engine.generate(
-                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-p-{job.transfer_id[:8]}"
+                {"prompt_token_ids": job.prompt_token_ids}, params,
+                request_id=job.engine_request_id or f"{job.request_id}-p-{job.transfer_id[:8]}",
             ):
                 last = output
                 if output.outputs and output.outputs[0].token_ids:
@@ -251,23 +259,24 @@ class Worker:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        kv_params: dict = {}
+        if self.connector == "kvpush":
+            kv_params = {
+                "do_remote_prefill": True,
+                "mode": job.mode,
+                "transfer_id": job.transfer_id,
+                "request_id": job.request_id,
+                "prefill_engine_id": job.prefill_engine_id,
+                "prefill_tp_size": 1,
+                "traceparent": current_traceparent(),
+            }
+        kv_params |= job.kv_transfer_params
         params = SamplingParams(
             max_tokens=job.sampling.max_tokens,
             temperature=job.sampling.temperature,
             ignore_eos=job.sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={
-                "kv_transfer_params": {
-                    "do_remote_prefill": True,
-                    "mode": job.mode,
-                    "transfer_id": job.transfer_id,
-                    "request_id": job.request_id,
-                    "prefill_engine_id": job.prefill_engine_id,
-                    "remote_block_ids": job.remote_block_ids,
-                    "prefill_tp_size": 1,
-                    "traceparent": current_traceparent(),
-                }
-            },
+            extra_args={"kv_transfer_params": kv_params},
         )
         first_at = None
         completion_tokens = 0
@@ -275,7 +284,8 @@ class Worker:
         last = None
         try:
             async for output in self.engine.generate(
-                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=f"{job.request_id}-d-{job.transfer_id[:8]}"
+                {"prompt_token_ids": job.prompt_token_ids}, params,
+                request_id=job.engine_request_id or f"{job.request_id}-d-{job.transfer_id[:8]}",
             ):
                 last = output
                 completion = output.outputs[0]

@@ -21,8 +21,9 @@ Internal (msgpack):
     kvpush.kv.completion            TransferDone | TransferFailed   prefill writer thread
 
 Protocol history:
-    1 - first version (push); pull added with defaulted fields (mode, remote_block_ids,
-        kv_transfer_params), so version-1 peers still decode each other.
+    1 - first version (push); pull and vLLM's own connectors added with defaulted fields
+        (mode, engine_request_id, kv_transfer_params, connector, kv_params), so version-1
+        peers still decode each other.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ class Internal(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+Connector = Literal["kvpush", "vllm-nixl", "vllm-nixl-push"]
+
+
 class WorkerHeartbeat(Internal):
     worker_id: str
     role: Role
@@ -127,6 +131,8 @@ class WorkerHeartbeat(Internal):
     waiting: int
     block_size: int
     max_model_len: int
+    connector: Connector = "kvpush"
+    kv_params: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM connectors: how to reach us
 
 
 class SamplingSpec(msgspec.Struct):
@@ -142,6 +148,7 @@ class PrefillJob(Internal):
     received_at: float
     mode: TransferMode = "push"
     decode_engine_id: str = ""  # push only: pull picks decode after prefill
+    engine_request_id: str = ""  # the id the engine gets (vLLM's connectors match on it); default derived
 
 
 class DecodeJob(Internal):
@@ -153,7 +160,10 @@ class DecodeJob(Internal):
     reply_to: str
     received_at: float
     mode: TransferMode = "push"
-    remote_block_ids: list[int] = msgspec.field(default_factory=list)  # pull: prefill's blocks to READ
+    engine_request_id: str = ""
+    # Merged into the engine request's kv_transfer_params: in pull mode what the prefill
+    # engine returned (for kvpush, its block ids); for vLLM's push, the prefill's address.
+    kv_transfer_params: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class JobAck(Internal):

@@ -173,8 +173,8 @@ async def test_pull_decode_reads_the_kv_prefill_computed(stack, nc, reference):
     async with _Events(nc, inbox, None) as replies, _Events(nc, wire.HANDOFF_SUBJECT, wire.Handoff) as handoffs:
         await _send(nc, wire.prefill_job_subject(prefill_id), prefill)
         handoff = await handoffs.wait_for(lambda h: h.transfer_id == transfer_id)
-        decode.remote_block_ids = handoff.kv_transfer_params["remote_block_ids"]
-        assert len(decode.remote_block_ids) == -(-prompts.CROSS_LENGTH // prompts.BLOCK_SIZE)
+        decode.kv_transfer_params = handoff.kv_transfer_params
+        assert len(handoff.kv_transfer_params["remote_block_ids"]) == -(-prompts.CROSS_LENGTH // prompts.BLOCK_SIZE)
         await _send(nc, wire.decode_job_subject(decode_id), decode)
         tokens, final = await _collect_tokens(replies)
     assert "error" not in final
