@@ -73,13 +73,22 @@ def _first(trace: list[dict], name: str) -> dict | None:
 
 
 def critical_path(trace: list[dict]) -> list[Segment] | None:
-    """The TTFT segments of one request's trace, or None if a stage is missing."""
+    """The TTFT segments of one request's trace, or None if a stage is missing.
+
+    Without a transfer span (vLLM's own connectors record none of ours), handoff, transfer
+    and KV notice cannot be told apart and become one "handoff + transfer" segment.
+    """
     root = _first(trace, "process kvpush.generate") or _first(trace, A.SCHEDULER_QUEUE)
     if root is None:
         return None
+    milestones = _MILESTONES
+    if _first(trace, _TRANSFER) is None:
+        milestones = [m for m in _MILESTONES if m[2] != _TRANSFER]
+        milestones = [("handoff + transfer", "coordination", *m[2:]) if m[0] == "kv notice" else m
+                      for m in milestones]
     previous = root["start_ns"]
     segments: list[Segment] = []
-    for name, category, span_name, end in _MILESTONES:
+    for name, category, span_name, end in milestones:
         span = _first(trace, span_name)
         if span is None:
             return None

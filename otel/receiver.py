@@ -1,5 +1,6 @@
-"""A real OTLP/HTTP receiver for tests: accepts protobuf trace and metric exports on
-loopback and keeps them, the way a collector would receive them."""
+"""A small OTLP/HTTP receiver on loopback: accepts protobuf trace and metric exports and
+keeps them in memory, the way a collector would receive them. The tests and
+``kvpush bench`` point the services at it to read back what they recorded."""
 
 from __future__ import annotations
 
