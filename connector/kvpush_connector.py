@@ -119,7 +119,9 @@ class KvpushConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self._worker.get_finished(finished_req_ids)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, KvpushMetadata) and meta.idle
+        return self._worker.get_finished(finished_req_ids, idle=idle)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -46,3 +46,4 @@ class KvpushMetadata(KVConnectorMetadata):
     ready_prefills: list[ReadyPrefill] = field(default_factory=list)
     expected: list[ExpectedKv] = field(default_factory=list)
     reads: list[PullRead] = field(default_factory=list)
+    idle: bool = False  # nothing to compute this step: the worker may wait for transfers instead of spinning

@@ -132,7 +132,9 @@ class ConnectorScheduler:
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
-        meta = KvpushMetadata(expected=self._expected, reads=self._reads)
+        meta = KvpushMetadata(
+            expected=self._expected, reads=self._reads, idle=scheduler_output.total_num_scheduled_tokens == 0
+        )
         self._expected, self._reads = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, prefill in self._prefills.items():

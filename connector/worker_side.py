@@ -35,6 +35,12 @@ from shared import wire
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
 
+# On a step with nothing to compute, vLLM's engine loop would spin (stepping every ~1 ms)
+# while requests wait for KV or blocks wait to be sent, taking a core from the other
+# engine. get_finished waits up to this long for a transfer to end instead; an arrival
+# wakes it at once. A new request reaching an idle engine waits at most this long.
+IDLE_WAIT_S = 0.01
+
 
 @dataclass(slots=True)
 class _AwaitedKv:
@@ -63,6 +69,7 @@ class ConnectorWorker:
         self._awaiting_kv: dict[str, _AwaitedKv] = {}  # decode: transfer id -> request awaiting it
         self._early_arrivals: dict[str, int] = {}  # decode: KV that arrived before we awaited it
         self._counter = CompletionCounter()
+        self._progress = threading.Event()  # set whenever a transfer ends; wakes an idle get_finished
 
     # ---------------------------------------------------------------- setup
 
@@ -187,6 +194,7 @@ class ConnectorWorker:
         def on_done(result: TransferResult) -> None:
             with self._lock:
                 self._sent.add(ready.request_id)
+            self._progress.set()
             if not result.ok:
                 self._fail(match.transfer_id, registration.decode_engine_id, "write_failed", result.error)
                 return
@@ -225,6 +233,7 @@ class ConnectorWorker:
     def _fail_match(self, match, code: str, reason: str) -> None:
         with self._lock:
             self._sent.add(match.prefill.request_id)  # nothing in flight: free the blocks
+        self._progress.set()
         self._fail(match.transfer_id, match.registration.decode_engine_id, code, reason)
 
     def _fail(self, transfer_id: str, decode_engine_id: str, code: str, reason: str) -> None:
@@ -311,6 +320,7 @@ class ConnectorWorker:
                 self._sent.add(request_id)
         if request_id is not None:
             self.transfer.expect(-1)
+            self._progress.set()
         else:
             self._kv_arrived(transfer_id)
 
@@ -322,12 +332,27 @@ class ConnectorWorker:
                 self._early_arrivals[transfer_id] = time.time_ns()
                 return
             awaited.arrived_ns = time.time_ns()
+        self._progress.set()
         if awaited.notified:
             self.transfer.expect(-1)
 
     # ---------------------------------------------------------------- both
 
-    def get_finished(self, finished_req_ids: set[str]):
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False):
+        self._progress.clear()  # set again by any transfer that ends from here on
+        sending, receiving = self._collect_finished(finished_req_ids)
+        if idle and not sending and not receiving and self._waiting_on_transfers():
+            self._progress.wait(IDLE_WAIT_S)
+            more_sending, more_receiving = self._collect_finished(set())
+            sending |= more_sending
+            receiving |= more_receiving
+        return sending or None, receiving or None
+
+    def _waiting_on_transfers(self) -> bool:
+        with self._lock:
+            return bool(self._awaiting_kv or self._pushing)
+
+    def _collect_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending: set[str] = set()
         if self.is_producer:
             with self._lock:
@@ -353,7 +378,7 @@ class ConnectorWorker:
             awaited.span.end()
             if awaited.notified:
                 self.transfer.expect(-1)
-        return sending or None, receiving or None
+        return sending, receiving
 
 
 def _block_problem(layout, remote: wire.AgentInfo, local_blocks: list[int], remote_blocks: list[int]) -> str | None:

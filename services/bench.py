@@ -20,6 +20,7 @@ import os
 import platform
 import random
 import time
+import uuid
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -109,6 +110,7 @@ class Bench:
         self.progress = progress
         self.results: list[RequestResult] = []
         self.points: list[PointSummary] = []
+        self.idle_cpu: list[dict] = []  # decode worker CPU while idle vs while a request waits for KV
 
     async def run(self) -> None:
         c = self.config
@@ -143,10 +145,62 @@ class Bench:
                         for rate in self._rates(input_len):
                             for connector in bench_connectors:  # alternate push and pull on one stack
                                 await self._point(nc, connector, input_len, rate)
+                    if engine_connector in ("kvpush", "vllm-nixl-push"):
+                        self.idle_cpu.append(await self._idle_wait_cpu(nc, stack, engine_connector))
                 finally:
                     await nc.close()
             finally:
                 stack.stop()
+
+    async def _idle_wait_cpu(self, nc, stack: Stack, engine_connector: str, seconds: float = 5.0) -> dict:
+        """CPU seconds per second the decode worker (with its engine processes) burns when
+        idle, and while one request waits for KV that never comes (push connectors only)."""
+        import psutil
+
+        decode = next(p for name, p in stack.children if name.startswith("decode"))
+        root = psutil.Process(decode.pid)
+        processes = [root, *root.children(recursive=True)]
+
+        def cpu() -> float:
+            total = 0.0
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    pass
+            return total
+
+        beats: dict[str, wire.WorkerHeartbeat] = {}
+
+        async def on_beat(msg):
+            beat = wire.decode(msg.data, wire.WorkerHeartbeat)
+            beats[beat.role] = beat
+
+        sub = await nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=on_beat)
+        while len(beats) < 2:
+            await asyncio.sleep(0.2)
+        await sub.unsubscribe()
+        start = cpu()
+        await asyncio.sleep(seconds)
+        idle = (cpu() - start) / seconds
+        transfer_id = f"idle-probe-{uuid.uuid4().hex}"
+        job = wire.DecodeJob(
+            request_id=transfer_id, transfer_id=transfer_id, prompt_token_ids=_prompt(512, 1),
+            sampling=wire.SamplingSpec(8, 0.0, True), prefill_engine_id=beats["prefill"].worker_id,
+            reply_to=nc.new_inbox(), received_at=time.time(),
+        )
+        if engine_connector != "kvpush":
+            job.engine_request_id = transfer_id
+            job.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": transfer_id,
+                                      **beats["prefill"].kv_params}
+        await nc.request(wire.decode_job_subject(beats["decode"].worker_id), wire.encode(job), timeout=5)
+        await asyncio.sleep(1.0)  # let it allocate and register
+        start = cpu()
+        await asyncio.sleep(seconds)
+        waiting = (cpu() - start) / seconds
+        self._say(f"{engine_connector} decode worker CPU: idle {idle:.2f} s/s, waiting for KV {waiting:.2f} s/s")
+        return {"connector": engine_connector, "idle_cpu_s_per_s": idle, "waiting_cpu_s_per_s": waiting}
 
     def _rates(self, input_len: int) -> list[float]:
         c = self.config
@@ -243,7 +297,7 @@ class Bench:
                    "processor": platform.processor()}
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(c).items()}
         (c.out / "results.json").write_text(json.dumps(
-            {"machine": machine, "config": config, "points": [asdict(p) for p in self.points],
+            {"machine": machine, "config": config, "idle_cpu": self.idle_cpu, "points": [asdict(p) for p in self.points],
              "requests": [asdict(r) for r in self.results]}, indent=1))
         with open(c.out / "requests.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -263,7 +317,12 @@ class Bench:
                 writer.writerow([p.connector, p.input_len, p.rate, p.requests, p.failures, _f(p.throughput_rps),
                                  *(_f(getattr(getattr(p, m), s)) for m in ("ttft", "tpot", "e2e")
                                    for s in ("mean", "p50", "p90", "p99"))])
-        (c.out / "table.md").write_text(markdown_table(self.points))
+        table = markdown_table(self.points)
+        if self.idle_cpu:
+            table += "\n| decode worker CPU (s per s) | idle | one request waiting for KV |\n|---|---:|---:|\n"
+            table += "".join(f"| {r['connector']} | {r['idle_cpu_s_per_s']:.2f} | {r['waiting_cpu_s_per_s']:.2f} |\n"
+                             for r in self.idle_cpu)
+        (c.out / "table.md").write_text(table)
         plot(self.points, c.out / "plots")
 
 

@@ -225,6 +225,18 @@ def cmd_bench(args) -> int:
     return 0 if not any(p.failures for p in bench.points) else 1
 
 
+def cmd_bench_transfer(args) -> int:
+    from services import bench_transfer
+
+    rows = bench_transfer.run(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = bench_transfer.markdown(rows)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def cmd_status(args) -> int:
     import nats
 
@@ -380,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=cmd_bench)
+
+    bench_transfer = sub.add_parser("bench-transfer", help="our transfer thread vs a raw NIXL WRITE, 1-256 MiB")
+    bench_transfer.add_argument("--out", help="write the rows as JSON here")
+    bench_transfer.set_defaults(func=cmd_bench_transfer)
 
     status = sub.add_parser("status", help="ask the scheduler which workers it routes to; exit 1 if too few")
     status.add_argument("--nats-url", default=DEFAULT_NATS_URL)
