@@ -111,13 +111,18 @@ class Bench:
         self.results: list[RequestResult] = []
         self.points: list[PointSummary] = []
         self.idle_cpu: list[dict] = []  # decode worker CPU while idle vs while a request waits for KV
+        self.errors: list[str] = []  # stacks that could not run
 
     async def run(self) -> None:
         c = self.config
         with OtlpReceiver() as receiver:
             self.receiver = receiver
             for engine_connector, bench_connectors in _stack_groups(c.connectors):
-                await self._with_stack(engine_connector, bench_connectors)
+                try:
+                    await self._with_stack(engine_connector, bench_connectors)
+                except (RuntimeError, TimeoutError) as exc:  # one stack failing must not lose the others
+                    self.errors.append(f"{engine_connector}: {exc}")
+                    self._say(f"{engine_connector} stack failed: {exc} (logs in {c.out / 'logs'})")
 
     async def _with_stack(self, engine_connector: str, bench_connectors: list[str]) -> None:
         import nats
@@ -297,7 +302,7 @@ class Bench:
                    "processor": platform.processor()}
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(c).items()}
         (c.out / "results.json").write_text(json.dumps(
-            {"machine": machine, "config": config, "idle_cpu": self.idle_cpu, "points": [asdict(p) for p in self.points],
+            {"machine": machine, "config": config, "errors": self.errors, "idle_cpu": self.idle_cpu, "points": [asdict(p) for p in self.points],
              "requests": [asdict(r) for r in self.results]}, indent=1))
         with open(c.out / "requests.csv", "w", newline="") as f:
             writer = csv.writer(f)

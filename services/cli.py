@@ -222,7 +222,9 @@ def cmd_bench(args) -> int:
     bench.write()
     print((Path(args.out) / "table.md").read_text())
     _say(f"results in {args.out}: results.json, requests.csv, points.csv, table.md, plots/")
-    return 0 if not any(p.failures for p in bench.points) else 1
+    for error in bench.errors:
+        _say(f"not measured: {error}")
+    return 0 if not bench.errors and not any(p.failures for p in bench.points) else 1
 
 
 def cmd_bench_transfer(args) -> int:

@@ -88,7 +88,7 @@ PROFILES: dict[str, ModelProfile] = {
         head_dim=64,
         intermediate_size=512,
         vocab_size=4096,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,  # room for 4k-8k token benchmarks
     ),
     "kv-heavy": ModelProfile(
         hidden_size=512,
