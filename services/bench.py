@@ -160,6 +160,7 @@ class Bench:
     async def _idle_wait_cpu(self, nc, stack: Stack, engine_connector: str, seconds: float = 5.0) -> dict:
         """CPU seconds per second the decode worker (with its engine processes) burns when
         idle, and while one request waits for KV that never comes (push connectors only)."""
+        import nats
         import psutil
 
         decode = next(p for name, p in stack.children if name.startswith("decode"))
@@ -191,7 +192,8 @@ class Bench:
         idle = (cpu() - start) / seconds
         transfer_id = f"idle-probe-{uuid.uuid4().hex}"
         job = wire.DecodeJob(
-            request_id=transfer_id, transfer_id=transfer_id, prompt_token_ids=_prompt(512, 1),
+            request_id=transfer_id, transfer_id=transfer_id,
+            prompt_token_ids=_prompt(min(512, self.config.max_model_len // 2), 1),
             sampling=wire.SamplingSpec(8, 0.0, True), prefill_engine_id=beats["prefill"].worker_id,
             reply_to=nc.new_inbox(), received_at=time.time(),
         )
@@ -199,8 +201,16 @@ class Bench:
             job.engine_request_id = transfer_id
             job.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": transfer_id,
                                       **beats["prefill"].kv_params}
+        replies = await nc.subscribe(job.reply_to)
         await nc.request(wire.decode_job_subject(beats["decode"].worker_id), wire.encode(job), timeout=5)
         await asyncio.sleep(1.0)  # let it allocate and register
+        try:
+            early = await replies.next_msg(timeout=0.01)
+            raise RuntimeError(f"the idle probe request did not wait for KV: {early.data[:200]!r}")
+        except nats.errors.TimeoutError:
+            pass  # nothing yet: it is waiting, as intended
+        finally:
+            await replies.unsubscribe()
         start = cpu()
         await asyncio.sleep(seconds)
         waiting = (cpu() - start) / seconds

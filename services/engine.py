@@ -45,11 +45,6 @@ def engine_kwargs(settings: EngineSettings) -> dict:
         max_num_seqs=settings.max_num_seqs,
         enable_prefix_caching=False,
         tensor_parallel_size=settings.tensor_parallel_size,
-        # One rank: run the worker inside the engine-core process. With vLLM's default
-        # multiprocess executor the two processes exchange every step over shared memory
-        # whose readers spin for a second after each message, so an engine that steps
-        # while waiting for KV kept a core busy.
-        distributed_executor_backend="uni" if settings.tensor_parallel_size == 1 else None,
     )
     if settings.role is not None and settings.connector == "kvpush":
         kwargs["kv_transfer_config"] = {
