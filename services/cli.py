@@ -75,16 +75,16 @@ def cmd_model_build(args) -> int:
     return 0
 
 
-def cmd_scheduler(args) -> int:
+def _run_service(service_name: str, log_level: str, make_service) -> int:
+    """Run one long-lived service (an async context manager) until SIGINT/SIGTERM."""
     from otel import setup as otel_setup
     from services import logs
-    from services.scheduler import Scheduler
 
-    logs.configure(args.log_level)
-    otel_setup.configure("kvpush-scheduler")
+    logs.configure(log_level)
+    otel_setup.configure(service_name)
 
     async def serve() -> None:
-        async with Scheduler(args.nats_url, _model_path(args), args.max_model_len, mode=args.mode):
+        async with make_service():
             await _until_signalled()
 
     try:
@@ -92,26 +92,20 @@ def cmd_scheduler(args) -> int:
     finally:
         otel_setup.shutdown()
     return 0
+
+
+def cmd_scheduler(args) -> int:
+    from services.scheduler import Scheduler
+
+    return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
+        args.nats_url, _model_path(args), args.max_model_len, mode=args.mode))
 
 
 def cmd_worker(args) -> int:
-    from otel import setup as otel_setup
-    from services import logs
     from services.worker import Worker
 
-    logs.configure(args.log_level)
-    otel_setup.configure(f"kvpush-{args.role}")
-
-    async def serve() -> None:
-        async with Worker(args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len,
-                          connector=args.connector):
-            await _until_signalled()
-
-    try:
-        asyncio.run(serve())
-    finally:
-        otel_setup.shutdown()
-    return 0
+    return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
+        args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len, connector=args.connector))
 
 
 def _start_stack(args, quiet: bool = False):
