@@ -17,6 +17,7 @@ from typing import Callable
 import nats
 
 from otel.messaging import consumer, producer
+from shared.nats_security import connect_options
 
 log = logging.getLogger("kvpush.bridge")
 
@@ -57,7 +58,7 @@ class NatsBridge:
         asyncio.set_event_loop(self._loop)
         try:
             self._nc = self._loop.run_until_complete(
-                nats.connect(self.url, name=self.name, max_reconnect_attempts=-1)
+                nats.connect(self.url, name=self.name, max_reconnect_attempts=-1, **connect_options())
             )
         except BaseException as exc:  # reported to start()
             self._error = exc

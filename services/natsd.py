@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 
 def server_binary() -> str:
@@ -30,12 +32,21 @@ def free_port() -> int:
 
 
 class LocalNatsServer:
-    """``with LocalNatsServer() as server: server.url`` — JetStream on, stopped on exit."""
+    """``with LocalNatsServer() as server: server.url`` — JetStream on, stopped on exit.
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None):
+    ``config`` is a nats-server configuration file (TLS, users, permissions). nats-server
+    resolves the relative paths inside it (certificates) against its working directory,
+    so it is started in the config file's folder: paths are then relative to the file.
+    The address, port and store given here override the file's.
+    """
+
+    def __init__(self, port: int | None = None, store_dir: str | None = None,
+                 config: Path | str | None = None):
         self.port = port or free_port()
         self._store = store_dir
+        self.config = Path(config).resolve() if config is not None else None
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._log: IO[bytes] | None = None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -46,17 +57,17 @@ class LocalNatsServer:
         if self._store is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvpush-nats-")
             self._store = self._tmp.name
+        self._log = tempfile.TemporaryFile(prefix="kvpush-nats-log-")
         self.process = subprocess.Popen(
-            [server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self._store],
+            self._command(),
+            cwd=self.config.parent if self.config is not None else None,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._log,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"nats-server exited: {self.process.stderr.read().decode(errors='replace')[-500:]}"
-                )
+                raise RuntimeError(f"nats-server exited: {self.log_tail()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
@@ -65,7 +76,32 @@ class LocalNatsServer:
         self.stop()
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout} s")
 
+    def restart(self, timeout: float = 10.0) -> "LocalNatsServer":
+        """Stop the server and start it again on the same port with the same store (for fault tests)."""
+        self._terminate()
+        return self.start(timeout)
+
     def stop(self) -> None:
+        self._terminate()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self._store = None
+
+    def log_tail(self, chars: int = 500) -> str:
+        """The end of what nats-server wrote to stderr (its log) since the last start."""
+        if self._log is None or self._log.closed:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-chars:]
+
+    def _command(self) -> list[str]:
+        command = [server_binary()]
+        if self.config is not None:
+            command += ["-c", str(self.config)]
+        return command + ["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", os.path.abspath(self._store)]
+
+    def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -73,9 +109,9 @@ class LocalNatsServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def __enter__(self) -> "LocalNatsServer":
         return self.start()

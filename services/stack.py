@@ -15,6 +15,7 @@ from pathlib import Path
 import nats
 
 from services.natsd import LocalNatsServer, free_port
+from shared.nats_security import connect_options
 from shared import wire
 
 PR_SET_PDEATHSIG = 1
@@ -40,6 +41,7 @@ class Stack:
         connector: str = "kvpush",
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
     ):
         self.model = model
         self.nats_url = nats_url
@@ -50,6 +52,7 @@ class Stack:
         self.connector = connector
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
+        self.role_env = role_env or {}  # per role (scheduler, prefill, decode, client): e.g. its NATS user
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
 
@@ -59,16 +62,23 @@ class Stack:
             self.nats_server = LocalNatsServer(port=port).start()
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        self._spawn("scheduler", ["scheduler", *common, "--mode", self.mode])
-        workers = [*common, "--connector", self.connector]
+        self._spawn("scheduler", "scheduler", ["scheduler", *common, "--mode", self.mode])
         for i in range(self.num_prefill):
-            self._spawn(f"prefill-{i}", ["worker", "--role", "prefill", *workers])
+            self.spawn_worker("prefill", f"prefill-{i}")
         for i in range(self.num_decode):
-            self._spawn(f"decode-{i}", ["worker", "--role", "decode", *workers])
+            self.spawn_worker("decode", f"decode-{i}")
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, **self.extra_env}
+    def spawn_worker(self, role: str, name: str) -> subprocess.Popen:
+        """Start one more worker (a replacement after a crash, say); it joins on its own."""
+        common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
+        return self._spawn(role, name, ["worker", "--role", role, *common, "--connector", self.connector])
+
+    def _env(self, role: str) -> dict[str, str]:
+        return {**os.environ, **self.extra_env, **self.role_env.get(role, {})}
+
+    def _spawn(self, role: str, name: str, args: list[str]) -> subprocess.Popen:
+        env = self._env(role)
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -81,10 +91,11 @@ class Stack:
             preexec_fn=_die_with_parent,
         )
         self.children.append((name, process))
+        return process
 
     async def wait_ready(self, timeout: float = 300.0, progress=None) -> None:
         """Return once the scheduler routes to every worker; raise if a child died."""
-        nc = await nats.connect(self.nats_url)
+        nc = await nats.connect(self.nats_url, **connect_options(self._env("client")))
         try:
             deadline = time.monotonic() + timeout
             last = None
