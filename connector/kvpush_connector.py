@@ -7,7 +7,10 @@ Load it with::
         "kv_connector_module_path": "connector.kvpush_connector",
         "kv_role": "kv_producer" (prefill) | "kv_consumer" (decode),
         "engine_id": "<worker id>",
-        "kv_connector_extra_config": {"nats_url": "nats://127.0.0.1:4222"},
+        "kv_connector_extra_config": {"nats_url": "nats://127.0.0.1:4222",
+                                      # optional, seconds: see connector.worker_side
+                                      "lease_s": 10, "kv_wait_s": 120, "quarantine_s": 10},
+        "kv_load_failure_policy": "recompute" | "fail",  # when pushed KV will not come
     }
 
 Per request, ``kv_transfer_params``:
@@ -20,7 +23,7 @@ Scheduler side (ConnectorScheduler): get_num_new_matched_tokens, update_state_af
 (prefill keeps blocks until pushed), update_connector_output, has_pending_push_work.
 Worker side (ConnectorWorker): register_kv_caches (starts the transfer thread),
 start_load_kv (decode learns what to expect), wait_for_save (prefill offers finished
-prompts to the rendezvous), get_finished, shutdown. Per-layer hooks are no-ops: the
+prompts to the rendezvous), get_transfer_results (also the loads that failed), shutdown. Per-layer hooks are no-ops: the
 push starts once the whole forward pass is done.
 """
 
@@ -32,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from connector.bridge import NatsBridge
@@ -70,6 +74,9 @@ class KvpushConnector(KVConnectorBase_V1):
                 tp_size,
                 transfer_config.is_kv_producer,
                 bridge,
+                lease_s=float(extra.get("lease_s", 10.0)),
+                kv_wait_s=float(extra.get("kv_wait_s", 120.0)),
+                quarantine_s=float(extra.get("quarantine_s", 10.0)),
             )
 
     # ---------------------------------------------------------------- scheduler side
@@ -119,9 +126,14 @@ class KvpushConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         idle = isinstance(meta, KvpushMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle=idle)
+        sending, receiving, failed = self._worker.get_finished(finished_req_ids, idle=idle)
+        return KVConnectorTransferResults(sending, receiving, failed)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -17,6 +17,8 @@ class ReadyPrefill:
     block_ids: list[int]
     traceparent: str = ""
     mode: str = "push"
+    num_tokens: int = 0
+    decode_engine_id: str = ""  # push: the only decode whose registration may be written to
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,7 @@ class ExpectedKv:
     transfer_id: str
     num_producer_ranks: int
     traceparent: str = ""
+    prefill_engine_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

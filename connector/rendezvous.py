@@ -2,8 +2,18 @@
 
 Pure Python and thread-safe: the NATS thread offers registrations, vLLM's worker
 thread offers finished prefills. ``offer_*`` returns a ``Match`` exactly once per
-transfer id, to whichever call completed the pair; duplicates of either half and
-arrivals after the match (``forget`` leaves a tombstone) return None.
+transfer id, to whichever call completed the pair, ``None`` while the half waits, or
+``Refused``:
+
+- ``duplicate``: a second copy of a half already offered or matched (ignore it);
+- ``closed``: the transfer was given up (its lease expired, decode revoked it); the
+  half must not be used: free its blocks, tell its sender;
+- ``incompatible``: ``check(registration, prefill)`` found the pair unusable (the
+  wrong decode, a different prompt length); the registration is dropped and the
+  prefill keeps waiting for the right one.
+
+Each waiting half holds a lease: ``lease_s`` after its arrival or its last ``renew``,
+``expired()`` hands it back (tombstoned) so the caller frees what it holds.
 """
 
 from __future__ import annotations
@@ -11,10 +21,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Callable, Generic, Literal, TypeVar
 
 R = TypeVar("R")
 P = TypeVar("P")
+
+Closed = Literal["matched", "expired", "revoked"]
 
 
 @dataclass(slots=True)
@@ -27,64 +39,113 @@ class Match(Generic[R, P]):
 
 
 @dataclass(slots=True)
-class _Half(Generic[R, P]):
+class Refused(Generic[R]):
+    transfer_id: str
+    code: Literal["duplicate", "closed", "incompatible"]
+    reason: str
+    registration: R | None = None  # the registration refused, if that was the half offered or dropped
+
+
+@dataclass(slots=True)
+class Half(Generic[R, P]):
     registration: R | None = None
     prefill: P | None = None
-    first_at: float = field(default_factory=time.monotonic)
+    first_at: float = 0.0
+    expires_at: float = 0.0
 
 
 class Rendezvous(Generic[R, P]):
-    def __init__(self, max_tombstones: int = 100_000):
-        self._lock = threading.Lock()  # protects _pending and _matched
-        self._pending: dict[str, _Half[R, P]] = {}
-        self._matched: dict[str, None] = {}  # insertion-ordered tombstones
+    def __init__(
+        self,
+        lease_s: float = 30.0,
+        check: Callable[[R, P], str | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_tombstones: int = 100_000,
+    ):
+        self.lease_s = lease_s
+        self._check = check
+        self._clock = clock
+        self._lock = threading.Lock()  # protects _pending and _closed
+        self._pending: dict[str, Half[R, P]] = {}
+        self._closed: dict[str, Closed] = {}  # insertion-ordered tombstones
         self._max_tombstones = max_tombstones
 
-    def offer_registration(self, transfer_id: str, registration: R) -> Match[R, P] | None:
+    def offer_registration(self, transfer_id: str, registration: R) -> Match[R, P] | Refused[R] | None:
         return self._offer(transfer_id, registration=registration)
 
-    def offer_prefill(self, transfer_id: str, prefill: P) -> Match[R, P] | None:
+    def offer_prefill(self, transfer_id: str, prefill: P) -> Match[R, P] | Refused[R] | None:
         return self._offer(transfer_id, prefill=prefill)
 
     def _offer(self, transfer_id: str, registration: R | None = None, prefill: P | None = None):
+        now = self._clock()
         with self._lock:
-            if transfer_id in self._matched:
-                return None
+            closed = self._closed.get(transfer_id)
+            if closed == "matched":
+                return Refused(transfer_id, "duplicate", "already matched", registration)
+            if closed is not None:
+                return Refused(transfer_id, "closed", f"transfer {closed}", registration)
             half = self._pending.get(transfer_id)
             if half is None:
-                self._pending[transfer_id] = _Half(registration, prefill)
+                self._pending[transfer_id] = Half(registration, prefill, now, now + self.lease_s)
                 return None
-            if registration is not None:
-                if half.registration is not None:
-                    return None  # duplicate registration
-                half.registration = registration
-                order = "prefill_first"
-            else:
-                if half.prefill is not None:
-                    return None  # duplicate prefill
-                half.prefill = prefill
-                order = "registration_first"
+            if (registration is not None and half.registration is not None) or (
+                prefill is not None and half.prefill is not None
+            ):
+                return Refused(transfer_id, "duplicate", "this half is already waiting", registration)
+            pair_registration = registration if registration is not None else half.registration
+            pair_prefill = prefill if prefill is not None else half.prefill
+            problem = self._check(pair_registration, pair_prefill) if self._check else None
+            if problem is not None:
+                half.registration = None  # the prefill (offered now or waiting) waits on
+                half.prefill = pair_prefill
+                return Refused(transfer_id, "incompatible", problem, pair_registration)
             del self._pending[transfer_id]
-            self._tombstone(transfer_id)
+            self._tombstone(transfer_id, "matched")
             return Match(
                 transfer_id,
-                half.registration,
-                half.prefill,
-                order,
-                time.monotonic() - half.first_at,
+                pair_registration,
+                pair_prefill,
+                "prefill_first" if registration is not None else "registration_first",
+                now - half.first_at,
             )
 
-    def forget(self, transfer_id: str) -> _Half[R, P] | None:
-        """Drop a transfer (aborted, expired); later halves for it are ignored."""
+    def renew(self, transfer_id: str) -> bool:
+        """Extend the lease of the half waiting for ``transfer_id``; False if none waits."""
         with self._lock:
-            self._tombstone(transfer_id)
-            return self._pending.pop(transfer_id, None)
+            half = self._pending.get(transfer_id)
+            if half is None:
+                return False
+            half.expires_at = self._clock() + self.lease_s
+            return True
+
+    def close(self, transfer_id: str, reason: Closed = "revoked") -> tuple[Half[R, P] | None, bool]:
+        """Give a transfer up; later halves for it are refused as closed.
+
+        Returns (the half that was waiting, or None; whether it had already matched).
+        A transfer already matched stays matched: its write is under way or done.
+        """
+        with self._lock:
+            if self._closed.get(transfer_id) == "matched":
+                return None, True
+            self._tombstone(transfer_id, reason)
+            return self._pending.pop(transfer_id, None), False
+
+    def expired(self) -> list[tuple[str, Half[R, P]]]:
+        """Take out the halves whose lease ran out; their transfers are closed."""
+        now = self._clock()
+        with self._lock:
+            gone = [(tid, half) for tid, half in self._pending.items() if half.expires_at <= now]
+            for transfer_id, _ in gone:
+                del self._pending[transfer_id]
+                self._tombstone(transfer_id, "expired")
+            return gone
 
     def pending(self) -> list[str]:
         with self._lock:
             return list(self._pending)
 
-    def _tombstone(self, transfer_id: str) -> None:
-        self._matched[transfer_id] = None
-        while len(self._matched) > self._max_tombstones:
-            del self._matched[next(iter(self._matched))]
+    def _tombstone(self, transfer_id: str, reason: Closed) -> None:
+        self._closed.pop(transfer_id, None)
+        self._closed[transfer_id] = reason
+        while len(self._closed) > self._max_tombstones:
+            del self._closed[next(iter(self._closed))]

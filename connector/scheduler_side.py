@@ -43,6 +43,7 @@ class _Prefill:
     transfer_id: str
     traceparent: str
     mode: str
+    decode_engine_id: str
     block_ids: list[int] | None = None  # set once announced to the worker side
 
 
@@ -76,7 +77,8 @@ class ConnectorScheduler:
             return
         if params.get("do_remote_decode") and request.request_id not in self._prefills:
             self._prefills[request.request_id] = _Prefill(
-                request, params["transfer_id"], params.get("traceparent", ""), params.get("mode", "push")
+                request, params["transfer_id"], params.get("traceparent", ""), params.get("mode", "push"),
+                params.get("decode_engine_id", ""),
             )
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
@@ -128,7 +130,8 @@ class ConnectorScheduler:
                 template="kvpush.kv.register.{engine_id}",
             )
         self._expected.append(
-            ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1), traceparent)
+            ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1), traceparent,
+                       params["prefill_engine_id"])
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
@@ -148,7 +151,8 @@ class ConnectorScheduler:
             needed = blocks_for(request.num_prompt_tokens, self.block_size)
             prefill.block_ids = list(block_ids[:needed])
             meta.ready_prefills.append(
-                ReadyPrefill(request_id, prefill.transfer_id, prefill.block_ids, prefill.traceparent, prefill.mode)
+                ReadyPrefill(request_id, prefill.transfer_id, prefill.block_ids, prefill.traceparent, prefill.mode,
+                             request.num_prompt_tokens, prefill.decode_engine_id)
             )
         return meta
 

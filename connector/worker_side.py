@@ -8,6 +8,14 @@ notifications; ``get_finished`` reports requests whose KV has fully arrived.
 Pull, decode: a READ of the prefill's blocks is posted as soon as vLLM allocated ours;
 its completion is the arrival. Pull, prefill: blocks are freed once decode's READ
 notification came.
+
+Faults. Prefill holds a finished prompt's blocks, and a registration waiting for its
+prompt, under a lease that decode renews (``LeaseRenewal``); expiry frees the blocks and
+tells decode and the schedulers (``lease_expired``). Decode watches the blocks it
+registered (``KvWaits``): when it gives them up (the request was aborted, the KV is
+overdue) it revokes the transfer and keeps them until prefill answers that no write of
+its can land. A load that will not come is reported to vLLM as failed, and vLLM's
+``kv_load_failure_policy`` recomputes the prompt locally or fails the request.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -24,8 +31,9 @@ from opentelemetry import trace
 from connector import kv_layout
 from connector.bridge import NatsBridge
 from connector.completion import CompletionCounter, notification, parse_notification
+from connector.kv_wait import KvWaits, Released
 from connector.metadata import KvpushMetadata, PullRead, ReadyPrefill
-from connector.rendezvous import Match, Rendezvous
+from connector.rendezvous import Match, Refused, Rendezvous
 from connector.transfer_thread import TransferJob, TransferResult, TransferThread
 from otel import attributes as A
 from otel.messaging import context_from_traceparent
@@ -40,36 +48,47 @@ _tracer = trace.get_tracer("kvpush.connector")
 # engine. get_finished waits up to this long for a transfer to end instead; an arrival
 # wakes it at once. A new request reaching an idle engine waits at most this long.
 IDLE_WAIT_S = 0.01
+CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
 
 
-@dataclass(slots=True)
-class _AwaitedKv:
-    request_id: str
-    span: trace.Span
-    notified: bool  # push: arrival is a peer notification the transfer thread polls for
-    arrived_ns: int | None = None
+def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | None:
+    """Why this registration must not receive this prefill's KV, or None."""
+    if ready.decode_engine_id and registration.decode_engine_id != ready.decode_engine_id:
+        return f"registration from {registration.decode_engine_id}, but the scheduler chose {ready.decode_engine_id}"
+    if ready.num_tokens and registration.num_tokens != ready.num_tokens:
+        return f"registration for {registration.num_tokens} tokens, the prompt has {ready.num_tokens}"
+    if len(registration.block_ids) != len(ready.block_ids):
+        return f"registration names {len(registration.block_ids)} blocks, the prompt fills {len(ready.block_ids)}"
+    return None
+
+
 
 
 class ConnectorWorker:
-    def __init__(self, engine_id: str, rank: int, tp_size: int, is_producer: bool, bridge: NatsBridge):
+    def __init__(self, engine_id: str, rank: int, tp_size: int, is_producer: bool, bridge: NatsBridge,
+                 lease_s: float = 10.0, kv_wait_s: float = 120.0, quarantine_s: float = 10.0):
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
         self.is_producer = is_producer
         self.bridge = bridge
         self.transfer: TransferThread | None = None
-        self._rendezvous: Rendezvous[wire.Registration, ReadyPrefill] = Rendezvous()
+        self._rendezvous: Rendezvous[wire.Registration, ReadyPrefill] = Rendezvous(lease_s, check=pair_problem)
         self._agents: dict[tuple[str, int], wire.AgentInfo] = {}
         self._agents_lock = threading.Lock()  # protects _agents
         self._lock = threading.Lock()  # protects the sets and dicts below
-        self._sent: set[str] = set()  # prefill request ids whose KV left (pushed, or read by decode)
+        self._sent: set[str] = set()  # prefill request ids whose blocks may go back (KV left, or given up)
         self._finished: set[str] = set()  # prefill request ids vLLM reported finished
         self._pushing: set[str] = set()  # prefill request ids whose blocks we hold for a transfer
-        self._served_reads: dict[str, str] = {}  # prefill, pull: transfer id -> request id
-        self._awaiting_kv: dict[str, _AwaitedKv] = {}  # decode: transfer id -> request awaiting it
-        self._early_arrivals: dict[str, int] = {}  # decode: KV that arrived before we awaited it
+        self._writing: set[str] = set()  # prefill: transfer ids with a WRITE posted and not yet ended
+        self._served_reads: dict[str, list] = {}  # prefill, pull: transfer id -> [request id, lease end]
+        self._released: list[Released] = []  # decode: waits ended, for the next get_finished
+        self.lease_s = lease_s
+        self._waits = KvWaits(kv_wait_s=kv_wait_s, quarantine_s=quarantine_s)
         self._counter = CompletionCounter()
         self._progress = threading.Event()  # set whenever a transfer ends; wakes an idle get_finished
+        self._stop = threading.Event()
+        self._clock = threading.Thread(target=self._run_clock, name="kvpush-lease-clock", daemon=True)
 
     # ---------------------------------------------------------------- setup
 
@@ -84,23 +103,36 @@ class ConnectorWorker:
         self.bridge.subscribe(wire.AGENTS_SUBJECT, self._on_agent_announced)
         if self.is_producer:
             self.bridge.subscribe(
-                wire.registration_subject(self.engine_id), self._on_registration,
+                wire.registration_subject(self.engine_id), self._on_kv_control,
                 template="kvpush.kv.register.{engine_id}",
             )
+        else:
+            self.bridge.subscribe(
+                wire.completion_subject(self.engine_id), self._on_completion,
+                template="kvpush.kv.completion.{engine_id}",
+            )
         self.bridge.publish(wire.AGENTS_SUBJECT, info)
+        self._clock.start()
 
     def shutdown(self) -> None:
+        self._stop.set()
         if self.transfer is not None:
             self.transfer.stop()
+
+    def _refuse(self, subject: str, exc: Exception) -> None:
+        log.warning("refused a malformed message on %s: %s", subject, exc)
+        instruments().failures.add(1, {"reason": "bad_message"})
+        self.bridge.publish(wire.INVALID_SUBJECT, wire.encode(
+            wire.InvalidMessage(service=self.engine_id, subject=subject, code="bad_message", reason=str(exc))))
 
     def _on_agent_announced(self, data: bytes) -> None:
         try:
             info = wire.decode(data, wire.AgentInfo)
         except msgspec.MsgspecError as exc:
-            log.warning("ignored a malformed agent announcement: %s", exc)
+            self._refuse(wire.AGENTS_SUBJECT, exc)
             return
         with self._agents_lock:
-            self._agents[(info.engine_id, info.rank)] = info
+            self._agents[(info.engine_id, info.rank)] = info  # a restarted peer replaces its old agent
 
     def _with_agent(self, engine_id: str, then: Callable[[wire.AgentInfo | None, str], None]) -> None:
         """Call ``then(info, "")`` with the peer rank's agent, asking for it over NATS on
@@ -129,21 +161,103 @@ class ConnectorWorker:
             wire.agent_subject(*key), b"", 5.0, on_reply, template="kvpush.kv.agent.{engine_id}.{rank}"
         )
 
+    def _run_clock(self) -> None:
+        while not self._stop.wait(CLOCK_TICK_S):
+            try:
+                self._tick(time.monotonic())
+            except Exception:
+                log.exception("lease clock tick failed")
+
+    def _tick(self, now: float) -> None:
+        if self.is_producer:
+            for transfer_id, half in self._rendezvous.expired():
+                ready = half.prefill
+                decode_engine_id = half.registration.decode_engine_id if half.registration else (
+                    ready.decode_engine_id if ready else "")
+                if ready is not None:
+                    self._give_back(ready.request_id)
+                self._fail(transfer_id, decode_engine_id, "lease_expired",
+                           f"decode did not renew the lease within {self.lease_s:g} s")
+            with self._lock:
+                lapsed = [(tid, entry[0]) for tid, entry in self._served_reads.items() if entry[1] <= now]
+                for transfer_id, _ in lapsed:
+                    del self._served_reads[transfer_id]
+            for transfer_id, request_id in lapsed:
+                self.transfer.expect(-1)
+                self._give_back(request_id)
+                self._fail(transfer_id, "", "lease_expired", "decode did not read the KV within its lease")
+            return
+        to_revoke, released = self._waits.tick(now)
+        self._revoke(to_revoke)
+        if released:
+            with self._lock:
+                self._released.extend(released)
+            self._progress.set()
+
+    def _give_back(self, request_id: str) -> None:
+        """A prefill's blocks hold nothing decode will take: let vLLM free them."""
+        with self._lock:
+            self._sent.add(request_id)
+        self._progress.set()
+
     # ---------------------------------------------------------------- prefill side
 
-    def _on_registration(self, data: bytes) -> None:
+    def _on_kv_control(self, data: bytes) -> None:
         try:
-            registration = wire.decode(data, wire.Registration)
+            message = wire.decode(data, wire.KvControl)
         except msgspec.MsgspecError as exc:
-            log.warning("ignored a malformed registration: %s", exc)
+            self._refuse(wire.registration_subject(self.engine_id), exc)
             return
+        match message:
+            case wire.LeaseRenewal():
+                for transfer_id in message.transfer_ids:
+                    if not self._rendezvous.renew(transfer_id):
+                        self._renew_read(transfer_id)
+            case wire.Revoke():
+                self._on_revoke(message)
+            case wire.Registration():
+                self._on_registration(message)
+
+    def _on_registration(self, registration: wire.Registration) -> None:
         if registration.decode_tp_size != self.tp_size:
             self._fail(registration.transfer_id, registration.decode_engine_id, "tp_mismatch",
                        f"decode has TP {registration.decode_tp_size}, prefill has TP {self.tp_size}")
             return
-        match = self._rendezvous.offer_registration(registration.transfer_id, registration)
-        if match is not None:
-            self._start_write(match)
+        self._settle(self._rendezvous.offer_registration(registration.transfer_id, registration))
+
+    def _settle(self, outcome: Match | Refused | None, ready: ReadyPrefill | None = None) -> None:
+        """Act on what the rendezvous said about a half just offered."""
+        if isinstance(outcome, Match):
+            self._start_write(outcome)
+            return
+        if not isinstance(outcome, Refused) or outcome.code == "duplicate":
+            return
+        if outcome.registration is not None:
+            code = "bad_registration" if outcome.code == "incompatible" else "transfer_closed"
+            self._fail(outcome.transfer_id, outcome.registration.decode_engine_id, code, outcome.reason)
+        if ready is not None and outcome.code == "closed":
+            self._give_back(ready.request_id)  # decode gave this transfer up before the prompt was done
+
+    def _on_revoke(self, revoke: wire.Revoke) -> None:
+        half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
+        if half is not None and half.prefill is not None:
+            self._give_back(half.prefill.request_id)
+        with self._lock:
+            writing = revoke.transfer_id in self._writing
+            served = self._served_reads.pop(revoke.transfer_id, None)
+        if served is not None:
+            self.transfer.expect(-1)
+            self._give_back(served[0])
+        if writing:
+            return  # the write's own completion event answers, once nothing more can land
+        self._fail(revoke.transfer_id, revoke.decode_engine_id, "revoked",
+                   "decode gave the transfer up" + (" after it was written" if matched else "; nothing was written"))
+
+    def _renew_read(self, transfer_id: str) -> None:
+        with self._lock:
+            entry = self._served_reads.get(transfer_id)
+            if entry is not None:
+                entry[1] = time.monotonic() + self.lease_s
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         """After the forward pass: these prefills' KV is now in their blocks."""
@@ -152,12 +266,10 @@ class ConnectorWorker:
                 self._pushing.add(ready.request_id)
             if ready.mode == "pull":
                 with self._lock:
-                    self._served_reads[ready.transfer_id] = ready.request_id
+                    self._served_reads[ready.transfer_id] = [ready.request_id, time.monotonic() + self.lease_s]
                 self.transfer.expect(1)
                 continue
-            match = self._rendezvous.offer_prefill(ready.transfer_id, ready)
-            if match is not None:
-                self._start_write(match)
+            self._settle(self._rendezvous.offer_prefill(ready.transfer_id, ready), ready)
 
     def _start_write(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
         now_ns = time.time_ns()
@@ -177,6 +289,8 @@ class ConnectorWorker:
         )
         span.end(end_time=now_ns)
         instruments().rendezvous_wait.record(wait_ms, {"second": second})
+        with self._lock:
+            self._writing.add(match.transfer_id)
         self._with_agent(
             match.registration.decode_engine_id,
             lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
@@ -194,13 +308,14 @@ class ConnectorWorker:
         def on_done(result: TransferResult) -> None:
             with self._lock:
                 self._sent.add(ready.request_id)
+                self._writing.discard(match.transfer_id)
             self._progress.set()
             if not result.ok:
                 self._fail(match.transfer_id, registration.decode_engine_id, "write_failed", result.error)
                 return
             _record_transfer(result)
             self.bridge.publish(
-                wire.COMPLETION_SUBJECT,
+                wire.completion_subject(registration.decode_engine_id),
                 wire.encode(
                     wire.TransferDone(
                         transfer_id=match.transfer_id,
@@ -232,15 +347,16 @@ class ConnectorWorker:
 
     def _fail_match(self, match, code: str, reason: str) -> None:
         with self._lock:
-            self._sent.add(match.prefill.request_id)  # nothing in flight: free the blocks
-        self._progress.set()
+            self._writing.discard(match.transfer_id)
+        self._give_back(match.prefill.request_id)  # nothing in flight: free the blocks
         self._fail(match.transfer_id, match.registration.decode_engine_id, code, reason)
 
     def _fail(self, transfer_id: str, decode_engine_id: str, code: str, reason: str) -> None:
+        """Tell decode (and the schedulers) that no write of ours will land for this transfer."""
         log.warning("transfer %s failed (%s): %s", transfer_id, code, reason)
         instruments().failures.add(1, {"reason": code})
         self.bridge.publish(
-            wire.COMPLETION_SUBJECT,
+            wire.completion_subject(decode_engine_id or "unknown"),
             wire.encode(
                 wire.TransferFailed(
                     transfer_id=transfer_id,
@@ -257,26 +373,26 @@ class ConnectorWorker:
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         for expected in meta.expected:
-            self._await_kv(expected.request_id, expected.transfer_id, expected.traceparent, notified=True)
+            self._await_kv(expected.request_id, expected.transfer_id, expected.traceparent, True,
+                           expected.prefill_engine_id)
         for read in meta.reads:
-            self._await_kv(read.request_id, read.transfer_id, read.traceparent, notified=False)
+            self._await_kv(read.request_id, read.transfer_id, read.traceparent, False, read.prefill_engine_id)
             self._with_agent(
                 read.prefill_engine_id,
                 lambda remote, why, read=read: self._submit_read(read, remote) if remote else self._read_failed(
                     read, why),
             )
 
-    def _await_kv(self, request_id: str, transfer_id: str, traceparent: str, notified: bool) -> None:
+    def _await_kv(self, request_id: str, transfer_id: str, traceparent: str, notified: bool,
+                  prefill_engine_id: str) -> None:
         span = _tracer.start_span(
             A.KV_WAIT,
             context=context_from_traceparent(traceparent),
             attributes={A.TRANSFER_ID: transfer_id, A.WORKER_ID: self.engine_id},
         )
-        with self._lock:
-            awaited = self._awaiting_kv[transfer_id] = _AwaitedKv(request_id, span, notified)
-            awaited.arrived_ns = self._early_arrivals.pop(transfer_id, None)
-        if notified and awaited.arrived_ns is None:
-            self.transfer.expect(1)
+        if notified:
+            self.transfer.expect(1)  # poll eagerly for the producers' notifications
+        self._waits.start(request_id, transfer_id, time.monotonic(), (span, notified, prefill_engine_id))
 
     def _submit_read(self, read: PullRead, remote: wire.AgentInfo) -> None:
         problem = _block_problem(self.transfer.layout, remote, read.remote_block_ids, read.local_block_ids)
@@ -305,9 +421,31 @@ class ConnectorWorker:
         )
 
     def _read_failed(self, read: PullRead, why: str) -> None:
-        # Surfacing load failures to vLLM (recompute or fail the request) is the fault-handling
-        # issue's work; until then the request keeps waiting and the failure is reported.
+        self._waits.prefill_gave_up(read.transfer_id, f"read_failed: {why}")  # nothing of ours is in flight
+        self._progress.set()
         self._fail(read.transfer_id, self.engine_id, "read_failed", why)
+
+    def _on_completion(self, data: bytes) -> None:
+        try:
+            event = wire.decode(data, wire.Completion)
+        except msgspec.MsgspecError as exc:
+            self._refuse(wire.completion_subject(self.engine_id), exc)
+            return
+        if isinstance(event, wire.TransferFailed) and event.prefill_engine_id != self.engine_id:
+            self._waits.prefill_gave_up(event.transfer_id, f"{event.code}: {event.reason}")
+            self._progress.set()
+
+    def _revoke(self, waits) -> None:
+        for wait in waits:
+            _, notified, prefill_engine_id = wait.context
+            if not prefill_engine_id:
+                continue
+            self.bridge.publish(
+                wire.registration_subject(prefill_engine_id),
+                wire.encode(wire.Revoke(transfer_id=wait.transfer_id, decode_engine_id=self.engine_id,
+                                        reason=wait.given_up or "")),
+                template="kvpush.kv.register.{engine_id}",
+            )
 
     def _on_notification(self, message: bytes) -> None:
         transfer_id, rank, num_ranks = parse_notification(message)
@@ -315,44 +453,38 @@ class ConnectorWorker:
             return
         self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
         with self._lock:
-            request_id = self._served_reads.pop(transfer_id, None)
-            if request_id is not None:  # pull: decode has read our blocks
-                self._sent.add(request_id)
-        if request_id is not None:
+            served = self._served_reads.pop(transfer_id, None)
+        if served is not None:  # pull: decode has read our blocks
             self.transfer.expect(-1)
-            self._progress.set()
+            self._give_back(served[0])
         else:
             self._kv_arrived(transfer_id)
 
     def _kv_arrived(self, transfer_id: str) -> None:
         """All of a transfer's KV is in our blocks (any thread)."""
-        with self._lock:
-            awaited = self._awaiting_kv.get(transfer_id)
-            if awaited is None:
-                self._early_arrivals[transfer_id] = time.time_ns()
-                return
-            awaited.arrived_ns = time.time_ns()
+        self._waits.arrived(transfer_id, time.time_ns())
         self._progress.set()
-        if awaited.notified:
-            self.transfer.expect(-1)
 
     # ---------------------------------------------------------------- both
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False):
+        """(prefill requests whose blocks may be freed, decode requests whose wait ended,
+        decode requests whose KV will not come)."""
         self._progress.clear()  # set again by any transfer that ends from here on
-        sending, receiving = self._collect_finished(finished_req_ids)
+        sending, receiving, failed = self._collect_finished(finished_req_ids)
         if idle and not sending and not receiving and self._waiting_on_transfers():
             self._progress.wait(IDLE_WAIT_S)
-            more_sending, more_receiving = self._collect_finished(set())
-            sending |= more_sending
-            receiving |= more_receiving
-        return sending or None, receiving or None
+            more = self._collect_finished(set())
+            sending |= more[0]
+            receiving |= more[1]
+            failed |= more[2]
+        return sending, receiving, failed
 
     def _waiting_on_transfers(self) -> bool:
         with self._lock:
-            return bool(self._awaiting_kv or self._pushing)
+            return bool(self._pushing or self._waits.waiting())
 
-    def _collect_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def _collect_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         sending: set[str] = set()
         if self.is_producer:
             with self._lock:
@@ -361,24 +493,30 @@ class ConnectorWorker:
                 self._finished -= sending
                 self._sent -= sending
                 self._pushing -= sending
-        receiving: set[str] = set()
-        ended: list[tuple[str, _AwaitedKv]] = []
+            return sending, set(), set()
+        now = time.monotonic()
+        if finished_req_ids:
+            self._revoke(self._waits.requests_finished(finished_req_ids, now))
+        to_revoke, released = self._waits.tick(now)
+        self._revoke(to_revoke)
         with self._lock:
-            for transfer_id, awaited in list(self._awaiting_kv.items()):
-                if awaited.arrived_ns is not None:
-                    del self._awaiting_kv[transfer_id]
-                    awaited.span.end(end_time=awaited.arrived_ns)
-                    receiving.add(awaited.request_id)
-                elif awaited.request_id in finished_req_ids:
-                    del self._awaiting_kv[transfer_id]
-                    ended.append((transfer_id, awaited))
-        for transfer_id, awaited in ended:  # ended while waiting (aborted): stop waiting for its KV
-            self._counter.forget(transfer_id)  # a late notification for it is then ignored
-            awaited.span.set_attribute(A.ERROR_CODE, "aborted")
-            awaited.span.end()
-            if awaited.notified:
+            released += self._released
+            self._released = []
+        receiving: set[str] = set()
+        failed: set[str] = set()
+        for ended in released:
+            span, notified, _ = ended.context
+            if notified:
                 self.transfer.expect(-1)
-        return sending, receiving
+            if not ended.arrived:
+                self._counter.forget(ended.transfer_id)  # a late notification for it is then ignored
+                span.set_attribute(A.ERROR_CODE, "aborted" if ended.request_finished else "kv_failed")
+                log.warning("gave up the KV of %s: %s", ended.transfer_id, ended.reason)
+            span.end(end_time=ended.arrived_at)
+            receiving.add(ended.request_id)  # finished (aborted) ones too: vLLM frees their blocks now
+            if ended.failed:
+                failed.add(ended.request_id)
+        return sending, receiving, failed
 
 
 def _block_problem(layout, remote: wire.AgentInfo, local_blocks: list[int], remote_blocks: list[int]) -> str | None:

@@ -18,6 +18,7 @@ RENDEZVOUS_SECOND = "kvpush.rendezvous.second"  # "registration" or "prefill": w
 RENDEZVOUS_WAIT_MS = "kvpush.rendezvous.wait_ms"  # how long the first half waited for the second
 ERROR_CODE = "kvpush.error.code"  # the error code sent to the client or in a failure event
 TRANSFER_MODE = "kvpush.transfer_mode"  # push or pull
+ATTEMPT = "kvpush.attempt"  # which try at serving the request (retries after a lost worker)
 
 ATTRIBUTES: dict[str, str] = {
     REQUEST_ID: "the client's request id (or the one the scheduler made)",
@@ -35,6 +36,7 @@ ATTRIBUTES: dict[str, str] = {
     RENDEZVOUS_WAIT_MS: "how long the first half of the rendezvous waited for the second, in ms",
     ERROR_CODE: "the error code of a failed request or transfer",
     TRANSFER_MODE: "push (decode registers, prefill writes) or pull (prefill first, decode reads)",
+    ATTEMPT: "which try at serving the request: 2 and up are retries after a worker was lost",
 }
 
 # ----------------------------------------------------------------------------- business spans

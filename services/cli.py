@@ -21,6 +21,14 @@ ENVIRONMENT = {
     "KVPUSH_CONNECTOR": "the workers' KV connector: kvpush, vllm-nixl or vllm-nixl-push (--connector)",
     "KVPUSH_CACHE_DIR": "where built models and local traces go (default ~/.cache/kvpush)",
     "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
+    "KVPUSH_DEADLINE_S": "every request gets a final message within this many seconds (scheduler --deadline-s)",
+    "KVPUSH_WORKER_TIMEOUT_S": "a worker silent this long is lost: its requests are retried (--worker-timeout-s)",
+    "KVPUSH_LEASE_S": "prefill keeps an unclaimed prompt's blocks this long without a renewal (--lease-s)",
+    "KVPUSH_KV_WAIT_S": "decode gives registered blocks up after this long without the KV (--kv-wait-s)",
+    "KVPUSH_QUARANTINE_S": "...and keeps them this long more unless prefill answers (--quarantine-s)",
+    "KVPUSH_ON_KV_FAILURE": "recompute (the default) or fail, when pushed KV will not come (--on-kv-failure)",
+    "KVPUSH_NATS_USER / _PASSWORD / _TOKEN / _NKEY_SEED / _CREDS": "NATS login (--nats-user ...); see deploy/README.md",
+    "KVPUSH_NATS_TLS_CA / _TLS_CERT / _TLS_KEY": "NATS TLS: the CA to trust, the client certificate and key",
 }
 OTEL_ENVIRONMENT = {
     "OTEL_EXPORTER_OTLP_ENDPOINT": "send spans and metrics there (OTLP/HTTP) instead of local files",
@@ -98,14 +106,43 @@ def cmd_scheduler(args) -> int:
     from services.scheduler import Scheduler
 
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
-        args.nats_url, _model_path(args), args.max_model_len, mode=args.mode))
+        args.nats_url, _model_path(args), args.max_model_len, mode=args.mode, deadline_s=args.deadline_s,
+        worker_timeout_s=args.worker_timeout_s))
 
 
 def cmd_worker(args) -> int:
+    from services.engine import FaultSettings
     from services.worker import Worker
 
+    faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
+                           on_kv_failure=args.on_kv_failure)
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
-        args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len, connector=args.connector))
+        args.role, args.nats_url, _model_path(args), args.worker_id, args.max_model_len, connector=args.connector,
+        faults=faults))
+
+
+def cmd_cancel(args) -> int:
+    from services.client import cancel
+
+    async def send() -> None:
+        nc = await _connect(args.nats_url)
+        try:
+            await cancel(nc, args.request_id)
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(send())
+    _say(f"cancel sent for {args.request_id}")
+    return 0
+
+
+async def _connect(nats_url: str, **kwargs):
+    import nats
+
+    from shared.nats_security import connect_options
+
+    return await nats.connect(nats_url, **kwargs, **connect_options())
 
 
 def _start_stack(args, quiet: bool = False):
@@ -146,11 +183,9 @@ def cmd_up(args) -> int:
 
 
 async def _stream(nats_url: str, body: dict, out=sys.stdout) -> dict:
-    import nats
-
     from services.client import generate
 
-    nc = await nats.connect(nats_url)
+    nc = await _connect(nats_url)
     try:
         final: dict = {}
         async for reply in generate(nc, body):
@@ -234,12 +269,10 @@ def cmd_bench_transfer(args) -> int:
 
 
 def cmd_status(args) -> int:
-    import nats
-
     from shared import wire
 
     async def ask() -> dict:
-        nc = await nats.connect(args.nats_url, connect_timeout=args.timeout, max_reconnect_attempts=0)
+        nc = await _connect(args.nats_url, connect_timeout=args.timeout, max_reconnect_attempts=0)
         try:
             return json.loads((await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=args.timeout)).data)
         finally:
@@ -309,6 +342,8 @@ def cmd_demo(args) -> int:
 # ------------------------------------------------------------------ parser
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared import nats_security
+
     parser = argparse.ArgumentParser(prog="kvpush", description="Disaggregated LLM serving with pushed KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -320,8 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true")
     build.set_defaults(func=cmd_model_build)
 
-    def engine_options(p, nats_default):
+    def nats_options(p, nats_default):
         p.add_argument("--nats-url", default=nats_default)
+        nats_security.add_arguments(p)
+
+    def engine_options(p, nats_default):
+        nats_options(p, nats_default)
         p.add_argument("--model", default=os.environ.get("KVPUSH_MODEL"),
                        help="a local Hugging Face model folder (default: the built-in small model)")
         p.add_argument("--max-model-len", type=int, default=int(os.environ.get("KVPUSH_MAX_MODEL_LEN", "2048")))
@@ -357,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(scheduler, DEFAULT_NATS_URL)
     mode_option(scheduler)
     scheduler.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
+    scheduler.add_argument("--deadline-s", type=float, default=float(os.environ.get("KVPUSH_DEADLINE_S", "300")),
+                           help="every accepted request gets a final message (an answer or an error) within this")
+    scheduler.add_argument("--worker-timeout-s", type=float,
+                           default=float(os.environ.get("KVPUSH_WORKER_TIMEOUT_S", "3")),
+                           help="a worker without a heartbeat for this long is lost; its requests are retried")
     scheduler.set_defaults(func=cmd_scheduler)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker")
@@ -365,16 +409,30 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", help="default: <role>-<random>; a restart gets a new identity")
     connector_option(worker)
     worker.add_argument("--log-level", default=os.environ.get("KVPUSH_LOG_LEVEL", "INFO"))
+    worker.add_argument("--lease-s", type=float, default=float(os.environ.get("KVPUSH_LEASE_S", "10")),
+                        help="prefill: keep a finished prompt's blocks this long unless decode renews the lease")
+    worker.add_argument("--kv-wait-s", type=float, default=float(os.environ.get("KVPUSH_KV_WAIT_S", "120")),
+                        help="decode: give registered blocks up after this long without the KV")
+    worker.add_argument("--quarantine-s", type=float, default=float(os.environ.get("KVPUSH_QUARANTINE_S", "10")),
+                        help="decode: after giving blocks up, keep them this long unless prefill answers")
+    worker.add_argument("--on-kv-failure", choices=["recompute", "fail"],
+                        default=os.environ.get("KVPUSH_ON_KV_FAILURE", "recompute"),
+                        help="decode: when the pushed KV will not come, compute the prompt here or fail")
     worker.set_defaults(func=cmd_worker)
 
     generate = sub.add_parser("generate", help="send one request to kvpush.generate and stream the reply")
     generate.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
-    generate.add_argument("--nats-url", default=DEFAULT_NATS_URL)
+    nats_options(generate, DEFAULT_NATS_URL)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
     generate.set_defaults(func=cmd_generate)
+
+    cancel = sub.add_parser("cancel", help="cancel a request by its request id, wherever it is")
+    cancel.add_argument("request_id")
+    nats_options(cancel, DEFAULT_NATS_URL)
+    cancel.set_defaults(func=cmd_cancel)
     bench = sub.add_parser("bench", help="kvpush push/pull and vLLM's connectors side by side, open-loop load")
     bench.add_argument("--connectors", default="kvpush-push,kvpush-pull,vllm-nixl,vllm-nixl-push")
     bench.add_argument("--input-lens", default="1024,4096", help="prompt lengths in tokens")
@@ -394,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_transfer.set_defaults(func=cmd_bench_transfer)
 
     status = sub.add_parser("status", help="ask the scheduler which workers it routes to; exit 1 if too few")
-    status.add_argument("--nats-url", default=DEFAULT_NATS_URL)
+    nats_options(status, DEFAULT_NATS_URL)
     status.add_argument("--min-prefill", type=int, default=0)
     status.add_argument("--min-decode", type=int, default=0)
     status.add_argument("--timeout", type=float, default=2.0)
@@ -409,7 +467,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.nats_security import NatsConfigError, connect_options, export_arguments
+
     args = build_parser().parse_args(argv)
+    export_arguments(args)  # children (vLLM's engine core, the stack's services) read them from there
+    try:
+        connect_options()
+    except NatsConfigError as exc:
+        print(f"kvpush: {exc}", file=sys.stderr)
+        return 2
     return args.func(args)
 
 

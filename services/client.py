@@ -12,23 +12,34 @@ from shared import wire
 async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncIterator[dict]:
     """Yield each reply (token chunks, then the final message) for one request.
 
-    Raises TimeoutError when no message arrives for ``timeout`` seconds.
+    Raises TimeoutError when no message arrives for ``timeout`` seconds. Stopping early
+    (breaking out, cancelling the task) cancels the request, if it has a request_id.
     """
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request_id = body.get("request_id") if isinstance(body, dict) else None
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
+    finished = False
     try:
         await nc.publish(wire.GENERATE_SUBJECT, data, reply=inbox)
         while True:
             msg = await sub.next_msg(timeout=timeout)
             reply = json.loads(msg.data)
+            finished = bool(reply.get("finished"))
             yield reply
-            if reply.get("finished"):
+            if finished:
                 return
     except asyncio.TimeoutError as exc:  # nats raises its own subclass
         raise TimeoutError(f"no reply within {timeout} s") from exc
     finally:
-        await sub.unsubscribe()
+        await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
+        if not finished and request_id:
+            await cancel(nc, request_id)
+
+
+async def cancel(nc, request_id: str) -> None:
+    """Ask the schedulers to stop ``request_id`` wherever it is."""
+    await nc.publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(request_id)))
 
 
 async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[list[int], str, dict]:

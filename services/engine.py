@@ -27,6 +27,18 @@ class EngineSettings:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     connector: str = "kvpush"  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
+    faults: "FaultSettings | None" = None
+
+
+@dataclass
+class FaultSettings:
+    """How long kvpush's connector waits for a peer before giving blocks up, and what
+    decode does when pushed KV will not come (vLLM recomputes the prompt, or fails)."""
+
+    lease_s: float = 10.0  # prefill keeps an unclaimed prompt's blocks this long without a renewal
+    kv_wait_s: float = 120.0  # decode gives registered blocks up after this long without the KV
+    quarantine_s: float = 10.0  # ...and keeps them this long more unless prefill answers the revoke
+    on_kv_failure: str = "recompute"  # or "fail"
 
 
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
@@ -47,12 +59,19 @@ def engine_kwargs(settings: EngineSettings) -> dict:
         tensor_parallel_size=settings.tensor_parallel_size,
     )
     if settings.role is not None and settings.connector == "kvpush":
+        faults = settings.faults or FaultSettings()
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvpushConnector",
             "kv_connector_module_path": "connector.kvpush_connector",
             "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
             "engine_id": settings.engine_id,
-            "kv_connector_extra_config": {"nats_url": settings.nats_url},
+            "kv_connector_extra_config": {
+                "nats_url": settings.nats_url,
+                "lease_s": faults.lease_s,
+                "kv_wait_s": faults.kv_wait_s,
+                "quarantine_s": faults.quarantine_s,
+            },
+            "kv_load_failure_policy": faults.on_kv_failure,
         }
         kwargs["disable_hybrid_kv_cache_manager"] = True
     elif settings.role is not None:

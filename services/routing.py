@@ -72,6 +72,15 @@ class WorkerPool:
         decode.dispatched += 1
         return decode.beat.worker_id
 
+    def is_live(self, worker_id: str, incarnation: str, now: float) -> bool:
+        """That start of the worker heartbeats still (a restart under the same id is a new start)."""
+        entry = self._workers.get(worker_id)
+        return (
+            entry is not None
+            and entry.beat.incarnation == incarnation
+            and now - entry.seen_at <= self.stale_after_s
+        )
+
     def beat(self, worker_id: str) -> wire.WorkerHeartbeat | None:
         entry = self._workers.get(worker_id)
         return entry.beat if entry else None

@@ -5,7 +5,15 @@ max_tokens=1, and announces the handoff; the connector pushes the KV by itself.
 Decode: takes DecodeJob on ``kvpush.decode.<id>``, starts generating at once (the
 connector registers the blocks with prefill and holds the request until the KV has
 arrived), and streams tokens straight to the client's reply subject.
-Both heartbeat their load and free KV blocks.
+Both heartbeat their load and free KV blocks; decode also renews the leases prefill
+holds for the transfers it still waits for.
+
+Ending: a ``CancelJob`` on the job subject drops the request (queued) or discards it
+(running); the engine then frees its blocks (decode's connector first makes sure no
+write can still land in them). Decode publishes each token chunk with a reply subject
+of its own: if the client dropped its subscription, NATS answers "no responders" there
+and the request is cancelled. Decode tells the schedulers when the first token went
+out and when the request ended (``kvpush.request.progress``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import gc
 import os
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 import nats
@@ -26,16 +35,25 @@ from opentelemetry.trace import Status, StatusCode
 from otel import attributes as A
 from otel.messaging import TEMPORARY, TracedNats, current_traceparent, trace_id_hex
 from otel.metrics import instruments
-from services.engine import EngineSettings, engine_args
+from services.engine import EngineSettings, FaultSettings, engine_args
 from services.tasks import BackgroundTasks
 from shared import wire
-from shared.errors import EngineFailed, to_error_body
+from shared.errors import EngineFailed, KvTransferFailed, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")
 
 HEARTBEAT_INTERVAL_S = 1.0
 SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
+CANCEL_MEMORY = 10_000  # cancellations remembered, for jobs that arrive after their cancel
+
+
+@dataclass
+class _Job:
+    job: "wire.PrefillJob | wire.DecodeJob"
+    task: asyncio.Task | None = None
+    streaming: bool = False
+    ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
 
 
 def new_worker_id(role: str) -> str:
@@ -80,6 +98,7 @@ class Worker:
         worker_id: str | None = None,
         max_model_len: int = 2048,
         connector: str = "kvpush",
+        faults: FaultSettings | None = None,
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -88,8 +107,9 @@ class Worker:
         self.worker_id = worker_id or new_worker_id(role)
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len, connector=connector,
+            max_model_len=max_model_len, connector=connector, faults=faults,
         )
+        self.incarnation = uuid.uuid4().hex
         self.connector = connector
         self.kv_params: dict = {}
         if connector != "kvpush":
@@ -104,6 +124,9 @@ class Worker:
         self._load = _EngineLoad()
         self._requests = BackgroundTasks()
         self._heartbeat: asyncio.Task | None = None
+        self._jobs: dict[str, _Job] = {}  # request id -> the job under way
+        self._probes: dict[str, str] = {}  # decode: probe key -> request id
+        self._cancelled: dict[str, None] = {}  # request ids cancelled, insertion-ordered
         self._job_sub = None
         self._closed = False
         self.engine = None
@@ -112,7 +135,10 @@ class Worker:
     async def __aenter__(self) -> "Worker":
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.nc = await nats.connect(self.nats_url, name=self.worker_id, max_reconnect_attempts=-1)
+        from shared.nats_security import connect_options
+
+        self.nc = await nats.connect(self.nats_url, name=self.worker_id, max_reconnect_attempts=-1,
+                                     **connect_options())
         self.bus = TracedNats(self.nc)
         log.info("starting engine", worker_id=self.worker_id, role=self.role, model=self.settings.model)
         started = time.monotonic()
@@ -127,6 +153,9 @@ class Worker:
                  kv_blocks=self.total_blocks, block_size=self.block_size)
         subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
         self._job_sub = await self.bus.subscribe(subject, self._on_job, template=f"kvpush.{self.role}.{{worker_id}}")
+        if self.role == "decode":
+            self._probe_prefix = self.nc.new_inbox()
+            await self.nc.subscribe(f"{self._probe_prefix}.*", cb=self._on_probe)
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self
 
@@ -165,43 +194,95 @@ class Worker:
                 max_model_len=self.max_model_len,
                 connector=self.connector,
                 kv_params=self.kv_params,
+                incarnation=self.incarnation,
             )
             instruments().free_kv_blocks.set(beat.free_kv_blocks, {A.WORKER_ID: self.worker_id})
             try:
                 await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(beat))  # periodic: not traced
+                await self._renew_leases()
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
+    async def _renew_leases(self) -> None:
+        """Decode: prefill keeps the blocks of every transfer we still wait for."""
+        if self.role != "decode" or self.connector != "kvpush":
+            return
+        by_prefill: dict[str, list[str]] = {}
+        for running in self._jobs.values():
+            if not running.streaming:
+                by_prefill.setdefault(running.job.prefill_engine_id, []).append(running.job.transfer_id)
+        for prefill_id, transfer_ids in by_prefill.items():
+            renewal = wire.LeaseRenewal(decode_engine_id=self.worker_id, transfer_ids=transfer_ids)
+            await self.nc.publish(wire.registration_subject(prefill_id), wire.encode(renewal))  # periodic: not traced
+
     async def _on_job(self, msg) -> None:
-        kind = wire.PrefillJob if self.role == "prefill" else wire.DecodeJob
+        kind = wire.PrefillMessage if self.role == "prefill" else wire.DecodeMessage
         try:
             job = wire.decode(msg.data, kind)
         except msgspec.MsgspecError as exc:
-            log.warning("rejected a malformed job", error=str(exc))
-            if msg.reply:
-                ack = wire.JobAck(accepted=False, error=wire.ErrorBody("bad_job", f"malformed job: {exc}"))
-                await self.bus.publish(msg.reply, wire.encode(ack), template=TEMPORARY)
+            await self._refuse(msg, exc)
+            return
+        if isinstance(job, wire.CancelJob):
+            self._cancel(job.request_id, "cancelled", job.reason)
             return
         if msg.reply:
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
+        if job.request_id in self._cancelled:
+            log.info("dropped a job cancelled before it arrived", request_id=job.request_id)
+            return
         received_ns = time.time_ns()
-        self._requests.spawn(
-            self._run_prefill(job, received_ns) if self.role == "prefill" else self._run_decode(job, received_ns)
+        running = self._jobs[job.request_id] = _Job(job)
+        running.task = self._requests.spawn(
+            self._run_prefill(job, received_ns) if self.role == "prefill" else self._run_decode(running, received_ns)
         )
+
+    async def _refuse(self, msg, exc: Exception) -> None:
+        """A message we cannot use: say so (to the sender, and on kvpush.invalid); serve on."""
+        log.warning("refused a malformed message", subject=msg.subject, error=str(exc))
+        instruments().failures.add(1, {"reason": "bad_job"})
+        if msg.reply:
+            ack = wire.JobAck(accepted=False, error=wire.ErrorBody("bad_job", f"malformed job: {exc}"))
+            await self.bus.publish(msg.reply, wire.encode(ack), template=TEMPORARY)
+        invalid = wire.InvalidMessage(service=self.worker_id, subject=msg.subject, code="bad_job", reason=str(exc))
+        await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
+
+    def _cancel(self, request_id: str, why: str, detail: str = "") -> None:
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > CANCEL_MEMORY:
+            del self._cancelled[next(iter(self._cancelled))]
+        running = self._jobs.get(request_id)
+        if running is None or running.task is None or running.ended_by is not None:
+            return
+        log.info("cancelling", request_id=request_id, why=why, detail=detail)
+        running.ended_by = why
+        running.task.cancel()  # vLLM aborts the request: dropped if queued, discarded if running
+
+    async def _on_probe(self, msg) -> None:
+        """NATS said nobody listens on a client's reply subject any more."""
+        if msg.headers and msg.headers.get("Status") == "503":
+            request_id = self._probes.get(msg.subject.rsplit(".", 1)[-1])
+            if request_id is not None:
+                self._cancel(request_id, "client_gone")
 
     # ---------------------------------------------------------------- prefill
 
     async def _run_prefill(self, job: wire.PrefillJob, received_ns: int) -> None:
-        with self._request_span(A.PREFILL, job, received_ns) as span:
-            await self._prefill(job, received_ns, span)
+        try:
+            with self._request_span(A.PREFILL, job, received_ns) as span:
+                await self._prefill(job, received_ns, span)
+        except asyncio.CancelledError:
+            log.info("prefill cancelled", request_id=job.request_id, transfer_id=job.transfer_id)
+        finally:
+            self._jobs.pop(job.request_id, None)
 
     async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
         from vllm import SamplingParams
 
         kv_params = {"do_remote_decode": True}
         if self.connector == "kvpush":
-            kv_params |= {"transfer_id": job.transfer_id, "mode": job.mode, "traceparent": current_traceparent()}
+            kv_params |= {"transfer_id": job.transfer_id, "mode": job.mode, "traceparent": current_traceparent(),
+                          "decode_engine_id": job.decode_engine_id}
         params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kv_params})
         first_token = None
         error = None
@@ -251,11 +332,33 @@ class Worker:
 
     # ---------------------------------------------------------------- decode
 
-    async def _run_decode(self, job: wire.DecodeJob, received_ns: int) -> None:
-        with self._request_span(A.DECODE, job, received_ns) as span:
-            await self._decode(job, received_ns, span)
+    async def _run_decode(self, running: _Job, received_ns: int) -> None:
+        job = running.job
+        outcome = "error"
+        probe_key = uuid.uuid4().hex
+        self._probes[probe_key] = job.request_id
+        try:
+            with self._request_span(A.DECODE, job, received_ns) as span:
+                outcome = await self._decode(running, received_ns, span, f"{self._probe_prefix}.{probe_key}")
+        except asyncio.CancelledError:
+            outcome = running.ended_by or "cancelled"
+            log.info("decode stopped", request_id=job.request_id, transfer_id=job.transfer_id, why=outcome)
+            instruments().requests.add(1, {"outcome": outcome})
+        finally:
+            self._jobs.pop(job.request_id, None)
+            self._probes.pop(probe_key, None)
+            await self._progress(job, "ended", outcome)
 
-    async def _decode(self, job: wire.DecodeJob, received_ns: int, span) -> None:
+    async def _progress(self, job: wire.DecodeJob, stage: str, outcome: str = "") -> None:
+        event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
+                                     worker_id=self.worker_id, stage=stage, outcome=outcome)
+        try:
+            await self.bus.publish(wire.PROGRESS_SUBJECT, wire.encode(event))
+        except Exception as exc:
+            log.warning("could not report progress", error=str(exc))
+
+    async def _decode(self, running: _Job, received_ns: int, span, probe: str) -> str:
+        job = running.job
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -289,27 +392,37 @@ class Worker:
             ):
                 last = output
                 completion = output.outputs[0]
+                if completion.finish_reason is not None:
+                    finish_reason = completion.finish_reason
+                if finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
+                    break
                 if completion.token_ids:
                     if first_at is None:
                         first_at = time.time()
+                        running.streaming = True
+                        await self._progress(job, "streaming")
                     completion_tokens += len(completion.token_ids)
                     chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
-                    # Token chunks are not traced one by one; the final reply is.
-                    await self.nc.publish(job.reply_to, wire.encode_json(chunk))
-                if completion.finish_reason is not None:
-                    finish_reason = completion.finish_reason
+                    # Token chunks are not traced one by one; the final reply is. The reply
+                    # subject hears "no responders" if the client has gone.
+                    await self.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+            if finish_reason == "error":
+                raise KvTransferFailed(
+                    "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
+                    "requests (--on-kv-failure fail)")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("decode failed")
-            error = to_error_body(EngineFailed(f"decode failed: {exc}"))
+            if not isinstance(exc, KvTransferFailed):
+                log.exception("decode failed")
+            error = to_error_body(exc if isinstance(exc, KvTransferFailed) else EngineFailed(f"decode failed: {exc}"))
             span.set_status(Status(StatusCode.ERROR, error.message))
             span.set_attribute(A.ERROR_CODE, error.code)
             instruments().failures.add(1, {"reason": error.code})
             instruments().requests.add(1, {"outcome": "error"})
             await self.bus.publish(job.reply_to, wire.encode_json(wire.ErrorReply(job.request_id, error)),
                                    template=TEMPORARY)
-            return
+            return "error"
         done = time.time()
         first_at = first_at or done
         stages = _EngineStages(last)
@@ -336,6 +449,7 @@ class Worker:
         await self.bus.publish(job.reply_to, wire.encode_json(final), template=TEMPORARY)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=completion_tokens,
                  ttft_ms=round(timings.ttft_ms, 1), finish_reason=finish_reason)
+        return "ok"
 
 
 class _EngineStages:

@@ -10,6 +10,10 @@
     ├── NoWorkers               no live prefill or decode worker to dispatch to
     ├── DispatchFailed          a worker did not accept the job
     ├── EngineFailed            the engine raised while serving the request
+    ├── KvTransferFailed        the prompt's KV did not arrive and the policy is to fail
+    ├── Cancelled               the client cancelled the request
+    ├── DeadlineExceeded        no final answer within the deadline
+    ├── WorkerLost              a worker died after tokens went out (a retry would repeat them)
     └── TransferError           the KV push could not be done (code per reason)
 
 ``to_error_body`` is the one boundary that turns any exception into an error reply.
@@ -62,6 +66,22 @@ class DispatchFailed(KvpushError):
 
 class EngineFailed(KvpushError):
     code = "engine_failed"
+
+
+class KvTransferFailed(KvpushError):
+    code = "kv_transfer_failed"
+
+
+class Cancelled(KvpushError):
+    code = "cancelled"
+
+
+class DeadlineExceeded(KvpushError):
+    code = "deadline_exceeded"
+
+
+class WorkerLost(KvpushError):
+    code = "worker_lost"
 
 
 class TransferError(KvpushError):

@@ -4,26 +4,35 @@ Public (JSON, for clients):
 
     kvpush.generate                 GenerateRequest  client -> scheduler (queue group)
     <client reply subject>          TokenChunk* then FinalReply   decode worker -> client
-                                    (or ErrorReply, from whichever service failed)
+                                    (or ErrorReply, from whichever service ended it)
+    kvpush.cancel                   CancelRequest    client -> every scheduler
 
 Internal (msgpack):
 
     kvpush.scheduler.status         SchedulerStatus (JSON reply to any request)
     kvpush.worker.heartbeat         WorkerHeartbeat   worker -> scheduler, every second
-    kvpush.prefill.<worker_id>      PrefillJob        scheduler -> prefill worker (request, ack)
-    kvpush.decode.<worker_id>       DecodeJob         scheduler -> decode worker (request, ack)
-    kvpush.kv.register.<engine_id>  Registration      decode connector -> prefill connector
+    kvpush.prefill.<worker_id>      PrefillJob (request, ack) | CancelJob   scheduler -> prefill
+    kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob    scheduler -> decode
+    kvpush.request.progress         RequestProgress   decode worker -> schedulers: streaming, ended
+    kvpush.kv.register.<engine_id>  Registration | LeaseRenewal | Revoke
+                                                      decode -> prefill connector: blocks to push
+                                                      into; keep my prefill's blocks; give up
     kvpush.kv.agent.<engine_id>.<rank>  AgentInfo     reply to an empty request: a worker
                                                        rank's NIXL agent and KV layout
     kvpush.kv.agents                AgentInfo         announced once when a rank is ready
     kvpush.handoff                  Handoff           prefill worker: prefill finished (in pull
                                                        mode the scheduler then picks decode)
-    kvpush.kv.completion            TransferDone | TransferFailed   prefill writer thread
+    kvpush.kv.completion.<decode_engine_id>   TransferDone | TransferFailed
+                                                      prefill connector -> that decode and the
+                                                      schedulers (``kvpush.kv.completion.*``)
+    kvpush.invalid                  InvalidMessage    any service: a message it refused
 
 Protocol history:
     1 - first version (push); pull and vLLM's own connectors added with defaulted fields
         (mode, engine_request_id, kv_transfer_params, connector, kv_params), so version-1
         peers still decode each other.
+    2 - fault handling: CancelRequest, CancelJob, RequestProgress, LeaseRenewal, Revoke,
+        InvalidMessage; completions on a per-decode subject; heartbeats carry an incarnation.
 """
 
 from __future__ import annotations
@@ -32,13 +41,16 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 GENERATE_SUBJECT = "kvpush.generate"
 SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
 HEARTBEAT_SUBJECT = "kvpush.worker.heartbeat"
 HANDOFF_SUBJECT = "kvpush.handoff"
-COMPLETION_SUBJECT = "kvpush.kv.completion"
+COMPLETION_SUBJECTS = "kvpush.kv.completion.*"
+CANCEL_SUBJECT = "kvpush.cancel"
+PROGRESS_SUBJECT = "kvpush.request.progress"
+INVALID_SUBJECT = "kvpush.invalid"
 AGENTS_SUBJECT = "kvpush.kv.agents"
 SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
 
@@ -58,6 +70,10 @@ def registration_subject(prefill_engine_id: str) -> str:
     return f"kvpush.kv.register.{prefill_engine_id}"
 
 
+def completion_subject(decode_engine_id: str) -> str:
+    return f"kvpush.kv.completion.{decode_engine_id}"
+
+
 def agent_subject(engine_id: str, rank: int) -> str:
     return f"kvpush.kv.agent.{engine_id}.{rank}"
 
@@ -74,6 +90,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     request_id: str | None = None
     transfer_mode: TransferMode | None = None  # default: the scheduler's --mode
+
+
+class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of a message on ``kvpush.cancel``: stop this request wherever it is."""
+
+    request_id: str
 
 
 class ErrorBody(msgspec.Struct):
@@ -133,6 +155,7 @@ class WorkerHeartbeat(Internal):
     max_model_len: int
     connector: Connector = "kvpush"
     kv_params: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM connectors: how to reach us
+    incarnation: str = ""  # new on every start: a restarted worker that kept its id is still a new one
 
 
 class SamplingSpec(msgspec.Struct):
@@ -164,6 +187,31 @@ class DecodeJob(Internal):
     # Merged into the engine request's kv_transfer_params: in pull mode what the prefill
     # engine returned (for kvpush, its block ids); for vLLM's push, the prefill's address.
     kv_transfer_params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class CancelJob(Internal):
+    """Stop this request: drop it if queued, discard it if running, give up its blocks."""
+
+    request_id: str
+    transfer_id: str
+    reason: str
+
+
+PrefillMessage = PrefillJob | CancelJob
+DecodeMessage = DecodeJob | CancelJob
+
+ProgressStage = Literal["streaming", "ended"]
+
+
+class RequestProgress(Internal):
+    """Decode worker -> schedulers: the first token went out (a retry would now repeat
+    tokens), or the request ended (``outcome``: ok, error, cancelled, client_gone)."""
+
+    request_id: str
+    transfer_id: str
+    worker_id: str
+    stage: ProgressStage
+    outcome: str = ""
 
 
 class JobAck(Internal):
@@ -204,6 +252,25 @@ class Registration(Internal):
     registered_at: float
 
 
+class LeaseRenewal(Internal):
+    """Decode still wants these transfers: prefill keeps their blocks a lease longer."""
+
+    decode_engine_id: str
+    transfer_ids: list[str]
+
+
+class Revoke(Internal):
+    """Decode gave the blocks of ``transfer_id`` up: start no write into them, and answer
+    (a completion event) once no write of ours can still land in them."""
+
+    transfer_id: str
+    decode_engine_id: str
+    reason: str
+
+
+KvControl = Registration | LeaseRenewal | Revoke
+
+
 class Handoff(Internal):
     request_id: str
     transfer_id: str
@@ -241,6 +308,15 @@ class TransferFailed(Internal):
 
 
 Completion = TransferDone | TransferFailed
+
+
+class InvalidMessage(Internal):
+    """A service refused a message it could not use; it went on serving."""
+
+    service: str
+    subject: str
+    code: str
+    reason: str
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}

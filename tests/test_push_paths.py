@@ -95,7 +95,7 @@ async def test_decode_continues_from_the_pushed_kv_not_its_own_prompt(stack, nc,
     transfer_id = uuid.uuid4().hex
     inbox = nc.new_inbox()
     prefill, decode = _jobs(transfer_id, prompts.CROSS_TARGET, prompts.CROSS_PUSHED, prefill_id, decode_id, inbox)
-    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.COMPLETION_SUBJECT, wire.Completion) as done:
+    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.COMPLETION_SUBJECTS, wire.Completion) as done:
         await asyncio.gather(
             _send(nc, wire.decode_job_subject(decode_id), decode),
             _send(nc, wire.prefill_job_subject(prefill_id), prefill),
@@ -117,7 +117,7 @@ async def test_both_rendezvous_orders_deliver_the_right_kv(stack, nc, reference,
     prefill, decode = _jobs(transfer_id, prompts.ORDER_PROMPT, prompts.ORDER_PROMPT, prefill_id, decode_id, inbox)
     async with (
         _Events(nc, inbox, None) as replies,
-        _Events(nc, wire.COMPLETION_SUBJECT, wire.Completion) as done,
+        _Events(nc, wire.COMPLETION_SUBJECTS, wire.Completion) as done,
         _Events(nc, wire.registration_subject(prefill_id), wire.Registration) as registrations,
         _Events(nc, wire.HANDOFF_SUBJECT, wire.Handoff) as handoffs,
     ):
@@ -145,7 +145,7 @@ async def test_malformed_messages_are_refused_and_the_workers_keep_serving(stack
         ack = wire.decode((await nc.request(subject, b"\xc1garbage", timeout=5)).data, wire.JobAck)
         assert ack.accepted is False
         assert ack.error.code == "bad_job" and "malformed" in ack.error.message
-    for subject in (wire.registration_subject(prefill_id), wire.HEARTBEAT_SUBJECT, wire.COMPLETION_SUBJECT,
+    for subject in (wire.registration_subject(prefill_id), wire.HEARTBEAT_SUBJECT, wire.completion_subject(decode_id),
                     wire.HANDOFF_SUBJECT, wire.AGENTS_SUBJECT):
         await nc.publish(subject, b"\xc1garbage")
     # a registration that parses but names blocks decode never allocated

@@ -1,0 +1,147 @@
+"""Decode's watch over blocks it registered for a transfer: when they may go back to vLLM.
+
+Pure Python and thread-safe (the transfer thread reports arrivals, the NATS thread
+reports prefill's answers, vLLM's worker thread asks what to release). Time is passed
+in, so tests drive it directly.
+
+A wait ends in one of three ways:
+
+- the KV arrived (all producer ranks notified, or our READ completed): hand the
+  request to vLLM;
+- prefill answered that no write of its will land in the blocks (it failed, or it
+  gave the transfer up): release them and report the load as failed, so vLLM
+  recomputes the prompt or fails the request, per the deployment's policy;
+- decode gave up (the request was aborted, or the KV took longer than ``kv_wait_s``):
+  revoke the transfer at prefill and keep the blocks quarantined until prefill
+  answers, a write lands, or ``quarantine_s`` passed without a word from prefill
+  (a dead peer writes nothing). Blocks are never released while a write may land.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Waiting:
+    request_id: str
+    transfer_id: str
+    deadline: float
+    context: Any = None  # the caller's (a span, the prefill engine id)
+    arrived: bool = False
+    arrived_at: float | None = None  # the caller's timestamp of the arrival
+    prefill_answered: str | None = None  # prefill said no write will land, and why
+    given_up: str | None = None  # decode revoked the transfer, and why
+    revoked_at: float | None = None
+    request_finished: bool = False  # vLLM finished (aborted) the request while it waited
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    request_id: str
+    transfer_id: str
+    arrived: bool
+    reason: str  # "" when arrived
+    request_finished: bool
+    context: Any = None
+    arrived_at: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        """A live request whose KV will not come: vLLM must recompute it or fail it."""
+        return not self.arrived and not self.request_finished
+
+
+@dataclass
+class KvWaits:
+    kv_wait_s: float = 120.0
+    quarantine_s: float = 10.0
+    max_early: int = 10_000
+    _waits: dict[str, Waiting] = field(default_factory=dict)
+    _early: dict[str, tuple[float | None, str | None]] = field(default_factory=dict)  # tid -> (arrived at, why it failed)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # protects _waits and _early
+
+    def start(self, request_id: str, transfer_id: str, now: float, context: Any = None) -> Waiting:
+        with self._lock:
+            wait = self._waits[transfer_id] = Waiting(request_id, transfer_id, now + self.kv_wait_s, context)
+            if transfer_id in self._early:
+                arrived_at, failure = self._early.pop(transfer_id)
+                wait.arrived, wait.arrived_at = failure is None, arrived_at
+                wait.prefill_answered = failure
+            return wait
+
+    def arrived(self, transfer_id: str, at: float | None = None) -> bool:
+        """All the KV is in the blocks (``at``: when, the caller's clock); False if nobody
+        waits for it (yet)."""
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is None:
+                self._remember_early(transfer_id, (at, None))
+                return False
+            wait.arrived, wait.arrived_at = True, at
+            return True
+
+    def prefill_gave_up(self, transfer_id: str, reason: str) -> None:
+        """Prefill answered: no write of its will land in the blocks."""
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is None:
+                self._remember_early(transfer_id, (None, reason))
+            elif wait.prefill_answered is None:
+                wait.prefill_answered = reason
+
+    def requests_finished(self, request_ids: set[str], now: float) -> list[Waiting]:
+        """vLLM finished these requests; those still waiting must be revoked (returned)."""
+        to_revoke = []
+        with self._lock:
+            for wait in self._waits.values():
+                if wait.request_id in request_ids and not wait.request_finished:
+                    wait.request_finished = True
+                    if self._give_up(wait, "aborted", now):
+                        to_revoke.append(wait)
+        return to_revoke
+
+    def tick(self, now: float) -> tuple[list[Waiting], list[Released]]:
+        """(waits to revoke now because their KV is overdue, waits that ended)."""
+        to_revoke: list[Waiting] = []
+        released: list[Released] = []
+        with self._lock:
+            for transfer_id, wait in list(self._waits.items()):
+                if not wait.arrived and wait.prefill_answered is None and now >= wait.deadline:
+                    if self._give_up(wait, f"no KV within {self.kv_wait_s:g} s", now):
+                        to_revoke.append(wait)
+                ended = self._end_reason(wait, now)
+                if ended is None:
+                    continue
+                del self._waits[transfer_id]
+                released.append(
+                    Released(wait.request_id, transfer_id, wait.arrived, ended, wait.request_finished, wait.context,
+                             wait.arrived_at)
+                )
+        return to_revoke, released
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waits)
+
+    def _give_up(self, wait: Waiting, why: str, now: float) -> bool:
+        if wait.arrived or wait.prefill_answered is not None or wait.given_up is not None:
+            return False
+        wait.given_up, wait.revoked_at = why, now
+        return True
+
+    def _end_reason(self, wait: Waiting, now: float) -> str | None:
+        if wait.arrived:
+            return ""
+        if wait.prefill_answered is not None:
+            return wait.given_up or wait.prefill_answered
+        if wait.revoked_at is not None and now >= wait.revoked_at + self.quarantine_s:
+            return f"{wait.given_up}; prefill silent for {self.quarantine_s:g} s"
+        return None
+
+    def _remember_early(self, transfer_id: str, what: tuple[float | None, str | None]) -> None:
+        self._early[transfer_id] = what
+        while len(self._early) > self.max_early:
+            del self._early[next(iter(self._early))]
