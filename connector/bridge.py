@@ -16,6 +16,7 @@ from typing import Callable
 
 import nats
 
+from connector.chaos import Chaos
 from otel.messaging import consumer, producer
 from shared.nats_security import connect_options
 
@@ -45,6 +46,7 @@ class NatsBridge:
         self._error: BaseException | None = None
         self._nc = None
         self._closed = False
+        self._chaos = Chaos.from_env()
         self._thread = threading.Thread(target=self._run, name=f"kvpush-nats-{name}", daemon=True)
 
     def start(self, timeout: float = 30.0) -> None:
@@ -73,7 +75,11 @@ class NatsBridge:
             self._loop.call_soon_threadsafe(self._publish_soon, subject, data, headers)
 
     def _publish_soon(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        self._loop.create_task(self._publish(subject, data, headers))
+        if self._chaos is None:
+            self._loop.create_task(self._publish(subject, data, headers))
+            return
+        for delay in self._chaos.delays(subject):
+            self._loop.call_later(delay, lambda: self._loop.create_task(self._publish(subject, data, headers)))
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
         try:

@@ -36,6 +36,7 @@ class Waiting:
     given_up: str | None = None  # decode revoked the transfer, and why
     revoked_at: float | None = None
     request_finished: bool = False  # vLLM finished (aborted) the request while it waited
+    last_sent: float = 0.0  # when the registration last went to prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +66,8 @@ class KvWaits:
 
     def start(self, request_id: str, transfer_id: str, now: float, context: Any = None) -> Waiting:
         with self._lock:
-            wait = self._waits[transfer_id] = Waiting(request_id, transfer_id, now + self.kv_wait_s, context)
+            wait = self._waits[transfer_id] = Waiting(request_id, transfer_id, now + self.kv_wait_s, context,
+                                                      last_sent=now)
             if transfer_id in self._early:
                 arrived_at, failure = self._early.pop(transfer_id)
                 wait.arrived, wait.arrived_at = failure is None, arrived_at
@@ -121,6 +123,18 @@ class KvWaits:
                              wait.arrived_at)
                 )
         return to_revoke, released
+
+    def due_for_resend(self, now: float, every_s: float) -> list[Waiting]:
+        """Waits still open whose registration went out ``every_s`` ago or more (it may
+        have been lost); their send time is reset."""
+        due = []
+        with self._lock:
+            for wait in self._waits.values():
+                still_open = not wait.arrived and wait.prefill_answered is None and wait.given_up is None
+                if still_open and now - wait.last_sent >= every_s:
+                    wait.last_sent = now
+                    due.append(wait)
+        return due
 
     def waiting(self) -> int:
         with self._lock:

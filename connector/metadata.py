@@ -30,6 +30,7 @@ class ExpectedKv:
     num_producer_ranks: int
     traceparent: str = ""
     prefill_engine_id: str = ""
+    registration: bytes = b""  # as published; sent again while the KV has not come
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ transfer id, to whichever call completed the pair, ``None`` while the half waits
 ``Refused``:
 
 - ``duplicate``: a second copy of a half already offered or matched (ignore it);
-- ``closed``: the transfer was given up (its lease expired, decode revoked it); the
-  half must not be used: free its blocks, tell its sender;
+- ``closed``: the transfer was given up (its lease expired, decode revoked it, its
+  write failed); the half must not be used: free its blocks, tell its sender;
 - ``incompatible``: ``check(registration, prefill)`` found the pair unusable (the
   wrong decode, a different prompt length); the registration is dropped and the
   prefill keeps waiting for the right one.
@@ -26,7 +26,7 @@ from typing import Callable, Generic, Literal, TypeVar
 R = TypeVar("R")
 P = TypeVar("P")
 
-Closed = Literal["matched", "expired", "revoked"]
+Closed = Literal["matched", "expired", "revoked", "failed"]
 
 
 @dataclass(slots=True)
@@ -122,10 +122,13 @@ class Rendezvous(Generic[R, P]):
         """Give a transfer up; later halves for it are refused as closed.
 
         Returns (the half that was waiting, or None; whether it had already matched).
-        A transfer already matched stays matched: its write is under way or done.
+        A transfer already matched stays matched (its write is under way or done) unless
+        ``reason`` is "failed": that write ended without the KV, and later halves are told so.
         """
         with self._lock:
             if self._closed.get(transfer_id) == "matched":
+                if reason == "failed":
+                    self._tombstone(transfer_id, reason)
                 return None, True
             self._tombstone(transfer_id, reason)
             return self._pending.pop(transfer_id, None), False

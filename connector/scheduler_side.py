@@ -124,14 +124,13 @@ class ConnectorScheduler:
                 A.BLOCKS: len(registration.block_ids),
             },
         ):
+            body = wire.encode(registration)
             self.bridge.publish(
-                wire.registration_subject(params["prefill_engine_id"]),
-                wire.encode(registration),
-                template="kvpush.kv.register.{engine_id}",
+                wire.registration_subject(params["prefill_engine_id"]), body, template="kvpush.kv.register.{engine_id}"
             )
         self._expected.append(
             ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1), traceparent,
-                       params["prefill_engine_id"])
+                       params["prefill_engine_id"], body)
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:

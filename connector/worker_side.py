@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -49,6 +50,15 @@ _tracer = trace.get_tracer("kvpush.connector")
 # wakes it at once. A new request reaching an idle engine waits at most this long.
 IDLE_WAIT_S = 0.01
 CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
+RESEND_S = 1.0  # decode sends a registration again this often until prefill answers (it may be lost)
+
+
+@dataclass(frozen=True, slots=True)
+class _WaitContext:
+    span: trace.Span
+    notified: bool  # push: arrival is the producers' notification (else our own READ)
+    prefill_engine_id: str
+    registration: bytes  # push: as published, to send again
 
 
 def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | None:
@@ -189,6 +199,11 @@ class ConnectorWorker:
             return
         to_revoke, released = self._waits.tick(now)
         self._revoke(to_revoke)
+        for wait in self._waits.due_for_resend(now, RESEND_S):
+            context: _WaitContext = wait.context
+            if context.registration:  # prefill refuses a copy it already has; a lost one is replaced
+                self.bridge.publish(wire.registration_subject(context.prefill_engine_id), context.registration,
+                                    template="kvpush.kv.register.{engine_id}")
         if released:
             with self._lock:
                 self._released.extend(released)
@@ -311,6 +326,7 @@ class ConnectorWorker:
                 self._writing.discard(match.transfer_id)
             self._progress.set()
             if not result.ok:
+                self._rendezvous.close(match.transfer_id, "failed")
                 self._fail(match.transfer_id, registration.decode_engine_id, "write_failed", result.error)
                 return
             _record_transfer(result)
@@ -346,6 +362,7 @@ class ConnectorWorker:
         )
 
     def _fail_match(self, match, code: str, reason: str) -> None:
+        self._rendezvous.close(match.transfer_id, "failed")  # a copy of the registration sent again gets the answer
         with self._lock:
             self._writing.discard(match.transfer_id)
         self._give_back(match.prefill.request_id)  # nothing in flight: free the blocks
@@ -374,9 +391,9 @@ class ConnectorWorker:
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         for expected in meta.expected:
             self._await_kv(expected.request_id, expected.transfer_id, expected.traceparent, True,
-                           expected.prefill_engine_id)
+                           expected.prefill_engine_id, expected.registration)
         for read in meta.reads:
-            self._await_kv(read.request_id, read.transfer_id, read.traceparent, False, read.prefill_engine_id)
+            self._await_kv(read.request_id, read.transfer_id, read.traceparent, False, read.prefill_engine_id, b"")
             self._with_agent(
                 read.prefill_engine_id,
                 lambda remote, why, read=read: self._submit_read(read, remote) if remote else self._read_failed(
@@ -384,7 +401,7 @@ class ConnectorWorker:
             )
 
     def _await_kv(self, request_id: str, transfer_id: str, traceparent: str, notified: bool,
-                  prefill_engine_id: str) -> None:
+                  prefill_engine_id: str, registration: bytes) -> None:
         span = _tracer.start_span(
             A.KV_WAIT,
             context=context_from_traceparent(traceparent),
@@ -392,7 +409,8 @@ class ConnectorWorker:
         )
         if notified:
             self.transfer.expect(1)  # poll eagerly for the producers' notifications
-        self._waits.start(request_id, transfer_id, time.monotonic(), (span, notified, prefill_engine_id))
+        self._waits.start(request_id, transfer_id, time.monotonic(),
+                          _WaitContext(span, notified, prefill_engine_id, registration))
 
     def _submit_read(self, read: PullRead, remote: wire.AgentInfo) -> None:
         problem = _block_problem(self.transfer.layout, remote, read.remote_block_ids, read.local_block_ids)
@@ -437,7 +455,7 @@ class ConnectorWorker:
 
     def _revoke(self, waits) -> None:
         for wait in waits:
-            _, notified, prefill_engine_id = wait.context
+            prefill_engine_id = wait.context.prefill_engine_id
             if not prefill_engine_id:
                 continue
             self.bridge.publish(
@@ -505,8 +523,8 @@ class ConnectorWorker:
         receiving: set[str] = set()
         failed: set[str] = set()
         for ended in released:
-            span, notified, _ = ended.context
-            if notified:
+            span = ended.context.span
+            if ended.context.notified:
                 self.transfer.expect(-1)
             if not ended.arrived:
                 self._counter.forget(ended.transfer_id)  # a late notification for it is then ignored

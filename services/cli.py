@@ -256,6 +256,19 @@ def cmd_bench(args) -> int:
     return 0 if not bench.errors and not any(p.failures for p in bench.points) else 1
 
 
+def cmd_soak(args) -> int:
+    from services.soak import markdown, run_soak
+
+    report = asyncio.run(run_soak(
+        _model_path(args), args.minutes, args.rate, Path(args.out), args.fault_every_s, args.seed,
+        progress=_say))
+    print(markdown(report))
+    _say(f"results in {args.out}/soak.json")
+    clean = not (report["requests_lost"] or report["wrong_outputs"] or report["unexpected_errors"]
+                 or any(report["leaked_blocks"].values()) or report["processes_died_unexpectedly"])
+    return 0 if clean else 1
+
+
 def cmd_bench_transfer(args) -> int:
     from services import bench_transfer
 
@@ -446,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=cmd_bench)
+
+    soak = sub.add_parser("soak", help="requests under every kind of fault for a while; then what was lost, "
+                                       "wrong or leaked (nothing, or exit 1)")
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson arrivals)")
+    soak.add_argument("--fault-every-s", type=float, default=20.0, help="one fault, of each kind in turn, this often")
+    soak.add_argument("--model", help="a local model folder (default: the built-in small model)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--out", default="soak-results")
+    soak.set_defaults(func=cmd_soak)
 
     bench_transfer = sub.add_parser("bench-transfer", help="our transfer thread vs a raw NIXL WRITE, 1-256 MiB")
     bench_transfer.add_argument("--out", help="write the rows as JSON here")

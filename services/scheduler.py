@@ -122,10 +122,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- events
 
-    async def _decoded(self, msg, kind):
+    async def _decoded(self, msg, kind, decode=wire.decode):
         """The message as ``kind``; None (said on kvpush.invalid) if it is not one."""
         try:
-            return wire.decode(msg.data, kind)
+            return decode(msg.data, kind)
         except msgspec.MsgspecError as exc:
             log.warning("refused a malformed message", subject=msg.subject, error=str(exc))
             instruments().failures.add(1, {"reason": "bad_message"})
@@ -186,12 +186,8 @@ class Scheduler:
             await self._cancel_jobs(flight, "the client went away")  # prefill may still hold work for it
 
     async def _on_cancel(self, msg) -> None:
-        try:
-            cancel = msgspec.json.decode(msg.data, type=wire.CancelRequest)
-        except msgspec.MsgspecError as exc:
-            log.info("refused a malformed cancel", error=str(exc))
-            return
-        flight = self.flights.by_request(cancel.request_id)
+        cancel = await self._decoded(msg, wire.CancelRequest, wire.decode_cancel_request)
+        flight = self.flights.by_request(cancel.request_id) if cancel is not None else None
         if flight is not None:  # otherwise another scheduler's, or already ended
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
 

@@ -69,16 +69,16 @@ class Stack:
             self.spawn_worker("decode", f"decode-{i}")
         return self
 
-    def spawn_worker(self, role: str, name: str) -> subprocess.Popen:
+    def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one more worker (a replacement after a crash, say); it joins on its own."""
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        return self._spawn(role, name, ["worker", "--role", role, *common, "--connector", self.connector])
+        return self._spawn(role, name, ["worker", "--role", role, *common, "--connector", self.connector], env)
 
     def _env(self, role: str) -> dict[str, str]:
         return {**os.environ, **self.extra_env, **self.role_env.get(role, {})}
 
-    def _spawn(self, role: str, name: str, args: list[str]) -> subprocess.Popen:
-        env = self._env(role)
+    def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**self._env(role), **(env or {})}
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

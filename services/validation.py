@@ -82,8 +82,13 @@ def request_id_of(data: bytes) -> str:
     """Best effort: the request_id a client sent, even in a body we reject."""
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return ""
     if isinstance(value, dict) and isinstance(value.get("request_id"), str):
-        return value["request_id"][:MAX_REQUEST_ID_LEN]
+        request_id = value["request_id"][:MAX_REQUEST_ID_LEN]
+        try:
+            request_id.encode()  # a lone surrogate cannot go back out in a reply
+        except UnicodeEncodeError:
+            return ""
+        return request_id
     return ""

@@ -124,9 +124,10 @@ class Worker:
         self._load = _EngineLoad()
         self._requests = BackgroundTasks()
         self._heartbeat: asyncio.Task | None = None
-        self._jobs: dict[str, _Job] = {}  # request id -> the job under way
-        self._probes: dict[str, str] = {}  # decode: probe key -> request id
-        self._cancelled: dict[str, None] = {}  # request ids cancelled, insertion-ordered
+        # Keyed by transfer id: one attempt at a request (a retry is a new one).
+        self._jobs: dict[str, _Job] = {}  # the jobs under way
+        self._probes: dict[str, str] = {}  # decode: probe key -> transfer id
+        self._cancelled: dict[str, None] = {}  # cancelled, insertion-ordered
         self._job_sub = None
         self._closed = False
         self.engine = None
@@ -224,15 +225,16 @@ class Worker:
             await self._refuse(msg, exc)
             return
         if isinstance(job, wire.CancelJob):
-            self._cancel(job.request_id, "cancelled", job.reason)
+            self._cancel(job.transfer_id, "cancelled", job.reason)
             return
         if msg.reply:
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
-        if job.request_id in self._cancelled:
-            log.info("dropped a job cancelled before it arrived", request_id=job.request_id)
+        if job.transfer_id in self._cancelled:
+            log.info("dropped a job cancelled before it arrived", request_id=job.request_id,
+                     transfer_id=job.transfer_id)
             return
         received_ns = time.time_ns()
-        running = self._jobs[job.request_id] = _Job(job)
+        running = self._jobs[job.transfer_id] = _Job(job)
         running.task = self._requests.spawn(
             self._run_prefill(job, received_ns) if self.role == "prefill" else self._run_decode(running, received_ns)
         )
@@ -247,23 +249,23 @@ class Worker:
         invalid = wire.InvalidMessage(service=self.worker_id, subject=msg.subject, code="bad_job", reason=str(exc))
         await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
 
-    def _cancel(self, request_id: str, why: str, detail: str = "") -> None:
-        self._cancelled[request_id] = None
+    def _cancel(self, transfer_id: str, why: str, detail: str = "") -> None:
+        self._cancelled[transfer_id] = None
         while len(self._cancelled) > CANCEL_MEMORY:
             del self._cancelled[next(iter(self._cancelled))]
-        running = self._jobs.get(request_id)
+        running = self._jobs.get(transfer_id)
         if running is None or running.task is None or running.ended_by is not None:
             return
-        log.info("cancelling", request_id=request_id, why=why, detail=detail)
+        log.info("cancelling", request_id=running.job.request_id, transfer_id=transfer_id, why=why, detail=detail)
         running.ended_by = why
         running.task.cancel()  # vLLM aborts the request: dropped if queued, discarded if running
 
     async def _on_probe(self, msg) -> None:
         """NATS said nobody listens on a client's reply subject any more."""
         if msg.headers and msg.headers.get("Status") == "503":
-            request_id = self._probes.get(msg.subject.rsplit(".", 1)[-1])
-            if request_id is not None:
-                self._cancel(request_id, "client_gone")
+            transfer_id = self._probes.get(msg.subject.rsplit(".", 1)[-1])
+            if transfer_id is not None:
+                self._cancel(transfer_id, "client_gone")
 
     # ---------------------------------------------------------------- prefill
 
@@ -274,7 +276,7 @@ class Worker:
         except asyncio.CancelledError:
             log.info("prefill cancelled", request_id=job.request_id, transfer_id=job.transfer_id)
         finally:
-            self._jobs.pop(job.request_id, None)
+            self._jobs.pop(job.transfer_id, None)
 
     async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
         from vllm import SamplingParams
@@ -336,7 +338,7 @@ class Worker:
         job = running.job
         outcome = "error"
         probe_key = uuid.uuid4().hex
-        self._probes[probe_key] = job.request_id
+        self._probes[probe_key] = job.transfer_id
         try:
             with self._request_span(A.DECODE, job, received_ns) as span:
                 outcome = await self._decode(running, received_ns, span, f"{self._probe_prefix}.{probe_key}")
@@ -345,7 +347,7 @@ class Worker:
             log.info("decode stopped", request_id=job.request_id, transfer_id=job.transfer_id, why=outcome)
             instruments().requests.add(1, {"outcome": outcome})
         finally:
-            self._jobs.pop(job.request_id, None)
+            self._jobs.pop(job.transfer_id, None)
             self._probes.pop(probe_key, None)
             await self._progress(job, "ended", outcome)
 

@@ -335,11 +335,21 @@ def decode(data: bytes, kind):
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
-    return decoder.decode(data)
+    return _guarded(decoder.decode, data)
+
+
+def _guarded(decode, data: bytes):
+    """msgspec raises UnicodeDecodeError on bad UTF-8 in a string and RecursionError on
+    absurd nesting (msgspec issue #714); callers expect only its own errors."""
+    try:
+        return decode(data)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise msgspec.DecodeError(f"malformed: {type(exc).__name__}") from None
 
 
 _json_encoder = msgspec.json.Encoder()
 _generate_decoder = msgspec.json.Decoder(GenerateRequest)
+_cancel_decoder = msgspec.json.Decoder(CancelRequest)
 
 
 def encode_json(message: msgspec.Struct) -> bytes:
@@ -347,7 +357,11 @@ def encode_json(message: msgspec.Struct) -> bytes:
 
 
 def decode_generate_request(data: bytes) -> GenerateRequest:
-    return _generate_decoder.decode(data)
+    return _guarded(_generate_decoder.decode, data)
+
+
+def decode_cancel_request(data: bytes, kind=CancelRequest) -> CancelRequest:
+    return _guarded(_cancel_decoder.decode, data)
 
 
 class SchedulerStatus(msgspec.Struct):

@@ -37,8 +37,14 @@ ORDER_PROMPT = token_prompt(400, 200)
 CROSS_MAX_TOKENS = 24
 
 
+# The fault suite streams this one long enough to restart NATS in the middle.
+STREAM_PROMPT = token_prompt(600, 300)
+STREAM_MAX_TOKENS = 150
+
+
 def reference_requests() -> list[dict]:
     requests = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in CORRECTNESS]
     for prompt in (CROSS_TARGET, CROSS_PUSHED, ORDER_PROMPT):
         requests.append({"prompt_token_ids": prompt, "max_tokens": CROSS_MAX_TOKENS, "ignore_eos": True})
+    requests.append({"prompt_token_ids": STREAM_PROMPT, "max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True})
     return requests

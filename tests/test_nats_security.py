@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.util
 import shutil
 import ssl
 import subprocess
@@ -18,6 +17,7 @@ import nats
 import nats.errors
 import pytest
 
+from services import dev_certs
 from services.natsd import LocalNatsServer
 from shared.errors import KvpushError
 from shared.nats_security import ENV_VARS, NatsConfigError, add_arguments, connect_options, export_arguments
@@ -26,16 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_CONFIG = ROOT / "deploy" / "nats-server.conf"
 PASSWORDS = {"scheduler": "sched-pw", "prefill": "prefill-pw", "decode": "decode-pw", "client": "client-pw"}
 ROLES = tuple(PASSWORDS)
-
-
-def _load_dev_certs():
-    spec = importlib.util.spec_from_file_location("dev_certs", ROOT / "scripts" / "dev_certs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-dev_certs = _load_dev_certs()
 
 
 # --------------------------------------------------------------------------- connect_options

@@ -1,85 +1,58 @@
-"""Decode registrations meet finished prefills exactly once, in either order."""
+"""Decode registrations meet finished prefills exactly once, in either order; waiting
+halves hold a lease; a transfer given up refuses its later halves."""
 
 from __future__ import annotations
 
 import threading
-import time
 
-from connector.rendezvous import Rendezvous
+from connector.rendezvous import Match, Refused, Rendezvous
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _rv(**kwargs) -> tuple[Rendezvous, FakeClock]:
+    clock = FakeClock()
+    return Rendezvous(clock=clock, **kwargs), clock
+
+
+# ------------------------------------------------------------------ matching
 
 
 def test_registration_first_matches_when_the_prefill_arrives():
-    rv = Rendezvous()
+    rv, _ = _rv()
     first = rv.offer_registration("t", "reg")
     match = rv.offer_prefill("t", "pre")
     assert first is None
+    assert isinstance(match, Match)
     assert (match.transfer_id, match.registration, match.prefill, match.order) == (
         "t", "reg", "pre", "registration_first")
 
 
 def test_prefill_first_matches_when_the_registration_arrives():
-    rv = Rendezvous()
+    rv, _ = _rv()
     first = rv.offer_prefill("t", "pre")
     match = rv.offer_registration("t", "reg")
     assert first is None
+    assert isinstance(match, Match)
     assert (match.registration, match.prefill, match.order) == ("reg", "pre", "prefill_first")
 
 
-def test_a_duplicate_registration_is_ignored_and_keeps_the_first():
-    rv = Rendezvous()
-    rv.offer_registration("t", "reg-1")
-    duplicate = rv.offer_registration("t", "reg-2")
-    match = rv.offer_prefill("t", "pre")
-    assert duplicate is None
-    assert match.registration == "reg-1"
-
-
-def test_a_duplicate_prefill_is_ignored_and_keeps_the_first():
-    rv = Rendezvous()
-    rv.offer_prefill("t", "pre-1")
-    duplicate = rv.offer_prefill("t", "pre-2")
-    match = rv.offer_registration("t", "reg")
-    assert duplicate is None
-    assert match.prefill == "pre-1"
-
-
-def test_halves_arriving_after_the_match_are_ignored():
-    rv = Rendezvous()
-    rv.offer_registration("t", "reg")
-    rv.offer_prefill("t", "pre")
-    late = [rv.offer_registration("t", "reg"), rv.offer_prefill("t", "pre")]
-    assert late == [None, None]
-    assert rv.pending() == []
-
-
-def test_forget_drops_the_pending_half_and_ignores_later_ones():
-    rv = Rendezvous()
-    rv.offer_registration("t", "reg")
-    dropped = rv.forget("t")
-    later = [rv.offer_prefill("t", "pre"), rv.offer_registration("t", "reg")]
-    assert dropped.registration == "reg"
-    assert later == [None, None]
-    assert rv.pending() == []
-
-
-def test_forget_before_any_half_still_ignores_later_ones():
-    rv = Rendezvous()
-    dropped = rv.forget("t")
-    later = rv.offer_prefill("t", "pre")
-    assert (dropped, later) == (None, None)
-    assert rv.pending() == []
-
-
 def test_waited_s_is_how_long_the_first_half_waited():
-    rv = Rendezvous()
+    rv, clock = _rv()
     rv.offer_prefill("t", "pre")
-    time.sleep(0.05)
+    clock.now += 2.5
     match = rv.offer_registration("t", "reg")
-    assert match.waited_s >= 0.05
+    assert match.waited_s == 2.5
 
 
 def test_other_transfers_are_not_disturbed():
-    rv = Rendezvous()
+    rv, _ = _rv()
     rv.offer_registration("a", "reg-a")
     rv.offer_prefill("b", "pre-b")
     match = rv.offer_prefill("a", "pre-a")
@@ -87,31 +60,233 @@ def test_other_transfers_are_not_disturbed():
     assert rv.pending() == ["b"]
 
 
+# ------------------------------------------------------------------ duplicates
+
+
+def test_a_duplicate_registration_is_refused_and_the_first_kept():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg-1")
+    duplicate = rv.offer_registration("t", "reg-2")
+    match = rv.offer_prefill("t", "pre")
+    assert isinstance(duplicate, Refused)
+    assert (duplicate.code, duplicate.registration) == ("duplicate", "reg-2")
+    assert match.registration == "reg-1"
+
+
+def test_a_duplicate_prefill_is_refused_and_the_first_kept():
+    rv, _ = _rv()
+    rv.offer_prefill("t", "pre-1")
+    duplicate = rv.offer_prefill("t", "pre-2")
+    match = rv.offer_registration("t", "reg")
+    assert isinstance(duplicate, Refused)
+    assert (duplicate.code, duplicate.registration) == ("duplicate", None)
+    assert match.prefill == "pre-1"
+
+
+def test_halves_arriving_after_the_match_are_refused_as_duplicates():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg")
+    rv.offer_prefill("t", "pre")
+    late = [rv.offer_registration("t", "reg"), rv.offer_prefill("t", "pre")]
+    assert [(type(r), r.code) for r in late] == [(Refused, "duplicate"), (Refused, "duplicate")]
+    assert rv.pending() == []
+
+
+# ------------------------------------------------------------------ leases
+
+
+def test_a_waiting_half_expires_after_lease_s():
+    rv, clock = _rv(lease_s=10.0)
+    rv.offer_prefill("t", "pre")
+    clock.now += 9.9
+    assert rv.expired() == []
+    clock.now += 0.1
+    gone = rv.expired()
+    assert [(tid, half.prefill) for tid, half in gone] == [("t", "pre")]
+    assert rv.pending() == []
+
+
+def test_expired_hands_each_half_back_once():
+    rv, clock = _rv(lease_s=1.0)
+    rv.offer_registration("t", "reg")
+    clock.now += 5
+    assert len(rv.expired()) == 1
+    assert rv.expired() == []
+
+
+def test_renew_extends_the_lease():
+    rv, clock = _rv(lease_s=10.0)
+    rv.offer_registration("t", "reg")
+    clock.now += 8
+    assert rv.renew("t") is True
+    clock.now += 8  # 16 s after arrival, 8 s after the renewal
+    assert rv.expired() == []
+    clock.now += 2
+    assert [tid for tid, _ in rv.expired()] == ["t"]
+
+
+def test_renew_of_an_unknown_or_matched_transfer_is_false():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg")
+    rv.offer_prefill("t", "pre")
+    assert (rv.renew("t"), rv.renew("nobody")) == (False, False)
+
+
+def test_halves_after_expiry_are_refused_as_closed():
+    rv, clock = _rv(lease_s=1.0)
+    rv.offer_registration("t", "reg-1")
+    clock.now += 1
+    rv.expired()
+    late = [rv.offer_prefill("t", "pre"), rv.offer_registration("t", "reg-2")]
+    assert [(type(r), r.code) for r in late] == [(Refused, "closed"), (Refused, "closed")]
+    assert "expired" in late[0].reason
+    assert late[1].registration == "reg-2"
+    assert rv.pending() == []
+
+
+def test_a_matched_transfer_does_not_expire():
+    rv, clock = _rv(lease_s=1.0)
+    rv.offer_registration("t", "reg")
+    rv.offer_prefill("t", "pre")
+    clock.now += 100
+    assert rv.expired() == []
+
+
+# ------------------------------------------------------------------ close
+
+
+def test_close_returns_the_pending_half_and_later_halves_are_closed():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg")
+    half, matched = rv.close("t")
+    later = [rv.offer_prefill("t", "pre"), rv.offer_registration("t", "reg")]
+    assert (half.registration, half.prefill, matched) == ("reg", None, False)
+    assert [r.code for r in later] == ["closed", "closed"]
+    assert "revoked" in later[0].reason
+    assert rv.pending() == []
+
+
+def test_close_before_any_half_still_closes_the_transfer():
+    rv, _ = _rv()
+    assert rv.close("t") == (None, False)
+    later = rv.offer_prefill("t", "pre")
+    assert (type(later), later.code) == (Refused, "closed")
+
+
+def test_close_of_a_matched_transfer_keeps_it_matched():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg")
+    rv.offer_prefill("t", "pre")
+    assert rv.close("t") == (None, True)
+    late = rv.offer_registration("t", "reg")
+    assert late.code == "duplicate"
+
+
+# ------------------------------------------------------------------ check
+
+
+def _same_decode(registration: str, prefill: str) -> str | None:
+    """Registrations look like "decode-a"; a prefill like "for-decode-a"."""
+    return None if prefill == f"for-{registration}" else f"{registration} is not the chosen decode"
+
+
+def test_an_incompatible_registration_is_refused_and_the_prefill_keeps_waiting():
+    rv, _ = _rv(check=_same_decode)
+    rv.offer_prefill("t", "for-decode-a")
+    refused = rv.offer_registration("t", "decode-b")
+    assert isinstance(refused, Refused)
+    assert (refused.code, refused.registration) == ("incompatible", "decode-b")
+    assert "decode-b" in refused.reason
+    assert rv.pending() == ["t"]
+    match = rv.offer_registration("t", "decode-a")
+    assert isinstance(match, Match)
+    assert (match.registration, match.prefill) == ("decode-a", "for-decode-a")
+
+
+def test_an_incompatible_pending_registration_is_dropped_when_the_prefill_arrives():
+    rv, _ = _rv(check=_same_decode)
+    rv.offer_registration("t", "decode-b")
+    refused = rv.offer_prefill("t", "for-decode-a")
+    assert isinstance(refused, Refused)
+    assert (refused.code, refused.registration) == ("incompatible", "decode-b")
+    assert rv.pending() == ["t"]
+    match = rv.offer_registration("t", "decode-a")
+    assert (match.registration, match.prefill) == ("decode-a", "for-decode-a")
+
+
+def test_a_second_prefill_after_an_incompatible_drop_is_a_duplicate():
+    rv, _ = _rv(check=_same_decode)
+    rv.offer_registration("t", "decode-b")
+    rv.offer_prefill("t", "for-decode-a")
+    duplicate = rv.offer_prefill("t", "for-decode-a")
+    assert duplicate.code == "duplicate"
+
+
+def test_check_sees_the_registration_and_the_prefill():
+    seen = []
+    rv, _ = _rv(check=lambda reg, pre: seen.append((reg, pre)))
+    rv.offer_prefill("t", "pre")
+    rv.offer_registration("t", "reg")
+    assert seen == [("reg", "pre")]
+
+
+# ------------------------------------------------------------------ tombstones
+
+
+def test_tombstones_are_bounded_oldest_first():
+    rv, _ = _rv(max_tombstones=2)
+    for tid in ("a", "b", "c"):
+        rv.close(tid)
+    # "a" was forgotten: a new half for it waits; "b" and "c" are still closed
+    assert rv.offer_prefill("a", "pre") is None
+    assert [rv.offer_prefill(t, "pre").code for t in ("b", "c")] == ["closed", "closed"]
+
+
+def test_a_retombstoned_transfer_counts_as_newest():
+    rv, clock = _rv(lease_s=1.0, max_tombstones=2)
+    rv.close("a")
+    rv.offer_registration("b", "reg")
+    clock.now += 1
+    rv.expired()  # "b" tombstoned after "a"
+    rv.close("a")  # "a" again: now the newest
+    rv.close("c")  # evicts the oldest, "b"
+    assert rv.offer_prefill("b", "pre") is None
+    assert rv.offer_prefill("a", "pre").code == "closed"
+
+
+# ------------------------------------------------------------------ threads
+
+
 def test_concurrent_offers_match_each_transfer_exactly_once():
     rv = Rendezvous()
     ids = [f"t-{i}" for i in range(500)]
-    matches = []
-    matches_lock = threading.Lock()
+    outcomes: list = []
+    outcomes_lock = threading.Lock()
     start = threading.Barrier(8)
 
     def offer(kind: str, offset: int) -> None:
         start.wait()
         for transfer_id in ids[offset:] + ids[:offset]:
             if kind == "reg":
-                match = rv.offer_registration(transfer_id, "reg")
+                result = rv.offer_registration(transfer_id, "reg")
             else:
-                match = rv.offer_prefill(transfer_id, "pre")
-            if match is not None:
-                with matches_lock:
-                    matches.append(match)
+                result = rv.offer_prefill(transfer_id, "pre")
+            if result is not None:
+                with outcomes_lock:
+                    outcomes.append(result)
 
-    # two offerers of each half per id, so duplicates race the matches too
+    # four offerers of each half per id, so duplicates race the matches too
     threads = [threading.Thread(target=offer, args=(kind, 60 * n))
                for n in range(4) for kind in ("reg", "pre")]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    matches = [o for o in outcomes if isinstance(o, Match)]
+    refused = [o for o in outcomes if isinstance(o, Refused)]
     assert sorted(m.transfer_id for m in matches) == sorted(ids)
     assert all((m.registration, m.prefill) == ("reg", "pre") for m in matches)
+    assert {r.code for r in refused} == {"duplicate"}
+    # 8 offers per id: one waits, one matches, the other six are refused
+    assert len(refused) == 6 * len(ids)
     assert rv.pending() == []

@@ -1,0 +1,98 @@
+"""Deliberate message faults, for the fault-injection suite and the soak run.
+
+Off unless ``KVPUSH_CHAOS`` is set. It maps subject prefixes to fault rates::
+
+    KVPUSH_CHAOS='{"kvpush.kv.register.": {"drop": 0.1, "duplicate": 0.1, "delay": 0.2, "max_delay_s": 0.5}}'
+
+Each message published through the connector's NATS bridge on a matching subject is
+dropped, sent twice, or held back for a random time (which also reorders it behind
+later messages), with those probabilities. ``KVPUSH_CHAOS_FILE`` names a file holding
+the same JSON instead, read again whenever it changes (no file: no faults), so a test
+can turn faults on and off in running engines. ``KVPUSH_CHAOS_SEED`` fixes the dice;
+``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault, ``<kind> <subject>``,
+so a run can report what it injected.
+
+No NATS: the bridge asks ``delays(subject)`` and sends accordingly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+RELOAD_EVERY_S = 0.5
+
+
+@dataclass(frozen=True)
+class Rates:
+    drop: float = 0.0
+    duplicate: float = 0.0
+    delay: float = 0.0
+    max_delay_s: float = 0.5
+
+
+def parse(spec: str) -> dict[str, Rates]:
+    return {prefix: Rates(**fields) for prefix, fields in json.loads(spec).items()}
+
+
+class Chaos:
+    def __init__(self, rates: dict[str, Rates] | None = None, seed: int | None = None,
+                 log_path: str | None = None, spec_file: str | None = None):
+        self.rates = rates or {}
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()  # protects _random, the rates' reload and the log file
+        self._log_path = log_path
+        self._spec_file = spec_file
+        self._spec_stamp: float | None = None
+        self._checked_at = 0.0
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Chaos | None":
+        spec, spec_file = env.get("KVPUSH_CHAOS"), env.get("KVPUSH_CHAOS_FILE")
+        if not spec and not spec_file:
+            return None
+        seed = env.get("KVPUSH_CHAOS_SEED")
+        return cls(parse(spec) if spec else None, int(seed) if seed else None, env.get("KVPUSH_CHAOS_LOG"),
+                   spec_file)
+
+    def delays(self, subject: str) -> list[float]:
+        """How many copies of a message on ``subject`` to send, each after how long:
+        [] drops it, [0.0] sends it as is."""
+        with self._lock:
+            self._reload()
+            rates = next((r for prefix, r in self.rates.items() if subject.startswith(prefix)), None)
+            if rates is None:
+                return [0.0]
+            roll = self._random.random()
+            if roll < rates.drop:
+                kind, copies = "drop", []
+            elif roll < rates.drop + rates.duplicate:
+                kind, copies = "duplicate", [0.0, self._random.uniform(0.0, rates.max_delay_s)]
+            elif roll < rates.drop + rates.duplicate + rates.delay:
+                kind, copies = "delay", [self._random.uniform(0.0, rates.max_delay_s)]
+            else:
+                return [0.0]
+            if self._log_path:
+                with open(self._log_path, "a") as out:
+                    out.write(f"{kind} {subject}\n")
+        return copies
+
+    def _reload(self) -> None:
+        if self._spec_file is None or time.monotonic() - self._checked_at < RELOAD_EVERY_S:
+            return
+        self._checked_at = time.monotonic()
+        try:
+            stamp = os.stat(self._spec_file).st_mtime
+        except OSError:
+            stamp = None
+        if stamp == self._spec_stamp:
+            return
+        self._spec_stamp = stamp
+        try:
+            self.rates = parse(open(self._spec_file).read()) if stamp is not None else {}
+        except (OSError, ValueError, TypeError):
+            self.rates = {}  # half-written or bad: no faults until it is readable

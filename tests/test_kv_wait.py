@@ -1,0 +1,192 @@
+"""Decode keeps the blocks it registered until the KV arrived, prefill answered, or a
+revoked transfer's quarantine passed; it never releases blocks a write may still land in."""
+
+from __future__ import annotations
+
+from connector.kv_wait import KvWaits
+
+
+def _waits() -> KvWaits:
+    return KvWaits(kv_wait_s=120.0, quarantine_s=10.0)
+
+
+def test_arrival_releases_the_request_as_arrived():
+    waits = _waits()
+    waits.start("r", "t", now=0.0, context="span")
+    assert waits.tick(1.0) == ([], [])
+    assert waits.arrived("t", at=2.0) is True
+    to_revoke, released = waits.tick(3.0)
+    assert to_revoke == []
+    [done] = released
+    assert (done.request_id, done.transfer_id, done.arrived, done.failed, done.reason) == ("r", "t", True, False, "")
+    assert (done.context, done.arrived_at) == ("span", 2.0)
+    assert waits.waiting() == 0
+
+
+def test_an_arrival_before_start_counts():
+    waits = _waits()
+    assert waits.arrived("t", at=5.0) is False
+    wait = waits.start("r", "t", now=6.0)
+    assert wait.arrived is True
+    [done] = waits.tick(6.0)[1]
+    assert (done.arrived, done.arrived_at) == (True, 5.0)
+
+
+def test_prefill_giving_up_releases_the_request_as_failed():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.prefill_gave_up("t", "lease_expired")
+    to_revoke, [done] = waits.tick(1.0)
+    assert to_revoke == []
+    assert (done.arrived, done.failed, done.request_finished, done.reason) == (False, True, False, "lease_expired")
+
+
+def test_prefill_giving_up_before_start_counts():
+    waits = _waits()
+    waits.prefill_gave_up("t", "prefill failed")
+    waits.start("r", "t", now=0.0)
+    [done] = waits.tick(0.0)[1]
+    assert (done.failed, done.reason) == (True, "prefill failed")
+
+
+def test_the_first_answer_of_prefill_is_kept():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.prefill_gave_up("t", "first")
+    waits.prefill_gave_up("t", "second")
+    [done] = waits.tick(0.0)[1]
+    assert done.reason == "first"
+
+
+def test_overdue_kv_is_revoked_once_then_quarantined():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    assert waits.tick(119.9) == ([], [])
+    to_revoke, released = waits.tick(120.0)
+    assert [w.transfer_id for w in to_revoke] == ["t"]
+    assert "120" in to_revoke[0].given_up
+    assert released == []
+    # quarantined: not revoked again, not released while a write may still land
+    assert waits.tick(125.0) == ([], [])
+    assert waits.tick(129.9) == ([], [])
+    assert waits.waiting() == 1
+
+
+def test_a_silent_prefill_releases_the_quarantined_blocks_after_quarantine_s():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.tick(120.0)
+    to_revoke, [done] = waits.tick(130.0)
+    assert to_revoke == []
+    assert (done.arrived, done.failed, done.request_finished) == (False, True, False)
+    assert "silent" in done.reason
+    assert waits.waiting() == 0
+
+
+def test_prefill_answering_a_revoke_releases_at_once():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.tick(120.0)
+    waits.prefill_gave_up("t", "revoked")
+    [done] = waits.tick(121.0)[1]
+    assert done.failed is True
+    assert "120" in done.reason  # decode's own reason for giving up
+
+
+def test_kv_arriving_during_quarantine_releases_at_once_as_arrived():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.tick(120.0)
+    waits.arrived("t", at=121.0)
+    [done] = waits.tick(121.5)[1]
+    assert (done.arrived, done.failed) == (True, False)
+
+
+def test_a_finished_waiting_request_is_revoked_and_quarantined():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    [revoke] = waits.requests_finished({"r"}, now=5.0)
+    assert (revoke.transfer_id, revoke.given_up) == ("t", "aborted")
+    assert waits.tick(14.9) == ([], [])
+    _, [done] = waits.tick(15.0)
+    assert (done.request_finished, done.failed, done.arrived) == (True, False, False)
+    assert "aborted" in done.reason
+
+
+def test_a_finished_request_is_released_when_prefill_answers():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.requests_finished({"r"}, now=5.0)
+    waits.prefill_gave_up("t", "revoked")
+    [done] = waits.tick(5.1)[1]
+    assert (done.request_finished, done.failed, done.reason) == (True, False, "aborted")
+
+
+def test_a_finished_request_is_released_when_its_kv_arrives():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.requests_finished({"r"}, now=5.0)
+    waits.arrived("t", at=6.0)
+    [done] = waits.tick(6.0)[1]
+    assert (done.request_finished, done.arrived, done.failed) == (True, True, False)
+
+
+def test_a_request_finished_twice_is_revoked_once():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    assert len(waits.requests_finished({"r"}, now=1.0)) == 1
+    assert waits.requests_finished({"r"}, now=2.0) == []
+
+
+def test_a_request_finished_after_its_kv_arrived_is_not_revoked():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.arrived("t", at=1.0)
+    assert waits.requests_finished({"r"}, now=2.0) == []
+    [done] = waits.tick(2.0)[1]
+    assert (done.arrived, done.request_finished, done.failed) == (True, True, False)
+
+
+def test_overdue_kv_of_a_finished_request_is_not_revoked_again():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.requests_finished({"r"}, now=119.0)
+    to_revoke, released = waits.tick(120.0)
+    assert (to_revoke, released) == ([], [])
+
+
+def test_other_requests_are_not_touched():
+    waits = _waits()
+    waits.start("r1", "t1", now=0.0)
+    waits.start("r2", "t2", now=0.0)
+    assert [w.request_id for w in waits.requests_finished({"r2"}, now=1.0)] == ["r2"]
+    waits.arrived("t1", at=2.0)
+    [done] = waits.tick(2.0)[1]
+    assert done.transfer_id == "t1"
+    assert waits.waiting() == 1
+
+
+def test_nothing_is_released_twice():
+    waits = _waits()
+    waits.start("r1", "t1", now=0.0)
+    waits.start("r2", "t2", now=0.0)
+    waits.start("r3", "t3", now=0.0)
+    waits.arrived("t1", at=1.0)
+    waits.prefill_gave_up("t2", "failed")
+    released = []
+    for now in (1.0, 2.0, 120.0, 121.0, 130.0, 200.0, 500.0):
+        _, ended = waits.tick(now)
+        # late answers for waits already ended start nothing new
+        waits.arrived("t1", at=now)
+        waits.prefill_gave_up("t2", "again")
+        released += ended
+    assert sorted(r.transfer_id for r in released) == ["t1", "t2", "t3"]
+    assert waits.waiting() == 0
+
+
+def test_early_answers_are_bounded_by_max_early():
+    waits = KvWaits(max_early=2)
+    for tid in ("a", "b", "c"):
+        waits.arrived(tid, at=0.0)
+    assert waits.start("r", "a", now=0.0).arrived is False  # forgotten, the oldest
+    assert waits.start("r", "c", now=0.0).arrived is True
