@@ -34,6 +34,9 @@ _tracer = trace.get_tracer("kvpush.transfer")
 # How long the thread sleeps between polls while something is in flight, and when idle.
 ACTIVE_POLL_S = 0.0005
 IDLE_POLL_S = 0.05
+# A transfer still running after this long has a dead or hung peer: it is given up as
+# failed (its handle released), so its blocks do not stay held forever.
+STUCK_AFTER_S = 30.0
 
 os.environ.setdefault("UCX_TCP_NODELAY", "y")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -217,7 +220,9 @@ class TransferThread:
         still: list[_InFlight] = []
         for flight in self._in_flight:
             state = self._agent.check_xfer_state(flight.handle)
-            if state == "PROC":
+            if state == "PROC" and time.perf_counter() - flight.posted_at > STUCK_AFTER_S:
+                self._finish(flight, ok=False, error=f"{flight.job.op} still running after {STUCK_AFTER_S:g} s")
+            elif state == "PROC":
                 still.append(flight)
             else:
                 self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else f"{flight.job.op} failed")

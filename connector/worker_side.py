@@ -21,6 +21,7 @@ its can land. A load that will not come is reported to vLLM as failed, and vLLM'
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -172,7 +173,13 @@ class ConnectorWorker:
         )
 
     def _run_clock(self) -> None:
+        parent = os.getppid()
         while not self._stop.wait(CLOCK_TICK_S):
+            if os.getppid() != parent:
+                # Our worker died (kill -9) and left this engine process behind: it would
+                # hold its memory and answer peers for nobody. Go too.
+                log.error("the worker process that started this engine is gone; exiting")
+                os._exit(1)
             try:
                 self._tick(time.monotonic())
             except Exception:

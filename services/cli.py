@@ -209,12 +209,23 @@ def _describe_final(final: dict) -> str:
 
 
 def cmd_generate(args) -> int:
+    import uuid
+
+    from shared.errors import KvpushError
+
     body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
     if args.token_ids:
         body["prompt_token_ids"] = [int(t) for t in args.prompt.replace(",", " ").split()]
     else:
         body["prompt"] = args.prompt
-    final = asyncio.run(_stream(args.nats_url, body))
+    body["request_id"] = f"cli-{uuid.uuid4().hex[:12]}"  # so that Ctrl-C can cancel it
+    try:
+        final = asyncio.run(_stream(args.nats_url, body))
+    except KvpushError as exc:
+        final = {"error": {"code": exc.code, "message": exc.message}}
+    except KeyboardInterrupt:
+        _say(f"interrupted: request {body['request_id']} cancelled")
+        return 130
     _say(_describe_final(final))
     return 1 if "error" in final else 0
 

@@ -7,6 +7,7 @@ import json
 from typing import AsyncIterator
 
 from shared import wire
+from shared.errors import PayloadTooLarge
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncIterator[dict]:
@@ -16,6 +17,9 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncItera
     (breaking out, cancelling the task) cancels the request, if it has a request_id.
     """
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if len(data) > nc.max_payload:
+        raise PayloadTooLarge(f"the request is {len(data)} bytes, over the NATS server's max_payload of "
+                              f"{nc.max_payload} bytes; send a shorter prompt or raise max_payload")
     request_id = body.get("request_id") if isinstance(body, dict) else None
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
