@@ -130,17 +130,20 @@ class ConnectorWorker:
         if self.transfer is not None:
             self.transfer.stop()
 
-    def _refuse(self, subject: str, exc: Exception) -> None:
-        log.warning("refused a malformed message on %s: %s", subject, exc)
-        instruments().failures.add(1, {"reason": "bad_message"})
-        self.bridge.publish(wire.INVALID_SUBJECT, wire.encode(
-            wire.InvalidMessage(service=self.engine_id, subject=subject, code="bad_message", reason=str(exc))))
+    def _decoded(self, data: bytes, kind, subject: str):
+        """The message as ``kind``; None (said on kvpush.invalid) if it is not one."""
+        try:
+            return wire.decode(data, kind)
+        except msgspec.MsgspecError as exc:
+            log.warning("refused a malformed message on %s: %s", subject, exc)
+            instruments().failures.add(1, {"reason": "bad_message"})
+            self.bridge.publish(wire.INVALID_SUBJECT, wire.encode(
+                wire.InvalidMessage(service=self.engine_id, subject=subject, code="bad_message", reason=str(exc))))
+            return None
 
     def _on_agent_announced(self, data: bytes) -> None:
-        try:
-            info = wire.decode(data, wire.AgentInfo)
-        except msgspec.MsgspecError as exc:
-            self._refuse(wire.AGENTS_SUBJECT, exc)
+        info = self._decoded(data, wire.AgentInfo, wire.AGENTS_SUBJECT)
+        if info is None:
             return
         with self._agents_lock:
             self._agents[(info.engine_id, info.rank)] = info  # a restarted peer replaces its old agent
@@ -225,11 +228,7 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- prefill side
 
     def _on_kv_control(self, data: bytes) -> None:
-        try:
-            message = wire.decode(data, wire.KvControl)
-        except msgspec.MsgspecError as exc:
-            self._refuse(wire.registration_subject(self.engine_id), exc)
-            return
+        message = self._decoded(data, wire.KvControl, wire.registration_subject(self.engine_id))
         match message:
             case wire.LeaseRenewal():
                 for transfer_id in message.transfer_ids:
@@ -451,11 +450,7 @@ class ConnectorWorker:
         self._fail(read.transfer_id, self.engine_id, "read_failed", why)
 
     def _on_completion(self, data: bytes) -> None:
-        try:
-            event = wire.decode(data, wire.Completion)
-        except msgspec.MsgspecError as exc:
-            self._refuse(wire.completion_subject(self.engine_id), exc)
-            return
+        event = self._decoded(data, wire.Completion, wire.completion_subject(self.engine_id))
         if isinstance(event, wire.TransferFailed) and event.prefill_engine_id != self.engine_id:
             self._waits.prefill_gave_up(event.transfer_id, f"{event.code}: {event.reason}")
             self._progress.set()

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import nats
 
 from services import dev_certs
@@ -133,18 +134,22 @@ class FaultRig:
             self.nats.stop()
 
     async def _on_beat(self, msg) -> None:
-        beat = wire.decode(msg.data, wire.WorkerHeartbeat)
+        beat = _decoded(msg, wire.WorkerHeartbeat)
+        if beat is None:
+            return
         self.beats[beat.worker_id] = Beat(beat.free_kv_blocks, beat.total_kv_blocks, beat.role, beat.incarnation,
                                           time.monotonic())
 
     async def _on_progress(self, msg) -> None:
-        self.progress.append(wire.decode(msg.data, wire.RequestProgress))
+        if (event := _decoded(msg, wire.RequestProgress)) is not None:
+            self.progress.append(event)
 
     async def _on_invalid(self, msg) -> None:
-        self.invalid.append(wire.decode(msg.data, wire.InvalidMessage))
+        if (event := _decoded(msg, wire.InvalidMessage)) is not None:
+            self.invalid.append(event)
 
     async def _on_completion(self, msg) -> None:
-        event = wire.decode(msg.data, wire.Completion)
+        event = _decoded(msg, wire.Completion)
         if isinstance(event, wire.TransferDone):
             self.pushed.add(event.transfer_id)
 
@@ -342,6 +347,14 @@ class FaultRig:
         sub = await self.conns[role].subscribe(subject, cb=on_msg)
         await self.conns[role].flush()
         return seen, sub
+
+
+def _decoded(msg, kind):
+    """The rig watches subjects it also sends garbage to: skip what does not decode."""
+    try:
+        return wire.decode(msg.data, kind)
+    except msgspec.MsgspecError:
+        return None
 
 
 async def wait_until(predicate, timeout: float, what: str) -> None:

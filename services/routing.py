@@ -22,9 +22,16 @@ class WorkerPool:
     def __init__(self, stale_after_s: float = 5.0):
         self.stale_after_s = stale_after_s
         self._workers: dict[str, _Entry] = {}
+        self._roles_seen: set[str] = set()
 
     def observe(self, beat: wire.WorkerHeartbeat, now: float) -> None:
         self._workers[beat.worker_id] = _Entry(beat, now)
+        self._roles_seen.add(beat.role)
+
+    def has_served(self) -> bool:
+        """Workers of both roles have heartbeated at some point: if none is live now, they
+        are down (crashed, restarting), not absent from this deployment."""
+        return {"prefill", "decode"} <= self._roles_seen
 
     def live(self, role: str, now: float) -> list[wire.WorkerHeartbeat]:
         return [e.beat for e in self._live_entries(role, now)]
@@ -45,6 +52,11 @@ class WorkerPool:
                 f"no live workers to serve the request: {len(prefills)} prefill, {len(decodes)} decode"
             )
         return self.pick_prefill(now), self.pick_decode(num_prompt_tokens, now)
+
+    def require(self, role: str, now: float) -> None:
+        """Raise NoWorkers unless a worker of ``role`` is live."""
+        if not self._live_entries(role, now):
+            raise NoWorkers(f"no live {role} worker to serve the request")
 
     def pick_prefill(self, now: float) -> str:
         prefills = self._live_entries("prefill", now)

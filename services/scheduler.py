@@ -226,6 +226,11 @@ class Scheduler:
             await self._dispatch(flight)
         except asyncio.CancelledError:
             pass  # replaced by a retry, or ended
+        except DispatchFailed as exc:
+            if flight.attempt < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
+                await self._retry(flight, exc.worker_id)
+            else:
+                await self._end(flight, exc)
         except KvpushError as exc:
             await self._end(flight, exc)
         except Exception as exc:
@@ -300,12 +305,14 @@ class Scheduler:
     # ---------------------------------------------------------------- dispatch
 
     async def _pick(self, flight: Flight, pick):
-        """``pick()`` now; a retry waits for a live worker until its deadline instead."""
+        """``pick()`` now. With no live worker: fail at once if this deployment never had
+        one; otherwise they are down (crashed, restarting), and the request waits for one
+        until its deadline."""
         while True:
             try:
                 return pick()
             except NoWorkers:
-                if flight.attempt <= 1:
+                if flight.attempt <= 1 and not self.pool.has_served():
                     raise
             await asyncio.sleep(WATCH_INTERVAL_S)
 
@@ -358,6 +365,9 @@ class Scheduler:
         """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
         from the load at the moment prefill finished, and reads the prefill's blocks."""
         request, transfer_id = flight.request, flight.transfer_id
+        # A retry waits for a live decode *before* prefill: once prefill is done, its
+        # blocks are held only for a lease, and a READ after that would read freed ones.
+        await self._pick(flight, lambda: self.pool.require("decode", time.monotonic()))
         prefill_id = await self._pick(flight, lambda: self.pool.pick_prefill(time.monotonic()))
         self._bind_workers(flight, prefill_id)
         span = trace.get_current_span()
@@ -379,8 +389,7 @@ class Scheduler:
             self._handoffs.pop(transfer_id, None)
         if handoff.error is not None:
             raise EngineFailed(handoff.error.message)
-        decode_id = await self._pick(
-            flight, lambda: self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic()))
+        decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())  # no waiting now
         self._bind_workers(flight, decode_id=decode_id)
         span.set_attribute(A.DECODE_WORKER, decode_id)
         decode_job = self._decode_job(flight)
@@ -422,10 +431,11 @@ class Scheduler:
         try:
             reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S, template=template)
         except Exception as exc:
-            raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(exc).__name__}") from None
+            raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(exc).__name__}",
+                                 worker_id) from None
         ack = wire.decode(reply.data, wire.JobAck)
         if not ack.accepted:
-            raise DispatchFailed(f"worker {worker_id} refused the job: {ack.error.message}")
+            raise DispatchFailed(f"worker {worker_id} refused the job: {ack.error.message}", worker_id)
 
     async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
         body = to_error_body(exc)

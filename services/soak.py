@@ -101,12 +101,13 @@ class Soak:
         self.tally.faults.update({f"message_{kind}": n for kind, n in self.rig.injected().items()})
         return self.tally
 
-    def _send(self) -> None:
+    def _send(self) -> str:
         index = self.rng.randrange(len(self.prompts))
         request_id = f"soak-{uuid.uuid4().hex[:12]}"
         body = {**self.prompts[index], "request_id": request_id}
         self.tally.sent += 1
         self._in_flight[request_id] = asyncio.create_task(self._one(body, index))
+        return request_id
 
     async def _one(self, body: dict, index: int) -> None:
         request_id = body["request_id"]
@@ -160,10 +161,12 @@ class Soak:
                     progress(f"{kind} not injected: {type(exc).__name__}: {exc}")
 
     async def _fault_cancel(self) -> None:
-        if not self._in_flight:
-            self._send()
-            await asyncio.sleep(0.3)
-        request_id = self.rng.choice(list(self._in_flight))
+        """Cancel a request in flight, wherever it is; or a new one, a moment after sending it."""
+        if self._in_flight:
+            request_id = self.rng.choice(list(self._in_flight))
+        else:
+            request_id = self._send()
+            await asyncio.sleep(self.rng.uniform(0.0, 0.5))
         await self.rig.conns["client"].publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(request_id)))
 
     async def _fault_client_gone(self) -> None:

@@ -63,6 +63,10 @@ class NoWorkers(KvpushError):
 class DispatchFailed(KvpushError):
     code = "dispatch_failed"
 
+    def __init__(self, message: str, worker_id: str = ""):
+        super().__init__(message)
+        self.worker_id = worker_id
+
 
 class EngineFailed(KvpushError):
     code = "engine_failed"

@@ -112,3 +112,13 @@ def test_a_forgotten_worker_is_not_picked():
     pool = _pool(_beat("p", "prefill"), _beat("d-1", "decode"), _beat("d-2", "decode"))
     pool.forget("d-1")
     assert pool.pick(10, now=0.0) == ("p", "d-2")
+
+
+def test_has_served_once_both_roles_have_heartbeated_even_after_they_go_stale():
+    pool = WorkerPool(stale_after_s=5.0)
+    assert not pool.has_served()
+    pool.observe(_beat("p-1", "prefill"), now=0.0)
+    assert not pool.has_served()
+    pool.observe(_beat("d-1", "decode"), now=0.0)
+    pool.forget("d-1")
+    assert pool.has_served()  # down, not absent: requests wait for them
