@@ -51,6 +51,7 @@ _tracer = trace.get_tracer("kvpush.connector")
 # wakes it at once. A new request reaching an idle engine waits at most this long.
 IDLE_WAIT_S = 0.01
 CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
+COMPLETION_TEMPLATE = "kvpush.kv.completion.{engine_id}"
 RESEND_S = 1.0  # decode sends a registration again this often until prefill answers (it may be lost)
 
 
@@ -120,7 +121,7 @@ class ConnectorWorker:
         else:
             self.bridge.subscribe(
                 wire.completion_subject(self.engine_id), self._on_completion,
-                template="kvpush.kv.completion.{engine_id}",
+                template=COMPLETION_TEMPLATE,
             )
         self.bridge.publish(wire.AGENTS_SUBJECT, info)
         self._clock.start()
@@ -338,7 +339,8 @@ class ConnectorWorker:
             _record_transfer(result)
             self.bridge.publish(
                 wire.completion_subject(registration.decode_engine_id),
-                wire.encode(
+                template=COMPLETION_TEMPLATE,
+                data=wire.encode(
                     wire.TransferDone(
                         transfer_id=match.transfer_id,
                         prefill_engine_id=self.engine_id,
@@ -380,7 +382,8 @@ class ConnectorWorker:
         instruments().failures.add(1, {"reason": code})
         self.bridge.publish(
             wire.completion_subject(decode_engine_id or "unknown"),
-            wire.encode(
+            template=COMPLETION_TEMPLATE,
+            data=wire.encode(
                 wire.TransferFailed(
                     transfer_id=transfer_id,
                     prefill_engine_id=self.engine_id,
