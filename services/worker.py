@@ -402,6 +402,8 @@ class Worker:
                     if first_at is None:
                         first_at = time.time()
                         running.streaming = True
+                        # Before the chunk, on the same connection: the schedulers learn that
+                        # a retry would repeat tokens no later than the client sees one.
                         await self._progress(job, "streaming")
                     completion_tokens += len(completion.token_ids)
                     chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
