@@ -21,14 +21,18 @@ _tracer = trace.get_tracer("kvpush.messaging")
 TEMPORARY = "(temporary)"  # a reply inbox, per the messaging conventions
 
 
-def _attributes(subject: str, template: str | None, operation: str) -> dict:
+def template_of(subject: str, template: str | None = None) -> str:
+    """The name a span gives ``subject``: the template it was made from (``wire.Subject``)."""
+    return template or getattr(subject, "template", None) or subject
+
+
+def _attributes(subject: str, template: str, operation: str) -> dict:
     attrs = {
         "messaging.system": "nats",
         "messaging.operation.type": operation,
         "messaging.destination.name": subject,
+        "messaging.destination.template": template,
     }
-    if template is not None:
-        attrs["messaging.destination.template"] = template
     if template == TEMPORARY:
         attrs["messaging.destination.temporary"] = True
     return attrs
@@ -44,8 +48,9 @@ def producer(subject: str, template: str | None = None, parent: otel_context.Con
              headers: dict[str, str] | None = None):
     """Span for one publish; yields the headers carrying its context."""
     headers = dict(headers or {})
+    template = template_of(subject, template)
     with _tracer.start_as_current_span(
-        f"publish {template or subject}", context=parent, kind=SpanKind.PRODUCER,
+        f"publish {template}", context=parent, kind=SpanKind.PRODUCER,
         attributes=_attributes(subject, template, "publish"),
     ):
         propagate.inject(headers)
@@ -56,8 +61,9 @@ def producer(subject: str, template: str | None = None, parent: otel_context.Con
 def consumer(subject: str, template: str | None, headers: dict[str, str] | None):
     """Span for handling one received message, parented by the sender's context."""
     parent = propagate.extract(headers or {})
+    template = template_of(subject, template)
     with _tracer.start_as_current_span(
-        f"process {template or subject}", context=parent, kind=SpanKind.CONSUMER,
+        f"process {template}", context=parent, kind=SpanKind.CONSUMER,
         attributes=_attributes(subject, template, "process"),
     ) as span:
         with structlog.contextvars.bound_contextvars(trace_id=trace_id_hex(span)):
@@ -92,8 +98,10 @@ class TracedNats:
 
     async def subscribe(self, subject: str, cb: Callable[..., Awaitable[None]], template: str | None = None,
                         queue: str = ""):
+        template = template_of(subject, template)
+
         async def traced(msg) -> None:
-            with consumer(msg.subject, template or subject, msg.headers):
+            with consumer(msg.subject, template, msg.headers):
                 await cb(msg)
 
         return await self.nc.subscribe(subject, queue=queue, cb=traced)

@@ -14,14 +14,25 @@
     ├── Cancelled               the client cancelled the request
     ├── DeadlineExceeded        no final answer within the deadline
     ├── WorkerLost              a worker died after tokens went out (a retry would repeat them)
-    └── TransferError           the KV push could not be done (code per reason)
+    ├── BadMessage              an internal message that does not decode (said on kvpush.invalid)
+    │   └── BadJob              ...a job, refused to the scheduler that sent it
+    └── TransferError           one transfer's KV will not be written or read (TransferFailed.code)
+        ├── LeaseExpired        decode did not renew prefill's lease on the blocks
+        ├── TpMismatch          prefill and decode run different tensor-parallel sizes
+        ├── BadRegistration     the registration does not fit the prompt or the blocks
+        ├── TransferClosed      a registration for a transfer already given up
+        ├── Revoked             decode gave the transfer up
+        ├── AgentUnreachable    the peer's NIXL agent could not be had
+        ├── WriteFailed         the WRITE failed
+        └── ReadFailed          pull: the READ failed
 
-``to_error_body`` is the one boundary that turns any exception into an error reply.
+``to_error_body`` is the one boundary that turns any exception into an error reply, and
+``refusal`` the one that turns a message that does not decode into an ``InvalidMessage``.
 """
 
 from __future__ import annotations
 
-from shared.wire import ErrorBody
+from shared.wire import ErrorBody, InvalidMessage
 
 
 class KvpushError(Exception):
@@ -88,13 +99,56 @@ class WorkerLost(KvpushError):
     code = "worker_lost"
 
 
+class BadMessage(KvpushError):
+    code = "bad_message"
+
+
+class BadJob(BadMessage):
+    code = "bad_job"
+
+
 class TransferError(KvpushError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+    code = "transfer_failed"
+
+
+class LeaseExpired(TransferError):
+    code = "lease_expired"
+
+
+class TpMismatch(TransferError):
+    code = "tp_mismatch"
+
+
+class BadRegistration(TransferError):
+    code = "bad_registration"
+
+
+class TransferClosed(TransferError):
+    code = "transfer_closed"
+
+
+class Revoked(TransferError):
+    code = "revoked"
+
+
+class AgentUnreachable(TransferError):
+    code = "agent_unreachable"
+
+
+class WriteFailed(TransferError):
+    code = "write_failed"
+
+
+class ReadFailed(TransferError):
+    code = "read_failed"
 
 
 def to_error_body(exc: BaseException) -> ErrorBody:
     if isinstance(exc, KvpushError):
         return ErrorBody(code=exc.code, message=exc.message)
     return ErrorBody(code="internal", message=f"internal error: {type(exc).__name__}: {exc}")
+
+
+def refusal(service: str, subject: str, exc: BaseException, kind: type[BadMessage] = BadMessage) -> InvalidMessage:
+    """What a service says on ``kvpush.invalid`` about a message it could not decode."""
+    return InvalidMessage(service=service, subject=subject, code=kind.code, reason=str(exc))

@@ -37,6 +37,7 @@ Protocol history:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -47,7 +48,6 @@ GENERATE_SUBJECT = "kvpush.generate"
 SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
 HEARTBEAT_SUBJECT = "kvpush.worker.heartbeat"
 HANDOFF_SUBJECT = "kvpush.handoff"
-COMPLETION_SUBJECTS = "kvpush.kv.completion.*"
 CANCEL_SUBJECT = "kvpush.cancel"
 PROGRESS_SUBJECT = "kvpush.request.progress"
 INVALID_SUBJECT = "kvpush.invalid"
@@ -58,24 +58,56 @@ Role = Literal["prefill", "decode"]
 TransferMode = Literal["push", "pull"]
 
 
-def prefill_job_subject(worker_id: str) -> str:
-    return f"kvpush.prefill.{worker_id}"
+class Subject(str):
+    """A concrete subject that remembers its template: span names use the template, so
+    worker ids and engine ids stay out of them."""
+
+    template: str
+
+    def __new__(cls, template: str, **parts: object) -> "Subject":
+        subject = super().__new__(cls, template.format(**parts))
+        subject.template = template
+        return subject
 
 
-def decode_job_subject(worker_id: str) -> str:
-    return f"kvpush.decode.{worker_id}"
+class SubjectTemplate(str):
+    """A subject with ``{placeholders}``: call it for a concrete one."""
+
+    def __call__(self, **parts: object) -> Subject:
+        return Subject(self, **parts)
+
+    @property
+    def wildcard(self) -> str:
+        """The subscription that matches every subject of this template."""
+        return re.sub(r"\{[^}]+\}", "*", self)
 
 
-def registration_subject(prefill_engine_id: str) -> str:
-    return f"kvpush.kv.register.{prefill_engine_id}"
+PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
+DECODE_JOBS = SubjectTemplate("kvpush.decode.{worker_id}")
+KV_CONTROL = SubjectTemplate("kvpush.kv.register.{engine_id}")
+KV_COMPLETIONS = SubjectTemplate("kvpush.kv.completion.{engine_id}")
+KV_AGENT = SubjectTemplate("kvpush.kv.agent.{engine_id}.{rank}")
+COMPLETION_SUBJECTS = KV_COMPLETIONS.wildcard
 
 
-def completion_subject(decode_engine_id: str) -> str:
-    return f"kvpush.kv.completion.{decode_engine_id}"
+def prefill_job_subject(worker_id: str) -> Subject:
+    return PREFILL_JOBS(worker_id=worker_id)
 
 
-def agent_subject(engine_id: str, rank: int) -> str:
-    return f"kvpush.kv.agent.{engine_id}.{rank}"
+def decode_job_subject(worker_id: str) -> Subject:
+    return DECODE_JOBS(worker_id=worker_id)
+
+
+def registration_subject(prefill_engine_id: str) -> Subject:
+    return KV_CONTROL(engine_id=prefill_engine_id)
+
+
+def completion_subject(decode_engine_id: str) -> Subject:
+    return KV_COMPLETIONS(engine_id=decode_engine_id)
+
+
+def agent_subject(engine_id: str, rank: int) -> Subject:
+    return KV_AGENT(engine_id=engine_id, rank=rank)
 
 
 # --------------------------------------------------------------------------- public JSON
@@ -318,6 +350,65 @@ class InvalidMessage(Internal):
     code: str
     reason: str
 
+# --------------------------------------------------------------------------- engine requests
+# vLLM carries a connector's per-request parameters as a dict (``kv_transfer_params``).
+# The worker service writes them and kvpush's connector reads them back: these types are
+# that contract. ``as_params()`` gives the dict vLLM wants; ``of(params)`` reads one.
+
+
+class _KvParams(msgspec.Struct, kw_only=True):
+    def as_params(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def of(cls, params: dict[str, Any]):
+        return msgspec.convert(params, cls)
+
+
+class PrefillKvParams(_KvParams, kw_only=True):
+    """A prefill request on a kvpush engine: keep the prompt's blocks for ``transfer_id``."""
+
+    do_remote_decode: bool = True
+    transfer_id: str
+    mode: TransferMode = "push"
+    decode_engine_id: str = ""  # push: the only decode whose registration may be written to
+    traceparent: str = ""
+
+
+class PrefilledKv(_KvParams, kw_only=True):
+    """What a kvpush prefill engine returns for a finished prompt (``request_finished``):
+    where its blocks are, for a pull-mode decode to READ."""
+
+    transfer_id: str
+    prefill_engine_id: str
+    prefill_tp_size: int
+    remote_block_ids: list[int]
+
+
+class DecodeKvParams(_KvParams, kw_only=True):
+    """A decode request on a kvpush engine: the prompt's KV comes from ``prefill_engine_id``
+    (pushed into the blocks we register, or, in pull mode, read from ``remote_block_ids``)."""
+
+    do_remote_prefill: bool = True
+    transfer_id: str
+    request_id: str
+    prefill_engine_id: str
+    prefill_tp_size: int = 1
+    mode: TransferMode = "push"
+    remote_block_ids: list[int] = msgspec.field(default_factory=list)
+    traceparent: str = ""
+
+
+class ConnectorConfig(msgspec.Struct, kw_only=True):
+    """kvpush's connector's ``kv_connector_extra_config``; the timing defaults are
+    ``shared.settings.FaultSettings``'s."""
+
+    nats_url: str
+    lease_s: float
+    kv_wait_s: float
+    quarantine_s: float
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
@@ -347,26 +438,26 @@ def _guarded(decode, data: bytes):
         raise msgspec.DecodeError(f"malformed: {type(exc).__name__}") from None
 
 
-_json_encoder = msgspec.json.Encoder()
-_generate_decoder = msgspec.json.Decoder(GenerateRequest)
-_cancel_decoder = msgspec.json.Decoder(CancelRequest)
-
-
-def encode_json(message: msgspec.Struct) -> bytes:
-    return _json_encoder.encode(message)
-
-
-def decode_generate_request(data: bytes) -> GenerateRequest:
-    return _guarded(_generate_decoder.decode, data)
-
-
-def decode_cancel_request(data: bytes, kind=CancelRequest) -> CancelRequest:
-    return _guarded(_cancel_decoder.decode, data)
-
-
 class SchedulerStatus(msgspec.Struct):
     """JSON reply on ``kvpush.scheduler.status``: the workers the scheduler would route to."""
 
     scheduler_id: str
     prefill_workers: list[str]
     decode_workers: list[str]
+
+
+_json_encoder = msgspec.json.Encoder()
+_json_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def encode_json(message: msgspec.Struct) -> bytes:
+    return _json_encoder.encode(message)
+
+
+def decode_json(data: bytes, kind):
+    """Decode a public JSON message (``GenerateRequest``, ``CancelRequest``,
+    ``SchedulerStatus``); raises msgspec's errors like ``decode``."""
+    decoder = _json_decoders.get(kind)
+    if decoder is None:
+        decoder = _json_decoders[kind] = msgspec.json.Decoder(kind)
+    return _guarded(decoder.decode, data)

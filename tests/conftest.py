@@ -13,11 +13,11 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.model_build import build_model, default_model_dir
-from services.natsd import LocalNatsServer
-from services.stack import Stack
+from tools.model_build import build_model, default_model_dir
+from services.launch.natsd import LocalNatsServer
+from services.launch.stack import Stack
 from tests import prompts
-from otel.receiver import OtlpReceiver
+from tools.otlp_receiver import OtlpReceiver
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,7 +69,7 @@ def reference(model_dir, tmp_path_factory) -> list[list[int]]:
     requests, out = folder / "requests.json", folder / "out.json"
     requests.write_text(json.dumps(prompts.reference_requests()))
     subprocess.run(
-        [sys.executable, "-m", "services.reference", "--model", model_dir, "--requests", str(requests),
+        [sys.executable, "-m", "tools.reference", "--model", model_dir, "--requests", str(requests),
          "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
         check=True, timeout=400, stdout=subprocess.DEVNULL,
     )

@@ -1,0 +1,161 @@
+"""``kvpush up``: NATS (when no URL is given), a scheduler and the workers, as child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+from services.launch.natsd import LocalNatsServer, free_port
+from shared.nats_security import connect_options
+from shared import wire
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if ``kvpush up`` itself dies, so no engine is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Stack:
+    def __init__(
+        self,
+        model: str,
+        nats_url: str | None = None,
+        prefill: int = 1,
+        decode: int = 1,
+        max_model_len: int = 2048,
+        mode: str = "push",
+        connector: str = "kvpush",
+        log_dir: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
+    ):
+        self.model = model
+        self.nats_url = nats_url
+        self.num_prefill = prefill
+        self.num_decode = decode
+        self.max_model_len = max_model_len
+        self.mode = mode
+        self.connector = connector
+        self.log_dir = log_dir
+        self.extra_env = extra_env or {}
+        self.role_env = role_env or {}  # per role (scheduler, prefill, decode, client): e.g. its NATS user
+        self.nats_server: LocalNatsServer | None = None
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self) -> "Stack":
+        if self.nats_url is None:
+            port = 4222 if _port_free(4222) else free_port()
+            self.nats_server = LocalNatsServer(port=port).start()
+            self.nats_url = self.nats_server.url
+        common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
+        self._spawn("scheduler", "scheduler", ["scheduler", *common, "--mode", self.mode])
+        for i in range(self.num_prefill):
+            self.spawn_worker("prefill", f"prefill-{i}")
+        for i in range(self.num_decode):
+            self.spawn_worker("decode", f"decode-{i}")
+        return self
+
+    def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start one more worker (a replacement after a crash, say); it joins on its own."""
+        common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
+        return self._spawn(role, name, ["worker", "--role", role, *common, "--connector", self.connector], env)
+
+    def _env(self, role: str) -> dict[str, str]:
+        return {**os.environ, **self.extra_env, **self.role_env.get(role, {})}
+
+    def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**self._env(role), **(env or {})}
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent,
+        )
+        self.children.append((name, process))
+        return process
+
+    async def wait_ready(self, timeout: float = 300.0, progress=None) -> None:
+        """Return once the scheduler routes to every worker; raise if a child died."""
+        nc = await nats.connect(self.nats_url, **connect_options(self._env("client")))
+        try:
+            deadline = time.monotonic() + timeout
+            last = None
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    msg = await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=1.0)
+                    status = json.loads(msg.data)
+                    counts = (len(status["prefill_workers"]), len(status["decode_workers"]))
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    counts = None
+                if counts != last and progress is not None:
+                    progress(
+                        "waiting for the scheduler"
+                        if counts is None
+                        else f"workers ready: prefill {counts[0]}/{self.num_prefill}, decode {counts[1]}/{self.num_decode}"
+                    )
+                last = counts
+                if counts is not None and counts[0] >= self.num_prefill and counts[1] >= self.num_decode:
+                    return
+                await asyncio.sleep(0.5)
+            raise TimeoutError(f"the stack was not ready within {timeout} s")
+        finally:
+            await nc.close()
+
+    def check_alive(self) -> None:
+        for name, process in self.children:
+            code = process.poll()
+            if code is not None:
+                raise RuntimeError(f"{name} exited with code {code} before the stack was ready")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for _, process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, process in self.children:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.children.clear()
+        if self.nats_server is not None:
+            self.nats_server.stop()
+            self.nats_server = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

@@ -1,0 +1,117 @@
+"""The requests a scheduler has accepted and not yet seen end, and what to do about each
+when time passes or a worker goes silent.
+
+Pure: no NATS. Time and worker liveness are passed in, so tests drive them directly.
+
+A request ends when decode reports it ended, or when the scheduler ends it: past its
+deadline, cancelled, or a worker it needs was lost with no safe retry. A lost worker
+is retried around (a new attempt, new transfer id, other workers) while no token has
+gone out and attempts remain; once tokens went out a retry would repeat them, so the
+request fails with ``worker_lost``. A lost prefill no longer matters once its KV was
+pushed or, in pull mode, once decode took the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+Verdict = Literal["deadline", "retry", "lost"]
+
+
+@dataclass
+class Flight:
+    request: Any  # services.scheduler.validation.ValidRequest
+    reply_to: str
+    received_at: float  # wall clock, seconds
+    deadline: float  # monotonic
+    mode: str = "push"
+    attempt: int = 0
+    transfer_id: str = ""
+    prefill_id: str = ""  # "" until chosen
+    decode_id: str = ""  # "" until chosen (pull: after prefill)
+    prefill_incarnation: str = ""  # which start of that worker got the job
+    decode_incarnation: str = ""
+    streaming: bool = False  # decode sent the first token
+    kv_pushed: bool = False  # push: prefill reported the KV written
+    decode_took_job: bool = False
+    context: Any = None  # the request's trace context, for spans of later attempts
+    task: Any = None  # the attempt under way
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def new_attempt(self, transfer_id: str) -> None:
+        self.attempt += 1
+        self.transfer_id = transfer_id
+        self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
+        self.streaming = self.kv_pushed = self.decode_took_job = False
+
+    def needs_prefill(self) -> bool:
+        if self.kv_pushed or self.streaming:
+            return False
+        return not (self.mode == "pull" and self.decode_took_job)
+
+
+@dataclass
+class FlightTable:
+    max_attempts: int = 3
+    _flights: dict[str, Flight] = field(default_factory=dict)
+    _by_transfer: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
+
+    def add(self, flight: Flight) -> bool:
+        """False if a request with this id is already in flight."""
+        if flight.request_id in self._flights:
+            return False
+        self._flights[flight.request_id] = flight
+        return True
+
+    def bind(self, flight: Flight, transfer_id: str) -> None:
+        """The flight's next attempt uses ``transfer_id``; events for older ones are stale."""
+        self._by_transfer.pop(flight.transfer_id, None)
+        flight.new_attempt(transfer_id)
+        self._by_transfer[transfer_id] = flight.request_id
+
+    def by_request(self, request_id: str) -> Flight | None:
+        return self._flights.get(request_id)
+
+    def by_transfer(self, transfer_id: str) -> Flight | None:
+        request_id = self._by_transfer.get(transfer_id)
+        return self._flights.get(request_id) if request_id is not None else None
+
+    def remove(self, flight: Flight) -> bool:
+        """Forget the flight; False if it had already ended."""
+        if self._flights.get(flight.request_id) is not flight:
+            return False
+        del self._flights[flight.request_id]
+        self._by_transfer.pop(flight.transfer_id, None)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def __iter__(self):
+        return iter(list(self._flights.values()))
+
+    def check(self, now: float, is_live: Callable[[str, str], bool]) -> list[tuple[Flight, Verdict, str]]:
+        """What must happen to each flight now: (flight, verdict, the worker concerned).
+        ``is_live(worker_id, incarnation)``: that start of the worker still heartbeats."""
+        verdicts: list[tuple[Flight, Verdict, str]] = []
+        for flight in self:
+            if now >= flight.deadline:
+                verdicts.append((flight, "deadline", ""))
+                continue
+            lost = ""
+            if flight.decode_id and not is_live(flight.decode_id, flight.decode_incarnation):
+                lost = flight.decode_id
+            elif (flight.prefill_id and flight.needs_prefill()
+                  and not is_live(flight.prefill_id, flight.prefill_incarnation)):
+                lost = flight.prefill_id
+            if not lost:
+                continue
+            if flight.streaming or flight.attempt >= self.max_attempts:
+                verdicts.append((flight, "lost", lost))
+            else:
+                verdicts.append((flight, "retry", lost))
+        return verdicts

@@ -1,0 +1,449 @@
+"""The scheduler: takes ``kvpush.generate`` requests (as a queue group, so several
+schedulers can share the load), validates them, and dispatches them, each attempt with a
+fresh transfer id. Push: prefill and decode at the same time. Pull: prefill first, then
+decode, chosen by the load at that moment.
+
+It then watches each request to its end (``services.scheduler.flights``): every accepted request
+gets a final message within its deadline. It ends requests past their deadline or
+cancelled by the client (``kvpush.cancel``), telling the workers to drop them, and
+retries requests whose worker went silent on other workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import msgspec
+import nats
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from otel import attributes as A
+from otel.messaging import TEMPORARY, TracedNats
+from otel.metrics import instruments
+
+from services.scheduler.flights import Flight, FlightTable
+from services.scheduler.routing import WorkerPool
+from services.tasks import BackgroundTasks
+from services.scheduler.validation import RequestValidator, request_id_of
+from shared import settings, wire
+from shared.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DispatchFailed,
+    EngineFailed,
+    InvalidField,
+    KvpushError,
+    NoWorkers,
+    PayloadTooLarge,
+    RequestError,
+    WorkerLost,
+    to_error_body,
+)
+
+log = structlog.get_logger("kvpush.scheduler")
+_tracer = trace.get_tracer("kvpush.scheduler")
+
+DISPATCH_TIMEOUT_S = 5.0
+WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
+VLLM_CONNECTOR_MODES = {"vllm-nixl": "pull", "vllm-nixl-push": "push"}
+
+
+class Scheduler:
+    """``async with Scheduler(url, validator):`` serves until closed. ``validator`` turns a
+    request body into a ``ValidRequest`` (``validation.load_validator`` makes one from a
+    model folder)."""
+
+    def __init__(self, nats_url: str, validator: RequestValidator, scheduler_id: str | None = None,
+                 mode: str = settings.TRANSFER_MODE, deadline_s: float = settings.DEADLINE_S,
+                 worker_timeout_s: float = settings.WORKER_TIMEOUT_S, max_attempts: int = settings.MAX_ATTEMPTS):
+        if mode not in ("push", "pull"):
+            raise ValueError(f"mode must be push or pull, not {mode!r}")
+        self.mode = mode
+        self.deadline_s = deadline_s
+        self._handoffs: dict[str, asyncio.Future] = {}  # pull: transfer id -> its prefill's handoff
+        self.nats_url = nats_url
+        self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:10]}"
+        self.validator = validator
+        self.pool = WorkerPool(stale_after_s=worker_timeout_s)
+        self.flights = FlightTable(max_attempts=max_attempts)
+        self._requests = BackgroundTasks()
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+        self.nc = None
+
+    async def __aenter__(self) -> "Scheduler":
+        from shared.nats_security import connect_options
+
+        self.nc = await nats.connect(self.nats_url, name=self.scheduler_id, max_reconnect_attempts=-1,
+                                     **connect_options())
+        self.bus = TracedNats(self.nc)
+        # Heartbeats and status polls are periodic, not part of any request: not traced.
+        await self.nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_heartbeat)
+        await self.nc.subscribe(wire.SCHEDULER_STATUS_SUBJECT, cb=self._on_status)
+        await self.bus.subscribe(wire.HANDOFF_SUBJECT, self._on_handoff)
+        await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template="kvpush.kv.completion.{engine_id}")
+        await self.bus.subscribe(wire.PROGRESS_SUBJECT, self._on_progress)
+        await self.bus.subscribe(wire.CANCEL_SUBJECT, self._on_cancel)
+        await self.bus.subscribe(wire.GENERATE_SUBJECT, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP)
+        await self.nc.flush()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_flights())
+        log.info("scheduler ready", scheduler_id=self.scheduler_id)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if self.nc is not None:
+            await self.nc.drain()  # stop taking requests, finish the callbacks under way
+        await self._requests.close(grace_s=DISPATCH_TIMEOUT_S)
+        log.info("scheduler stopped", scheduler_id=self.scheduler_id)
+
+    # ---------------------------------------------------------------- events
+
+    async def _decoded(self, msg, kind, decode=wire.decode):
+        """The message as ``kind``; None (said on kvpush.invalid) if it is not one."""
+        try:
+            return decode(msg.data, kind)
+        except msgspec.MsgspecError as exc:
+            log.warning("refused a malformed message", subject=msg.subject, error=str(exc))
+            instruments().failures.add(1, {"reason": "bad_message"})
+            invalid = wire.InvalidMessage(service=self.scheduler_id, subject=msg.subject, code="bad_message",
+                                          reason=str(exc))
+            await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
+            return None
+
+    async def _on_heartbeat(self, msg) -> None:
+        beat = await self._decoded(msg, wire.WorkerHeartbeat)
+        if beat is not None:
+            self.pool.observe(beat, time.monotonic())
+
+    async def _on_status(self, msg) -> None:
+        now = time.monotonic()
+        status = wire.SchedulerStatus(
+            scheduler_id=self.scheduler_id,
+            prefill_workers=[b.worker_id for b in self.pool.live("prefill", now)],
+            decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
+        )
+        if msg.reply:
+            await self.nc.publish(msg.reply, wire.encode_json(status))
+
+    async def _on_handoff(self, msg) -> None:
+        handoff = await self._decoded(msg, wire.Handoff)
+        if handoff is None:
+            return
+        waiting = self._handoffs.get(handoff.transfer_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(handoff)  # pull: now pick decode
+        elif handoff.error is not None and (flight := self.flights.by_transfer(handoff.transfer_id)):
+            await self._end(flight, EngineFailed(handoff.error.message))  # push: decode would wait in vain
+        log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
+                  prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
+
+    async def _on_completion(self, msg) -> None:
+        event = await self._decoded(msg, wire.Completion)
+        match event:
+            case wire.TransferDone():
+                if flight := self.flights.by_transfer(event.transfer_id):
+                    flight.kv_pushed = True
+                log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
+                          bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
+            case wire.TransferFailed():
+                # Decode hears it too and recomputes or fails the request, per its policy.
+                log.warning("kv transfer failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
+
+    async def _on_progress(self, msg) -> None:
+        event = await self._decoded(msg, wire.RequestProgress)
+        flight = self.flights.by_transfer(event.transfer_id) if event is not None else None
+        if flight is None:
+            return  # another scheduler's, or an attempt we already replaced
+        if event.stage == "streaming":
+            flight.streaming = True
+            return
+        self.flights.remove(flight)
+        if event.outcome == "client_gone":
+            await self._cancel_jobs(flight, "the client went away")  # prefill may still hold work for it
+
+    async def _on_cancel(self, msg) -> None:
+        cancel = await self._decoded(msg, wire.CancelRequest, wire.decode_cancel_request)
+        flight = self.flights.by_request(cancel.request_id) if cancel is not None else None
+        if flight is not None:  # otherwise another scheduler's, or already ended
+            await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
+
+    async def _on_generate(self, msg) -> None:
+        self._requests.spawn(self._serve(msg, time.time_ns()))
+
+    # ---------------------------------------------------------------- a request's life
+
+    async def _serve(self, msg, received_ns: int) -> None:
+        _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
+        if not msg.reply:
+            log.warning("dropped a request without a reply subject")
+            return
+        try:
+            request = self.validator.validate(msg.data)
+        except RequestError as exc:
+            await self._reply_error(msg.reply, request_id_of(msg.data), exc)
+            return
+        flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
+                        mode=request.transfer_mode or self.mode)
+        if not self.flights.add(flight):
+            await self._reply_error(msg.reply, request.request_id, InvalidField(
+                f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))
+            return
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id), _tracer.start_as_current_span(
+            A.SCHEDULER_DISPATCH,
+            attributes={A.REQUEST_ID: request.request_id, A.PROMPT_TOKENS: len(request.prompt_token_ids)},
+        ):
+            flight.context = otel_context.get_current()
+            flight.task = asyncio.current_task()
+            await self._attempt(flight)
+
+    async def _attempt(self, flight: Flight) -> None:
+        """One try at dispatching the flight; ends it with an error if that fails."""
+        try:
+            await self._dispatch(flight)
+        except asyncio.CancelledError:
+            pass  # replaced by a retry, or ended
+        except DispatchFailed as exc:
+            if flight.attempt < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
+                await self._retry(flight, exc.worker_id)
+            else:
+                await self._end(flight, exc)
+        except KvpushError as exc:
+            await self._end(flight, exc)
+        except Exception as exc:
+            log.exception("dispatch failed")
+            await self._end(flight, exc)
+
+    async def _retry(self, flight: Flight, lost_worker: str) -> None:
+        log.warning("worker lost, retrying elsewhere", request_id=flight.request_id, worker=lost_worker,
+                    attempt=flight.attempt)
+        instruments().failures.add(1, {"reason": "worker_lost_retried"})
+        self.pool.forget(lost_worker)
+        self._stop_attempt(flight)
+        await self._cancel_jobs(flight, f"retried: worker {lost_worker} was lost")
+
+        async def again() -> None:
+            with _tracer.start_as_current_span(
+                A.SCHEDULER_DISPATCH, context=flight.context,
+                attributes={A.REQUEST_ID: flight.request_id, A.ATTEMPT: flight.attempt + 1},
+            ):
+                await self._attempt(flight)
+
+        flight.task = self._requests.spawn(again())
+
+    async def _end(self, flight: Flight, error: BaseException) -> None:
+        """End the flight here: the client gets ``error``, the workers drop the request."""
+        if not self.flights.remove(flight):
+            return
+        self._stop_attempt(flight)
+        await self._cancel_jobs(flight, to_error_body(error).code)
+        with otel_context_of(flight):
+            await self._reply_error(flight.reply_to, flight.request_id, error)
+
+    def _stop_attempt(self, flight: Flight) -> None:
+        if flight.task is not None and flight.task is not asyncio.current_task():
+            flight.task.cancel()
+        waiting = self._handoffs.pop(flight.transfer_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+
+    async def _cancel_jobs(self, flight: Flight, reason: str) -> None:
+        """Tell the flight's current workers to drop the request (queued or running)."""
+        cancel = wire.encode(wire.CancelJob(request_id=flight.request_id, transfer_id=flight.transfer_id,
+                                            reason=reason))
+        if flight.prefill_id:
+            await self.bus.publish(wire.prefill_job_subject(flight.prefill_id), cancel,
+                                   template="kvpush.prefill.{worker_id}")
+        if flight.decode_id:
+            await self.bus.publish(wire.decode_job_subject(flight.decode_id), cancel,
+                                   template="kvpush.decode.{worker_id}")
+
+    async def _watch_flights(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for flight, verdict, worker in self.flights.check(now, lambda w, i: self.pool.is_live(w, i, now)):
+                try:
+                    if verdict == "deadline":
+                        await self._end(flight, DeadlineExceeded(
+                            f"no answer within the {self.deadline_s:g} s deadline"))
+                    elif verdict == "retry":
+                        await self._retry(flight, worker)
+                    else:
+                        self.pool.forget(worker)
+                        await self._end(flight, WorkerLost(
+                            f"worker {worker} went silent after the answer had started; "
+                            "the request was not retried, since that would repeat tokens"
+                            if flight.streaming else
+                            f"worker {worker} went silent and {flight.attempt} attempts were used"))
+                except Exception:
+                    log.exception("could not act on a request", request_id=flight.request_id, verdict=verdict)
+
+    # ---------------------------------------------------------------- dispatch
+
+    async def _pick(self, flight: Flight, pick):
+        """``pick()`` now. With no live worker: fail at once if this deployment never had
+        one; otherwise they are down (crashed, restarting), and the request waits for one
+        until its deadline."""
+        while True:
+            try:
+                return pick()
+            except NoWorkers:
+                if flight.attempt <= 1 and not self.pool.has_served():
+                    raise
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _dispatch(self, flight: Flight) -> None:
+        connector = self.pool.connector(time.monotonic())
+        # vLLM's own connectors each do one mode; ours does either, per request.
+        flight.mode = VLLM_CONNECTOR_MODES.get(connector) or flight.request.transfer_mode or self.mode
+        self.flights.bind(flight, uuid.uuid4().hex)
+        trace.get_current_span().set_attribute(A.TRANSFER_MODE, flight.mode)
+        if flight.mode == "pull":
+            await self._dispatch_pull(flight, connector)
+            return
+        request, transfer_id = flight.request, flight.transfer_id
+        prefill_id, decode_id = await self._pick(
+            flight, lambda: self.pool.pick(len(request.prompt_token_ids), time.monotonic()))
+        self._bind_workers(flight, prefill_id, decode_id)
+        prefill_job = wire.PrefillJob(
+            request_id=request.request_id,
+            transfer_id=transfer_id,
+            prompt_token_ids=request.prompt_token_ids,
+            decode_engine_id=decode_id,
+            received_at=flight.received_at,
+        )
+        decode_job = self._decode_job(flight)
+        if connector != "kvpush":
+            # vLLM's push matches prefill and decode by a shared request id, and decode
+            # registers with the prefill instance it is told about.
+            prefill_job.engine_request_id = decode_job.engine_request_id = transfer_id
+            beat = self.pool.beat(prefill_id)
+            decode_job.kv_transfer_params = {
+                "do_remote_prefill": True, "remote_request_id": transfer_id, **(beat.kv_params if beat else {})
+            }
+        trace.get_current_span().set_attributes(
+            {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
+        )
+        # Both at once: decode registers its blocks while prefill computes.
+        await asyncio.gather(self._send(prefill_id, prefill_job), self._send(decode_id, decode_job))
+        flight.decode_took_job = True
+        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
+                 prompt_tokens=len(request.prompt_token_ids), attempt=flight.attempt)
+
+    def _bind_workers(self, flight: Flight, prefill_id: str | None = None, decode_id: str | None = None) -> None:
+        for worker_id, role in ((prefill_id, "prefill"), (decode_id, "decode")):
+            if worker_id:
+                beat = self.pool.beat(worker_id)
+                setattr(flight, f"{role}_id", worker_id)
+                setattr(flight, f"{role}_incarnation", beat.incarnation if beat else "")
+
+    async def _dispatch_pull(self, flight: Flight, connector: str) -> None:
+        """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
+        from the load at the moment prefill finished, and reads the prefill's blocks."""
+        request, transfer_id = flight.request, flight.transfer_id
+        # A retry waits for a live decode *before* prefill: once prefill is done, its
+        # blocks are held only for a lease, and a READ after that would read freed ones.
+        await self._pick(flight, lambda: self.pool.require("decode", time.monotonic()))
+        prefill_id = await self._pick(flight, lambda: self.pool.pick_prefill(time.monotonic()))
+        self._bind_workers(flight, prefill_id)
+        span = trace.get_current_span()
+        span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id})
+        handoff_arrived = asyncio.get_running_loop().create_future()
+        self._handoffs[transfer_id] = handoff_arrived
+        try:
+            await self._send(prefill_id, wire.PrefillJob(
+                request_id=request.request_id,
+                transfer_id=transfer_id,
+                prompt_token_ids=request.prompt_token_ids,
+                received_at=flight.received_at,
+                mode="pull",
+                engine_request_id=transfer_id if connector != "kvpush" else "",
+            ))
+            with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
+                handoff: wire.Handoff = await handoff_arrived  # the deadline watch bounds this wait
+        finally:
+            self._handoffs.pop(transfer_id, None)
+        if handoff.error is not None:
+            raise EngineFailed(handoff.error.message)
+        decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())  # no waiting now
+        self._bind_workers(flight, decode_id=decode_id)
+        span.set_attribute(A.DECODE_WORKER, decode_id)
+        decode_job = self._decode_job(flight)
+        decode_job.mode = "pull"
+        # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
+        decode_job.kv_transfer_params = dict(handoff.kv_transfer_params or {})
+        if connector != "kvpush":
+            decode_job.engine_request_id = transfer_id
+        await self._send(decode_id, decode_job)
+        flight.decode_took_job = True
+        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
+                 prompt_tokens=len(request.prompt_token_ids), mode="pull", attempt=flight.attempt)
+
+    @staticmethod
+    def _decode_job(flight: Flight) -> wire.DecodeJob:
+        request = flight.request
+        return wire.DecodeJob(
+            request_id=request.request_id,
+            transfer_id=flight.transfer_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            prefill_engine_id=flight.prefill_id,
+            reply_to=flight.reply_to,
+            received_at=flight.received_at,
+        )
+
+    async def _send(self, worker_id: str, job: wire.PrefillJob | wire.DecodeJob) -> None:
+        """Hand a job to a worker and wait for its ack."""
+        body = wire.encode(job)
+        if len(body) > self.nc.max_payload:
+            raise PayloadTooLarge(
+                f"the prompt makes a {len(body)}-byte job, over the NATS server's max_payload of "
+                f"{self.nc.max_payload} bytes; raise max_payload or send a shorter prompt"
+            )
+        if isinstance(job, wire.PrefillJob):
+            subject, template = wire.prefill_job_subject(worker_id), "kvpush.prefill.{worker_id}"
+        else:
+            subject, template = wire.decode_job_subject(worker_id), "kvpush.decode.{worker_id}"
+        try:
+            reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S, template=template)
+        except Exception as exc:
+            raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(exc).__name__}",
+                                 worker_id) from None
+        ack = wire.decode(reply.data, wire.JobAck)
+        if not ack.accepted:
+            raise DispatchFailed(f"worker {worker_id} refused the job: {ack.error.message}", worker_id)
+
+    async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
+        body = to_error_body(exc)
+        log.info("request rejected", request_id=request_id, code=body.code, message=body.message)
+        span = trace.get_current_span()
+        span.set_attributes({A.REQUEST_ID: request_id, A.ERROR_CODE: body.code})
+        span.set_status(Status(StatusCode.ERROR, body.message))
+        instruments().failures.add(1, {"reason": body.code})
+        instruments().requests.add(1, {"outcome": "error"})
+        await self.bus.publish(reply_to, wire.encode_json(wire.ErrorReply(request_id, body)), template=TEMPORARY)
+
+
+@contextlib.contextmanager
+def otel_context_of(flight: Flight):
+    """Run under the flight's trace context (events ending a flight arrive in other traces)."""
+    token = otel_context.attach(flight.context) if flight.context is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            otel_context.detach(token)

@@ -1,0 +1,110 @@
+"""Turn a raw ``kvpush.generate`` body into a request we can serve, or a RequestError.
+
+Pure: no NATS, no vLLM. The tokenizer is passed in as a function (``load_validator``
+reads it, and the limits, from a model folder).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from shared import wire
+from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong
+
+MAX_REQUEST_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: wire.SamplingSpec
+    transfer_mode: str | None = None
+
+
+class RequestValidator:
+    def __init__(self, tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int):
+        self.tokenize = tokenize
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def validate(self, data: bytes) -> ValidRequest:
+        try:
+            body = wire.decode_json(data, wire.GenerateRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidField(f"invalid request: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise BadJson(f"request body is not a JSON object: {exc}") from None
+        request_id = body.request_id if body.request_id is not None else uuid.uuid4().hex
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidField(f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters")
+        if body.prompt is not None and body.prompt_token_ids is not None:
+            raise InvalidField("give either 'prompt' or 'prompt_token_ids', not both")
+        if body.prompt is None and body.prompt_token_ids is None:
+            raise EmptyPrompt("the request has no prompt: give 'prompt' or 'prompt_token_ids'")
+        if body.prompt is not None:
+            if not body.prompt:
+                raise EmptyPrompt("the prompt is an empty string")
+            token_ids = self.tokenize(body.prompt)
+            if not token_ids:
+                raise EmptyPrompt("the prompt has no tokens")
+        else:
+            token_ids = body.prompt_token_ids
+            if not token_ids:
+                raise EmptyPrompt("the prompt_token_ids list is empty")
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidField(
+                    f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})"
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {len(token_ids)} tokens but the model's context is "
+                f"{self.max_model_len} tokens, and at least one must be left to generate"
+            )
+        if body.max_tokens < 1:
+            raise InvalidField(f"max_tokens must be at least 1, got {body.max_tokens}")
+        if body.temperature < 0:
+            raise InvalidField(f"temperature must be 0 or more, got {body.temperature}")
+        return ValidRequest(
+            request_id=request_id,
+            prompt_token_ids=list(token_ids),
+            sampling=wire.SamplingSpec(body.max_tokens, body.temperature, body.ignore_eos),
+            transfer_mode=body.transfer_mode,
+        )
+
+
+def request_id_of(data: bytes) -> str:
+    """Best effort: the request_id a client sent, even in a body we reject."""
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return ""
+    if isinstance(value, dict) and isinstance(value.get("request_id"), str):
+        request_id = value["request_id"][:MAX_REQUEST_ID_LEN]
+        try:
+            request_id.encode()  # a lone surrogate cannot go back out in a reply
+        except UnicodeEncodeError:
+            return ""
+        return request_id
+    return ""
+
+
+def load_validator(model: str, max_model_len: int) -> RequestValidator:
+    """A validator with the tokenizer and limits of the model in folder ``model``."""
+    from tokenizers import Tokenizer
+
+    folder = Path(model)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    max_len = min(max_model_len, int(config.get("max_position_embeddings", max_model_len)))
+    return RequestValidator(
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids, vocab_size, max_len
+    )

@@ -1,0 +1,51 @@
+"""`kvpush up` as a user runs it: its own NATS server, one ready line, requests served,
+and Ctrl-C stops every child cleanly. Runs last-ish (file name) to reuse a warm machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_up_serves_then_ctrl_c_stops_everything(model_dir, tmp_path):
+    env = {**os.environ, "KVPUSH_LOG_LEVEL": "WARNING"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.main", "up", "--model", model_dir, "--prefill", "1", "--decode", "1"],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "up.log", "wb"), env=env, text=True,
+        start_new_session=True,  # a terminal's Ctrl-C goes to the whole process group
+    )
+    try:
+        ready = up.stdout.readline().split()
+        assert ready[:1] == ["ready"], (ready, (tmp_path / "up.log").read_text()[-3000:])
+        nats_url = ready[1]
+        assert nats_url.startswith("nats://127.0.0.1:")
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 4  # nats-server, scheduler, two workers (and their engines)
+
+        generated = subprocess.run(
+            [sys.executable, "-m", "services.cli.main", "generate", "--nats-url", nats_url, "--max-tokens", "5",
+             "--ignore-eos", "def main():"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert generated.returncode == 0, generated.stderr[-2000:]
+        assert "finish_reason=length tokens=5" in generated.stderr
+
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(timeout=120) == 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+            time.sleep(0.5)
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert alive == [], [c.cmdline()[:4] for c in alive]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()

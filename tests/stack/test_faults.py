@@ -1,0 +1,269 @@
+"""Fault injection on a real stack (tests/fault_rig.py): for every scenario, every request
+ends within the deadline, every completed output equals the single-instance reference,
+both engines' free KV blocks return to their starting values, and no process dies but
+the one killed.
+
+The scenarios share one stack and run in file order; a killed worker is replaced by a
+fresh one (a new identity) for the scenarios after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+
+from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, wait_until
+from tools.reliability.soak import Soak
+from shared import wire
+from tests import prompts
+
+pytestmark = pytest.mark.timeout(900)
+
+LONG, MANY, EIGHT = 6, 4, 5  # indexes into prompts.CORRECTNESS (and the reference)
+STREAM = len(prompts.CORRECTNESS) + 3  # prompts.STREAM_PROMPT in the reference
+CHAOS = {
+    "kvpush.kv.register.": {"drop": 0.25, "duplicate": 0.25, "delay": 0.25, "max_delay_s": 0.4},
+    "kvpush.kv.completion.": {"drop": 0.25, "duplicate": 0.25, "delay": 0.25, "max_delay_s": 0.4},
+}
+
+
+@pytest.fixture(scope="module")
+async def rig(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("faults")
+    rig = FaultRig(folder, model_dir, prompts.MAX_MODEL_LEN)
+    try:
+        await rig.start()
+        yield rig
+    except BaseException:
+        import sys
+
+        for log in sorted((folder / "logs").glob("*.log")):
+            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-3000:]}\n")
+        raise
+    finally:
+        await rig.stop()
+
+
+def body(index: int, **extra) -> dict:
+    _, prompt, max_tokens = prompts.CORRECTNESS[index]
+    return {"prompt_token_ids": prompt, "max_tokens": max_tokens, **extra}
+
+
+def assert_served(outcome: Outcome, expected: list[int]) -> None:
+    assert "error" not in outcome.final, outcome.final
+    assert outcome.tokens == expected
+    assert outcome.seconds < DEADLINE_S
+
+
+async def assert_healthy(rig: FaultRig, reference) -> None:
+    """Blocks back at their starting counts, nobody else died, and a request is served."""
+    await rig.assert_blocks_back()
+    rig.assert_nothing_else_died()
+    assert_served(await rig.request(body(0)), reference[0])
+    await rig.assert_blocks_back()
+
+
+# ---------------------------------------------------------------------- cancellation
+
+async def _cancel_when(rig: FaultRig, request: dict, trigger) -> Outcome:
+    """Send ``request``; once ``trigger()`` (awaited) returns, cancel it as the client."""
+    task = asyncio.create_task(rig.request(request))
+    await trigger()
+    await rig.conns["client"].publish(wire.CANCEL_SUBJECT, json.dumps({"request_id": request["request_id"]}).encode())
+    return await task
+
+
+async def test_a_cancel_ends_the_request_at_every_stage_and_frees_both_engines_blocks(rig, reference):
+    registrations, sub = await rig.observe("prefill", "kvpush.kv.register.*", wire.KvControl)
+    try:
+        # queued behind other prompts at prefill
+        busy = [asyncio.create_task(rig.request(body(LONG))) for _ in range(2)]
+        queued = {**body(LONG), "request_id": f"queued-{uuid.uuid4().hex[:6]}"}
+        outcome = await _cancel_when(rig, queued, lambda: asyncio.sleep(0.05))
+        assert outcome.code == "cancelled"
+        for done in await asyncio.gather(*busy):
+            assert_served(done, reference[LONG])
+
+        # registered at decode, waiting for the KV that prefill is computing
+        waiting = {**body(LONG), "request_id": f"waiting-{uuid.uuid4().hex[:6]}"}
+
+        async def registered():
+            await wait_until(lambda: any(getattr(r, "request_id", "") == waiting["request_id"] for r in registrations),
+                             30, "the registration")
+
+        outcome = await _cancel_when(rig, waiting, registered)
+        assert outcome.code == "cancelled"
+
+        # streaming tokens
+        streaming = {**body(MANY), "max_tokens": 400, "request_id": f"streaming-{uuid.uuid4().hex[:6]}"}
+        first_chunk = asyncio.Event()
+
+        async def on_reply(reply):
+            first_chunk.set()
+
+        task = asyncio.create_task(rig.request(streaming, on_reply=on_reply))
+        await first_chunk.wait()
+        await rig.conns["client"].publish(wire.CANCEL_SUBJECT,
+                                          json.dumps({"request_id": streaming["request_id"]}).encode())
+        outcome = await task
+        assert outcome.code == "cancelled"
+        assert 0 < len(outcome.tokens) < 400
+    finally:
+        await sub.unsubscribe()
+    await assert_healthy(rig, reference)
+
+
+async def test_a_client_that_drops_its_reply_subscription_stops_the_request(rig, reference):
+    request_id = await rig.drop_reply_subscription({**body(MANY), "max_tokens": 400})  # no cancel: just gone
+    await wait_until(lambda: any(p.request_id == request_id and p.stage == "ended" for p in rig.progress), 30,
+                     "the decode worker noticing")
+    ended = next(p for p in rig.progress if p.request_id == request_id and p.stage == "ended")
+    assert ended.outcome == "client_gone"
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- untrusted input
+
+async def test_malformed_messages_on_every_subject_are_refused_with_an_event(rig, reference):
+    rig.invalid.clear()
+    subjects = await rig.send_malformed()
+    rejected = await rig.conns["client"].request(wire.GENERATE_SUBJECT, b"\xc1 not json", timeout=10)
+    assert json.loads(rejected.data)["error"]["code"] == "bad_json"
+    await wait_until(lambda: subjects <= {e.subject for e in rig.invalid}, 15, "an invalid-message event per subject")
+    assert all(e.code and e.reason for e in rig.invalid)
+    await assert_healthy(rig, reference)
+
+
+async def test_registrations_with_blocks_out_of_range_or_from_the_wrong_decode_are_refused(rig, reference):
+    _, prompt, _ = prompts.CORRECTNESS[MANY]
+    failures, sub = await rig.observe("scheduler", wire.COMPLETION_SUBJECTS, wire.Completion)
+    try:
+        # an impostor registers first (right shape, wrong decode), then the chosen decode
+        # registers blocks that do not exist
+        transfer_id, prefill_id, decode_id = await rig.forge_registration(
+            prompt, block_ids=list(range(-(-len(prompt) // prompts.BLOCK_SIZE))), engine="impostor")
+        await wait_until(lambda: any(f.decode_engine_id == "impostor" for f in failures), 30, "the impostor refused")
+        bad = wire.Registration(
+            transfer_id=transfer_id, request_id="forged", decode_engine_id=decode_id, decode_request_id="forged",
+            decode_tp_size=1, block_ids=[10**9] * -(-len(prompt) // prompts.BLOCK_SIZE), num_tokens=len(prompt),
+            registered_at=time.time())
+        await rig.conns["decode"].publish(wire.registration_subject(prefill_id), wire.encode(bad))
+        await wait_until(lambda: any(f.decode_engine_id == decode_id and f.transfer_id == transfer_id
+                                     for f in failures), 30, "the out-of-range registration refused")
+    finally:
+        await sub.unsubscribe()
+    by_engine = {f.decode_engine_id: f for f in failures if isinstance(f, wire.TransferFailed)}
+    assert by_engine["impostor"].code == "bad_registration" and "scheduler chose" in by_engine["impostor"].reason
+    assert by_engine[decode_id].code == "bad_registration" and "outside" in by_engine[decode_id].reason
+    assert not any(isinstance(f, wire.TransferDone) and f.transfer_id == transfer_id for f in failures)
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- dead workers
+
+async def _kill_on_first(rig: FaultRig, role: str, subject: str, indexes: list[int]) -> list[Outcome]:
+    """Send requests; kill -9 ``role``'s worker as soon as the first message on
+    ``subject`` is seen; start a replacement at once."""
+    seen, sub = await rig.observe("prefill", subject)
+    old = set(rig.live_workers(role))
+    tasks = [asyncio.create_task(rig.request(body(i))) for i in indexes]
+    try:
+        await wait_until(lambda: seen, 60, f"a message on {subject}")
+    finally:
+        await sub.unsubscribe()
+    rig.kill(role)
+    rig.replace(role)
+    outcomes = await asyncio.gather(*tasks)
+    await rig.wait_for_new_worker(role, old)
+    return outcomes
+
+
+async def test_kill_9_of_decode_during_the_transfer(rig, reference):
+    """Decode dies with its blocks registered and the push on its way: requests that had
+    not streamed are retried (new transfer id) on the replacement, the others fail with
+    worker_lost; prefill frees the blocks it could not push."""
+    indexes = [LONG, MANY, EIGHT]
+    outcomes = await _kill_on_first(rig, "decode", "kvpush.kv.register.*", indexes)
+    for index, outcome in zip(indexes, outcomes):
+        assert outcome.seconds < DEADLINE_S
+        if outcome.code is None:
+            assert outcome.tokens == reference[index]
+            await rig.assert_pushed(outcome)  # the retry's KV was pushed, not recomputed
+        else:
+            assert outcome.code == "worker_lost" and outcome.tokens  # it had streamed: not retried
+    assert any(o.code is None for o in outcomes)
+    await assert_healthy(rig, reference)
+
+
+async def test_kill_9_of_prefill_during_prefill(rig, reference):
+    """Prefill dies while computing: every request is retried with a new transfer id on
+    the replacement; decode gives up the blocks it had registered for the dead one."""
+    indexes = [LONG, MANY, EIGHT]
+    outcomes = await _kill_on_first(rig, "prefill", "kvpush.prefill.*", indexes)
+    for index, outcome in zip(indexes, outcomes):
+        assert_served(outcome, reference[index])
+        await rig.assert_pushed(outcome)
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- message faults
+
+async def test_registration_and_completion_messages_dropped_duplicated_delayed_reordered(rig, reference):
+    """Lost registrations are sent again, duplicates refused, late ones meet a closed
+    transfer; a transfer whose KV cannot come is recomputed by decode (the default
+    policy): outputs stay right either way."""
+    indexes = [i for i in range(len(prompts.CORRECTNESS)) if i != 7] * 2
+    rig.set_chaos(CHAOS)
+    try:
+        outcomes = await asyncio.gather(*(rig.request(body(i)) for i in indexes))
+    finally:
+        rig.set_chaos(None)
+    for index, outcome in zip(indexes, outcomes):
+        assert_served(outcome, reference[index])
+    injected = rig.injected()
+    assert {"drop", "duplicate", "delay"} <= set(injected), injected
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- NATS restart
+
+async def test_nats_restart_while_tokens_stream(rig, reference):
+    stream = {"prompt_token_ids": prompts.STREAM_PROMPT, "max_tokens": prompts.STREAM_MAX_TOKENS}
+    streaming = asyncio.Event()
+
+    async def on_reply(reply):
+        if not reply.get("finished"):
+            streaming.set()
+
+    tasks = [asyncio.create_task(rig.request(dict(stream), on_reply=on_reply)) for _ in range(3)]
+    await asyncio.wait_for(streaming.wait(), 120)
+    rig.nats.restart()
+    outcomes = await asyncio.gather(*tasks)
+    for outcome in outcomes:
+        assert outcome.seconds < DEADLINE_S
+        if outcome.code is None:
+            assert outcome.tokens == reference[STREAM]
+        else:
+            assert outcome.code, outcome.final  # an answer with a code
+    await asyncio.sleep(2)  # heartbeats resume after the reconnect
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- soak (CI-sized)
+
+async def test_a_short_soak_loses_nothing_and_leaks_nothing(rig, reference):
+    """``kvpush soak``'s loop, sized for CI: requests at a steady rate while the lighter
+    faults (cancel, client gone, malformed and forged messages, message chaos) go in."""
+    bodies = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in prompts.CORRECTNESS]
+    soak = Soak(rig, bodies, reference[: len(bodies)], seed=3)
+    tally = await soak.run(seconds=40, rate=1.0, fault_every_s=5)
+    assert tally.sent >= 10
+    assert {"cancel", "client_gone", "malformed", "forged_registration", "message_chaos"} <= set(tally.faults)
+    assert tally.lost == [] and tally.wrong == [] and tally.unexpected == []
+    assert tally.leaked_blocks == {"prefill": 0, "decode": 0}
+    assert tally.died == []
+    assert tally.worst_final_s < DEADLINE_S

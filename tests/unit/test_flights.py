@@ -1,0 +1,234 @@
+"""The scheduler's requests in flight: attempts, and what a deadline or a lost worker means
+for each; and WorkerPool.is_live, which tells a live start of a worker from a dead one."""
+
+from __future__ import annotations
+
+from services.scheduler.flights import Flight, FlightTable
+from services.scheduler.routing import WorkerPool
+from services.scheduler.validation import ValidRequest
+from shared import wire
+
+
+def _flight(request_id: str = "r", deadline: float = 100.0, mode: str = "push") -> Flight:
+    request = ValidRequest(request_id, [1, 2, 3], wire.SamplingSpec(4, 0.0, False))
+    return Flight(request, reply_to="_INBOX.x", received_at=0.0, deadline=deadline, mode=mode)
+
+
+def _beat(worker_id: str, role: str = "prefill", incarnation: str = "inc-1") -> wire.WorkerHeartbeat:
+    return wire.WorkerHeartbeat(
+        worker_id=worker_id, role=role, free_kv_blocks=10, total_kv_blocks=10, running=0, waiting=0,
+        block_size=16, max_model_len=256, incarnation=incarnation,
+    )
+
+
+def _all_live(worker_id: str, incarnation: str) -> bool:
+    return True
+
+
+def _dead(*dead: str):
+    return lambda worker_id, incarnation: worker_id not in dead
+
+
+def _placed(table: FlightTable, mode: str = "push", **state) -> Flight:
+    flight = _flight(mode=mode)
+    table.add(flight)
+    table.bind(flight, "t1")
+    flight.prefill_id, flight.prefill_incarnation = "p", "inc-p"
+    flight.decode_id, flight.decode_incarnation = "d", "inc-d"
+    for name, value in state.items():
+        setattr(flight, name, value)
+    return flight
+
+
+def _verdicts(table: FlightTable, now: float, is_live) -> list[tuple[str, str, str]]:
+    return [(f.request_id, verdict, worker) for f, verdict, worker in table.check(now, is_live)]
+
+
+# ------------------------------------------------------------------ the table
+
+
+def test_add_refuses_a_request_id_already_in_flight():
+    table = FlightTable()
+    first, second = _flight("r"), _flight("r")
+    assert table.add(first) is True
+    assert table.add(second) is False
+    assert table.by_request("r") is first
+    assert len(table) == 1
+
+
+def test_bind_starts_a_new_attempt_and_maps_only_its_transfer_id():
+    table = FlightTable()
+    flight = _flight()
+    table.add(flight)
+    table.bind(flight, "t1")
+    flight.prefill_id, flight.streaming, flight.kv_pushed = "p", True, True
+    table.bind(flight, "t2")
+    assert (flight.attempt, flight.transfer_id) == (2, "t2")
+    assert (flight.prefill_id, flight.streaming, flight.kv_pushed) == ("", False, False)
+    assert table.by_transfer("t2") is flight
+    assert table.by_transfer("t1") is None
+
+
+def test_remove_forgets_the_flight_once():
+    table = FlightTable()
+    flight = _flight()
+    table.add(flight)
+    table.bind(flight, "t1")
+    assert table.remove(flight) is True
+    assert table.remove(flight) is False
+    assert (table.by_request("r"), table.by_transfer("t1"), len(table)) == (None, None, 0)
+
+
+def test_remove_of_a_replaced_flight_keeps_the_new_one():
+    table = FlightTable()
+    old = _flight("r")
+    table.add(old)
+    table.remove(old)
+    new = _flight("r")
+    table.add(new)
+    assert table.remove(old) is False
+    assert table.by_request("r") is new
+
+
+# ------------------------------------------------------------------ check
+
+
+def test_a_flight_past_its_deadline_gets_the_deadline_verdict():
+    table = FlightTable()
+    _placed(table)
+    assert _verdicts(table, 99.9, _all_live) == []
+    assert _verdicts(table, 100.0, _dead("p", "d")) == [("r", "deadline", "")]
+
+
+def test_live_workers_give_no_verdict():
+    table = FlightTable()
+    _placed(table)
+    assert _verdicts(table, 1.0, _all_live) == []
+
+
+def test_decode_lost_before_streaming_is_retried():
+    table = FlightTable()
+    _placed(table)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
+
+
+def test_decode_lost_after_streaming_is_lost():
+    table = FlightTable()
+    _placed(table, streaming=True)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "lost", "d")]
+
+
+def test_prefill_lost_before_the_kv_was_pushed_is_retried():
+    table = FlightTable()
+    _placed(table)
+    assert _verdicts(table, 1.0, _dead("p")) == [("r", "retry", "p")]
+
+
+def test_prefill_lost_after_the_kv_was_pushed_does_not_matter():
+    table = FlightTable()
+    _placed(table, kv_pushed=True)
+    assert _verdicts(table, 1.0, _dead("p")) == []
+
+
+def test_prefill_lost_after_decode_took_a_pull_job_does_not_matter():
+    table = FlightTable()
+    _placed(table, mode="pull", decode_took_job=True)
+    assert _verdicts(table, 1.0, _dead("p")) == []
+
+
+def test_prefill_lost_after_decode_took_a_push_job_is_retried():
+    table = FlightTable()
+    _placed(table, decode_took_job=True)
+    assert _verdicts(table, 1.0, _dead("p")) == [("r", "retry", "p")]
+
+
+def test_pull_prefill_lost_before_decode_was_chosen_is_retried():
+    table = FlightTable()
+    _placed(table, mode="pull", decode_id="", decode_incarnation="")
+    assert _verdicts(table, 1.0, _dead("p")) == [("r", "retry", "p")]
+
+
+def test_a_lost_decode_is_reported_before_a_lost_prefill():
+    table = FlightTable()
+    _placed(table)
+    assert _verdicts(table, 1.0, _dead("p", "d")) == [("r", "retry", "d")]
+
+
+def test_a_lost_worker_on_the_last_attempt_is_lost():
+    table = FlightTable(max_attempts=2)
+    flight = _placed(table)
+    table.bind(flight, "t2")
+    flight.prefill_id, flight.decode_id = "p", "d"
+    assert flight.attempt == 2
+    assert _verdicts(table, 1.0, _dead("p")) == [("r", "lost", "p")]
+
+
+def test_unchosen_workers_are_not_checked():
+    table = FlightTable()
+    flight = _flight()
+    table.add(flight)
+    table.bind(flight, "t1")
+    assert _verdicts(table, 1.0, _dead("")) == []
+
+
+def test_a_restarted_worker_counts_as_lost():
+    pool = WorkerPool(stale_after_s=5.0)
+    pool.observe(_beat("p", "prefill", "inc-p"), now=0.0)
+    pool.observe(_beat("d", "decode", "inc-d"), now=0.0)
+    table = FlightTable()
+    _placed(table)
+
+    def is_live(worker_id: str, incarnation: str) -> bool:
+        return pool.is_live(worker_id, incarnation, now)
+
+    now = 1.0
+    assert _verdicts(table, now, is_live) == []
+    pool.observe(_beat("d", "decode", "inc-d2"), now=2.0)  # same id, a new start
+    now = 2.0
+    assert _verdicts(table, now, is_live) == [("r", "retry", "d")]
+
+
+def test_each_flight_gets_its_own_verdict():
+    table = FlightTable()
+    late = _flight("late", deadline=1.0)
+    table.add(late)
+    table.bind(late, "t-late")
+    on_dead = _flight("on-dead")
+    table.add(on_dead)
+    table.bind(on_dead, "t-dead")
+    on_dead.decode_id = "dead"
+    fine = _flight("fine")
+    table.add(fine)
+    table.bind(fine, "t-fine")
+    fine.decode_id = "ok"
+    assert sorted(_verdicts(table, 2.0, _dead("dead"))) == [
+        ("late", "deadline", ""), ("on-dead", "retry", "dead")]
+
+
+# ------------------------------------------------------------------ WorkerPool.is_live
+
+
+def test_is_live_while_the_heartbeats_are_fresh():
+    pool = WorkerPool(stale_after_s=5.0)
+    pool.observe(_beat("w", incarnation="a"), now=10.0)
+    assert pool.is_live("w", "a", now=15.0) is True
+
+
+def test_is_live_is_false_once_stale():
+    pool = WorkerPool(stale_after_s=5.0)
+    pool.observe(_beat("w", incarnation="a"), now=10.0)
+    assert pool.is_live("w", "a", now=15.1) is False
+
+
+def test_is_live_is_false_for_another_incarnation():
+    pool = WorkerPool(stale_after_s=5.0)
+    pool.observe(_beat("w", incarnation="b"), now=10.0)
+    assert pool.is_live("w", "a", now=10.0) is False
+    assert pool.is_live("w", "b", now=10.0) is True
+
+
+def test_is_live_is_false_for_an_unknown_or_forgotten_worker():
+    pool = WorkerPool(stale_after_s=5.0)
+    pool.observe(_beat("w", incarnation="a"), now=10.0)
+    pool.forget("w")
+    assert (pool.is_live("w", "a", now=10.0), pool.is_live("x", "", now=10.0)) == (False, False)

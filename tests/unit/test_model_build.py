@@ -1,0 +1,190 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tools.model_build import (
+    EOS_TOKEN,
+    MARKER_NAME,
+    PROFILES,
+    ModelProfile,
+    build_model,
+    default_model_dir,
+    read_marker,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _mtimes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("model") / "small", profile="small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(small_model):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(small_model), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(small_model), local_files_only=True)
+    model.eval()
+    assert model.dtype == torch.float32
+    return tok, model
+
+
+def _greedy(model, ids: list[int], n: int = 8) -> list[int]:
+    import torch
+
+    inp = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            inp,
+            attention_mask=torch.ones_like(inp),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(ids):].tolist()
+
+
+def test_profiles():
+    small = PROFILES["small"]
+    assert isinstance(small, ModelProfile)
+    assert (small.hidden_size, small.num_layers, small.num_heads, small.num_kv_heads) == (256, 2, 4, 2)
+    assert small.head_dim == 64 and small.vocab_size == 4096
+    heavy = PROFILES["kv-heavy"]
+    # 4 layers x (K+V) x 4 heads x 128 x 4 bytes
+    assert heavy.kv_bytes_per_token_fp32 == 16 * 1024
+    with pytest.raises(Exception):
+        small.hidden_size = 1  # frozen
+
+
+def test_default_model_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVPUSH_CACHE_DIR", str(tmp_path))
+    assert default_model_dir() == tmp_path / "models" / "small"
+    assert default_model_dir("kv-heavy") == tmp_path / "models" / "kv-heavy"
+    monkeypatch.delenv("KVPUSH_CACHE_DIR")
+    assert default_model_dir() == Path.home() / ".cache" / "kvpush" / "models" / "small"
+    with pytest.raises(ValueError):
+        default_model_dir("nope")
+
+
+def test_unknown_profile(tmp_path):
+    with pytest.raises(ValueError):
+        build_model(tmp_path / "m", profile="nope")
+
+
+def test_folder_contents(small_model):
+    names = {p.name for p in small_model.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        MARKER_NAME,
+    } == names
+    cfg = json.loads((small_model / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2"
+    assert cfg["head_dim"] == 64
+    assert cfg["num_key_value_heads"] == 2
+    assert cfg["tie_word_embeddings"] is False
+    marker = read_marker(small_model)
+    assert marker["profile"] == "small" and marker["seed"] == 0
+    assert len(marker["weights_sha256"]) == 64
+    assert cfg["eos_token_id"] == cfg["bos_token_id"] == marker["eos_token_id"]
+
+
+def test_deterministic(tmp_path, small_model):
+    import torch
+
+    torch.manual_seed(1234)
+    rng_before = torch.get_rng_state()
+    other = build_model(tmp_path / "again", profile="small", seed=0)
+    # The caller's global RNG state is left untouched.
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    a, b = read_marker(small_model), read_marker(other)
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert a["tokenizer_sha256"] == b["tokenizer_sha256"]
+    assert (small_model / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
+    assert (small_model / "model.safetensors").read_bytes() == (other / "model.safetensors").read_bytes()
+
+
+def test_seed_changes_weights(tmp_path, small_model):
+    other = build_model(tmp_path / "seed1", profile="small", seed=1)
+    assert read_marker(other)["weights_sha256"] != read_marker(small_model)["weights_sha256"]
+    # The tokenizer does not depend on the seed.
+    assert (small_model / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
+
+
+def test_idempotent_and_force(tmp_path):
+    d = tmp_path / "m"
+    build_model(d)
+    before = _mtimes(d)
+    assert build_model(d) == d.resolve()
+    assert _mtimes(d) == before  # nothing rewritten
+
+    # A different seed in the same folder rebuilds it.
+    build_model(d, seed=3)
+    assert read_marker(d)["seed"] == 3
+    after_seed = _mtimes(d)
+    assert after_seed != before
+
+    # force rebuilds even when complete.
+    build_model(d, seed=3, force=True)
+    assert _mtimes(d)[MARKER_NAME] != after_seed[MARKER_NAME]
+
+    # A folder missing a file (interrupted copy) is not complete.
+    (d / "model.safetensors").unlink()
+    build_model(d, seed=3)
+    assert (d / "model.safetensors").is_file()
+
+    # Unrelated files are left alone; no temporary folders are left behind.
+    (d / "notes.txt").write_text("keep")
+    build_model(d, seed=4)
+    assert (d / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_tokenizer_round_trip(loaded):
+    tok, _ = loaded
+    assert tok.eos_token == tok.bos_token == tok.pad_token == EOS_TOKEN
+    assert len(tok) == PROFILES["small"].vocab_size
+    assert tok.model_max_length == PROFILES["small"].max_position_embeddings
+    text = "def foo(x):\n    return {'a': x ** 2}  # héllo ✓ 漢字\n\t\r\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    # Code is compressed well below one token per byte.
+    code = "import os\n\ndef main(argv):\n    for name in sorted(os.listdir('.')):\n        print(name)\n"
+    assert len(tok.encode(code, add_special_tokens=False)) < len(code.encode()) / 2
+    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    assert tok.encode(EOS_TOKEN, add_special_tokens=False) == [eos_id]
+
+
+def test_generation_depends_on_context(loaded):
+    tok, model = loaded
+    p1 = tok.encode("def foo(x):\n    return", add_special_tokens=False)
+    p2 = tok.encode("class Bar(object):\n    pass", add_special_tokens=False)
+    out1, out2 = _greedy(model, p1), _greedy(model, p2)
+    assert len(out1) == len(out2) == 8
+    assert out1 != out2
+    # Not a single repeated token.
+    assert len(set(out1)) > 1
+
+    # Changing only the first token of a longer prompt changes the continuation.
+    long = tok.encode(
+        "import sys\nimport os\n\ndef main(argv):\n    path = argv[1]\n    with open(path) as f:\n",
+        add_special_tokens=False,
+    )
+    assert len(long) > 10
+    changed = [(long[0] + 1) % len(tok)] + long[1:]
+    assert _greedy(model, long) != _greedy(model, changed)
+    # Greedy decoding is reproducible.
+    assert _greedy(model, long) == _greedy(model, long)

@@ -1,0 +1,124 @@
+"""Heartbeats make the live worker set; pick chooses a prefill and a decode worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.routing import WorkerPool
+from shared.errors import NoWorkers
+from shared.wire import WorkerHeartbeat
+
+BLOCK_SIZE = 16
+
+
+def _beat(worker_id: str, role: str, *, free: int = 100, running: int = 0, waiting: int = 0):
+    return WorkerHeartbeat(
+        worker_id=worker_id, role=role, free_kv_blocks=free, total_kv_blocks=100,
+        running=running, waiting=waiting, block_size=BLOCK_SIZE, max_model_len=1024,
+    )
+
+
+def _pool(*beats: WorkerHeartbeat, now: float = 0.0) -> WorkerPool:
+    pool = WorkerPool(stale_after_s=5.0)
+    for beat in beats:
+        pool.observe(beat, now)
+    return pool
+
+
+def test_stale_workers_are_not_picked():
+    pool = _pool(_beat("p-old", "prefill"), _beat("d-old", "decode"), now=0.0)
+    pool.observe(_beat("p-new", "prefill", running=9), 4.0)
+    pool.observe(_beat("d-new", "decode", running=9), 4.0)
+    assert pool.live("prefill", 6.0) == [_beat("p-new", "prefill", running=9)]
+    assert pool.pick(10, now=6.0) == ("p-new", "d-new")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_missing_role_raises_no_workers(role):
+    pool = _pool(_beat("w", role))
+    with pytest.raises(NoWorkers) as caught:
+        pool.pick(10, now=0.0)
+    assert caught.value.code == "no_workers"
+
+
+def test_only_stale_workers_raise_no_workers():
+    pool = _pool(_beat("p", "prefill"), _beat("d", "decode"), now=0.0)
+    with pytest.raises(NoWorkers):
+        pool.pick(10, now=5.1)
+    assert pool.live("decode", 5.1) == []
+
+
+def test_prefill_goes_to_the_least_loaded_worker():
+    pool = _pool(
+        _beat("p-busy", "prefill", running=3),
+        _beat("p-queued", "prefill", running=0, waiting=2),
+        _beat("p-light", "prefill", running=1),
+        _beat("d", "decode"),
+    )
+    assert pool.pick(10, now=0.0)[0] == "p-light"
+
+
+def test_decode_goes_to_the_least_busy_worker_with_room():
+    pool = _pool(
+        _beat("p", "prefill"),
+        _beat("d-busy", "decode", running=5, free=90),
+        _beat("d-light", "decode", running=1, free=10),
+    )
+    assert pool.pick(10 * BLOCK_SIZE, now=0.0)[1] == "d-light"
+
+
+def test_an_idle_decode_worker_without_room_loses_to_a_busy_one_with_room():
+    pool = _pool(
+        _beat("p", "prefill"),
+        _beat("d-idle-full", "decode", running=0, free=2),
+        _beat("d-busy", "decode", running=7, free=50),
+    )
+    assert pool.pick(3 * BLOCK_SIZE, now=0.0)[1] == "d-busy"
+
+
+def test_when_no_decode_worker_has_room_the_emptiest_is_picked():
+    pool = _pool(
+        _beat("p", "prefill"),
+        _beat("d-a", "decode", free=1),
+        _beat("d-b", "decode", free=3),
+    )
+    assert pool.pick(10 * BLOCK_SIZE, now=0.0)[1] == "d-b"
+
+
+def test_successive_picks_spread_over_idle_workers():
+    pool = _pool(_beat("p-1", "prefill"), _beat("p-2", "prefill"),
+                 _beat("d-1", "decode"), _beat("d-2", "decode"))
+    picks = [pool.pick(10, now=0.0) for _ in range(4)]
+    assert sorted(p for p, _ in picks) == ["p-1", "p-1", "p-2", "p-2"]
+    assert sorted(d for _, d in picks) == ["d-1", "d-1", "d-2", "d-2"]
+
+
+def test_dispatched_jobs_count_against_a_decode_workers_room():
+    pool = _pool(_beat("p", "prefill"),
+                 _beat("d-small", "decode", free=4), _beat("d-busy", "decode", running=3, free=40))
+    picks = [pool.pick(4 * BLOCK_SIZE, now=0.0)[1] for _ in range(2)]
+    assert picks == ["d-small", "d-busy"]
+
+
+def test_a_new_heartbeat_resets_the_dispatched_count():
+    pool = _pool(_beat("p", "prefill"), _beat("d-1", "decode"), _beat("d-2", "decode"))
+    first = pool.pick(10, now=0.0)[1]
+    pool.observe(_beat(first, "decode"), 1.0)
+    second = pool.pick(10, now=1.0)[1]
+    assert first == second == "d-1"
+
+
+def test_a_forgotten_worker_is_not_picked():
+    pool = _pool(_beat("p", "prefill"), _beat("d-1", "decode"), _beat("d-2", "decode"))
+    pool.forget("d-1")
+    assert pool.pick(10, now=0.0) == ("p", "d-2")
+
+
+def test_has_served_once_both_roles_have_heartbeated_even_after_they_go_stale():
+    pool = WorkerPool(stale_after_s=5.0)
+    assert not pool.has_served()
+    pool.observe(_beat("p-1", "prefill"), now=0.0)
+    assert not pool.has_served()
+    pool.observe(_beat("d-1", "decode"), now=0.0)
+    pool.forget("d-1")
+    assert pool.has_served()  # down, not absent: requests wait for them

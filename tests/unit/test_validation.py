@@ -1,0 +1,101 @@
+"""A raw kvpush.generate body becomes a servable request or a RequestError with a code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, request_id_of
+from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong, RequestError
+
+VOCAB = 100
+MAX_MODEL_LEN = 32
+
+
+def _validator() -> RequestValidator:
+    # stands in for the model's tokenizer: one token per character
+    return RequestValidator(lambda s: [ord(c) % VOCAB for c in s], VOCAB, MAX_MODEL_LEN)
+
+
+def _body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def test_a_prompt_is_tokenized_and_gets_the_default_sampling():
+    request = _validator().validate(_body(prompt="hi", request_id="r-1"))
+    assert request.request_id == "r-1"
+    assert request.prompt_token_ids == [ord("h") % VOCAB, ord("i") % VOCAB]
+    sampling = request.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.ignore_eos) == (128, 0.0, False)
+
+
+def test_token_ids_and_sampling_are_taken_as_given():
+    request = _validator().validate(
+        _body(prompt_token_ids=[0, 5, VOCAB - 1], max_tokens=3, temperature=0.7, ignore_eos=True))
+    sampling = request.sampling
+    assert request.prompt_token_ids == [0, 5, VOCAB - 1]
+    assert (sampling.max_tokens, sampling.temperature, sampling.ignore_eos) == (3, 0.7, True)
+
+
+def test_a_request_id_is_generated_when_absent():
+    validator = _validator()
+    first = validator.validate(_body(prompt="hi")).request_id
+    second = validator.validate(_body(prompt="hi")).request_id
+    assert first and second and first != second
+
+
+def test_the_longest_prompt_that_leaves_room_to_generate_is_accepted():
+    request = _validator().validate(_body(prompt_token_ids=[1] * (MAX_MODEL_LEN - 1)))
+    assert len(request.prompt_token_ids) == MAX_MODEL_LEN - 1
+
+
+BAD = [
+    ("not-json", b"{this is not json", BadJson, "bad_json"),
+    ("not-an-object", b"[1, 2, 3]", InvalidField, "invalid_field"),
+    ("unknown-field", _body(prompt="hi", max_tokenz=3), InvalidField, "invalid_field"),
+    ("wrong-type", _body(prompt="hi", max_tokens="ten"), InvalidField, "invalid_field"),
+    ("float-max-tokens", _body(prompt="hi", max_tokens=2.5), InvalidField, "invalid_field"),
+    ("both-prompts", _body(prompt="a", prompt_token_ids=[1]), InvalidField, "invalid_field"),
+    ("out-of-vocab", _body(prompt_token_ids=[1, VOCAB]), InvalidField, "invalid_field"),
+    ("negative-token", _body(prompt_token_ids=[-1]), InvalidField, "invalid_field"),
+    ("max-tokens-zero", _body(prompt="hi", max_tokens=0), InvalidField, "invalid_field"),
+    ("negative-temperature", _body(prompt="hi", temperature=-0.1), InvalidField, "invalid_field"),
+    ("empty-request-id", _body(prompt="hi", request_id=""), InvalidField, "invalid_field"),
+    ("long-request-id", _body(prompt="hi", request_id="x" * (MAX_REQUEST_ID_LEN + 1)),
+     InvalidField, "invalid_field"),
+    ("no-prompt", _body(max_tokens=3), EmptyPrompt, "empty_prompt"),
+    ("empty-prompt", _body(prompt=""), EmptyPrompt, "empty_prompt"),
+    ("empty-token-ids", _body(prompt_token_ids=[]), EmptyPrompt, "empty_prompt"),
+    ("fills-the-context", _body(prompt_token_ids=[1] * MAX_MODEL_LEN), PromptTooLong, "prompt_too_long"),
+    ("past-the-context", _body(prompt="x" * (MAX_MODEL_LEN + 5)), PromptTooLong, "prompt_too_long"),
+]
+
+
+@pytest.mark.parametrize("name,data,error,code", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_request_is_refused_with_its_code_and_a_sentence(name, data, error, code):
+    with pytest.raises(error) as caught:
+        _validator().validate(data)
+    assert isinstance(caught.value, RequestError)
+    assert caught.value.code == code
+    message = caught.value.message
+    assert len(message) > 10 and message[0].isalpha() and " " in message, message
+
+
+def test_a_prompt_with_no_tokens_is_empty():
+    validator = RequestValidator(lambda s: [], VOCAB, MAX_MODEL_LEN)
+    with pytest.raises(EmptyPrompt) as caught:
+        validator.validate(_body(prompt="   "))
+    assert caught.value.code == "empty_prompt"
+
+
+@pytest.mark.parametrize("data,expected", [
+    (_body(prompt=5, request_id="mine"), "mine"),
+    (_body(request_id="y" * 500), "y" * MAX_REQUEST_ID_LEN),
+    (_body(request_id=7), ""),
+    (b"[1, 2]", ""),
+    (b"{broken", ""),
+    (b"\xff\xfe", ""),
+])
+def test_request_id_of_recovers_what_the_client_sent(data, expected):
+    assert request_id_of(data) == expected

@@ -1,0 +1,365 @@
+"""A kvpush stack to break on purpose, for the fault-injection suite and ``kvpush soak``:
+real NATS (the sample deploy/nats-server.conf, so with TLS and one user per role), real
+vLLM engines, real NIXL, short leases and deadlines. The rig connects as the role
+allowed to do each thing: the client role sends requests, the scheduler role watches
+heartbeats, progress, completions and refused messages, and other roles inject what
+only they may publish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import nats
+
+from tools import dev_certs
+from services.cli.client import generate
+from services.launch.natsd import LocalNatsServer
+from services.launch.stack import Stack
+from shared import wire
+from shared.nats_security import connect_options
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSWORDS = {role: f"{role}-{uuid.uuid4().hex[:12]}" for role in ("scheduler", "prefill", "decode", "client")}
+
+# Short on purpose, so faults resolve within a test; the deadline leaves room for a
+# replacement engine to start (30-60 s here) when a request is retried.
+FAULT_ENV = {
+    "KVPUSH_DEADLINE_S": "150",
+    "KVPUSH_WORKER_TIMEOUT_S": "3",
+    "KVPUSH_LEASE_S": "3",
+    "KVPUSH_KV_WAIT_S": "15",
+    "KVPUSH_QUARANTINE_S": "3",
+    "KVPUSH_LOG_LEVEL": "INFO",
+}
+DEADLINE_S = float(FAULT_ENV["KVPUSH_DEADLINE_S"])
+
+
+@dataclass
+class Outcome:
+    request_id: str
+    tokens: list[int]
+    final: dict
+    seconds: float  # to the final message
+
+    @property
+    def code(self) -> str | None:
+        return self.final.get("error", {}).get("code") if "error" in self.final else None
+
+
+@dataclass
+class Beat:
+    free: int
+    total: int
+    role: str
+    incarnation: str
+    seen: float
+
+
+@dataclass
+class FaultRig:
+    folder: Path
+    model: str
+    max_model_len: int
+    nats: LocalNatsServer | None = None
+    stack: Stack | None = None
+    certs: Path | None = None
+    conns: dict[str, object] = field(default_factory=dict)
+    beats: dict[str, Beat] = field(default_factory=dict)
+    progress: list[wire.RequestProgress] = field(default_factory=list)
+    invalid: list[wire.InvalidMessage] = field(default_factory=list)
+    pushed: set[str] = field(default_factory=set)  # transfer ids prefill reported written
+    killed: set[str] = field(default_factory=set)  # stack child names killed on purpose
+    start_free: dict[str, int] = field(default_factory=dict)  # role -> free blocks when idle
+
+    # ------------------------------------------------------------------ setup
+
+    def role_env(self, role: str) -> dict[str, str]:
+        return {
+            "KVPUSH_NATS_USER": role,
+            "KVPUSH_NATS_PASSWORD": PASSWORDS[role],
+            "KVPUSH_NATS_TLS_CA": str(self.certs / "ca.pem"),
+            "KVPUSH_NATS_TLS_CERT": str(self.certs / "client.pem"),
+            "KVPUSH_NATS_TLS_KEY": str(self.certs / "client-key.pem"),
+        }
+
+    async def start(self, extra_env: dict[str, str] | None = None) -> "FaultRig":
+        config_dir = self.folder / "nats"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "deploy" / "nats-server.conf", config_dir / "nats-server.conf")
+        self.certs = dev_certs.generate(config_dir / "certs")
+        for role, password in PASSWORDS.items():
+            os.environ[f"NATS_{role.upper()}_PASSWORD"] = password  # read by nats-server only
+        self.nats = LocalNatsServer(config=config_dir / "nats-server.conf").start()
+        self.stack = Stack(
+            self.model, nats_url=self.nats.url, prefill=1, decode=1, max_model_len=self.max_model_len,
+            log_dir=self.folder / "logs", extra_env={**FAULT_ENV, **self.chaos_env(), **(extra_env or {})},
+            role_env={role: self.role_env(role) for role in PASSWORDS},
+        )
+        self.stack.start()
+        for role in PASSWORDS:
+            self.conns[role] = await self.connect(role)
+        watcher = self.conns["scheduler"]
+        await watcher.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_beat)
+        await watcher.subscribe(wire.PROGRESS_SUBJECT, cb=self._on_progress)
+        await watcher.subscribe(wire.INVALID_SUBJECT, cb=self._on_invalid)
+        await watcher.subscribe(wire.COMPLETION_SUBJECTS, cb=self._on_completion)
+        await self.stack.wait_ready(timeout=400)
+        for role in ("prefill", "decode"):
+            self.start_free[role] = await self.idle_free_blocks(role)
+        return self
+
+    async def connect(self, role: str):
+        return await nats.connect(self.nats.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+                                  **connect_options(self.role_env(role)))
+
+    async def stop(self) -> None:
+        for conn in self.conns.values():
+            try:
+                await conn.close()
+            except Exception:
+                pass
+        if self.stack is not None:
+            self.stack.stop()
+        if self.nats is not None:
+            self.nats.stop()
+
+    async def _on_beat(self, msg) -> None:
+        beat = _decoded(msg, wire.WorkerHeartbeat)
+        if beat is None:
+            return
+        self.beats[beat.worker_id] = Beat(beat.free_kv_blocks, beat.total_kv_blocks, beat.role, beat.incarnation,
+                                          time.monotonic())
+
+    async def _on_progress(self, msg) -> None:
+        if (event := _decoded(msg, wire.RequestProgress)) is not None:
+            self.progress.append(event)
+
+    async def _on_invalid(self, msg) -> None:
+        if (event := _decoded(msg, wire.InvalidMessage)) is not None:
+            self.invalid.append(event)
+
+    async def _on_completion(self, msg) -> None:
+        event = _decoded(msg, wire.Completion)
+        if isinstance(event, wire.TransferDone):
+            self.pushed.add(event.transfer_id)
+
+    # ------------------------------------------------------------------ message faults
+
+    def chaos_env(self) -> dict[str, str]:
+        return {"KVPUSH_CHAOS_FILE": str(self.folder / "chaos.json"), "KVPUSH_CHAOS_SEED": "7",
+                "KVPUSH_CHAOS_LOG": str(self.folder / "chaos.log")}
+
+    def set_chaos(self, rates: dict | None) -> None:
+        """Turn message faults on (rates per subject prefix) or off in every engine."""
+        target = self.folder / "chaos.json"
+        if rates is None:
+            target.unlink(missing_ok=True)
+            return
+        staging = target.with_suffix(".tmp")
+        staging.write_text(json.dumps(rates))
+        staging.replace(target)
+
+    def injected(self) -> Counter:
+        log = self.folder / "chaos.log"
+        return Counter(line.split()[0] for line in log.read_text().splitlines()) if log.exists() else Counter()
+
+    async def assert_pushed(self, outcome: "Outcome", timeout: float = 10.0) -> None:
+        """The KV of the request's last attempt was pushed by prefill (not recomputed by decode)."""
+        ended = [p for p in self.progress if p.request_id == outcome.request_id and p.stage == "ended"]
+        assert ended, f"no end reported for {outcome.request_id}"
+        await wait_until(lambda: ended[-1].transfer_id in self.pushed, timeout,
+                         f"the push of {outcome.request_id}'s KV")
+
+    # ------------------------------------------------------------------ workers
+
+    def live_workers(self, role: str, within_s: float = 2.5) -> dict[str, Beat]:
+        now = time.monotonic()
+        return {wid: b for wid, b in self.beats.items() if b.role == role and now - b.seen <= within_s}
+
+    async def idle_free_blocks(self, role: str, timeout: float = 60.0) -> int:
+        """Free KV blocks of the one live worker of ``role`` once two beats agree."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            live = self.live_workers(role)
+            if len(live) == 1:
+                free = next(iter(live.values())).free
+                if free == last:
+                    return free
+                last = free
+            await asyncio.sleep(1.1)
+        raise TimeoutError(f"no steady {role} heartbeat within {timeout} s")
+
+    async def assert_blocks_back(self, timeout: float = 45.0) -> None:
+        """Both engines' free KV block counts return to their starting values."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now_free = {}
+            for role in ("prefill", "decode"):
+                live = self.live_workers(role)
+                now_free[role] = [b.free for b in live.values()]
+            if all(v == [self.start_free[r]] for r, v in now_free.items()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV blocks not back: free now {now_free}, at start {self.start_free}")
+            await asyncio.sleep(0.5)
+
+    def kill(self, role: str) -> str:
+        """kill -9 the live worker of ``role`` with its engine processes (a crash of the
+        worker's machine or container); returns its stack name."""
+        import psutil
+
+        for name, process in self.stack.children:
+            if name.startswith(role) and name not in self.killed and process.poll() is None:
+                tree = psutil.Process(process.pid)
+                for member in [*tree.children(recursive=True), tree]:
+                    try:
+                        member.send_signal(signal.SIGKILL)
+                    except psutil.NoSuchProcess:
+                        pass
+                process.wait()
+                self.killed.add(name)
+                return name
+        raise AssertionError(f"no live {role} process to kill")
+
+    def replace(self, role: str) -> str:
+        name = f"{role}-replacement-{len(self.killed)}"
+        self.stack.spawn_worker(role, name)
+        return name
+
+    async def wait_for_new_worker(self, role: str, old: set[str], timeout: float = 400.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fresh = [wid for wid in self.live_workers(role) if wid not in old]
+            if fresh:
+                return fresh[0]
+            self.assert_nothing_else_died()
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"no new {role} worker within {timeout} s")
+
+    def assert_nothing_else_died(self) -> None:
+        for name, process in self.stack.children:
+            if name not in self.killed:
+                assert process.poll() is None, f"{name} died (exit {process.returncode})"
+        assert self.nats.process.poll() is None, "nats-server died"
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(self, body: dict, on_reply=None, timeout: float = DEADLINE_S + 30) -> Outcome:
+        """Send one request as the client role; every reply until the final one."""
+        body = {"ignore_eos": True, **body}
+        body.setdefault("request_id", f"fault-{uuid.uuid4().hex[:10]}")
+        started = time.monotonic()
+        tokens: list[int] = []
+        final: dict = {}
+        async for reply in generate(self.conns["client"], body, timeout=timeout):
+            if reply.get("finished"):
+                final = reply
+            else:
+                tokens.extend(reply["token_ids"])
+            if on_reply is not None:
+                await on_reply(reply)
+        return Outcome(body["request_id"], tokens, final, time.monotonic() - started)
+
+    # ------------------------------------------------------------------ faults
+
+    async def workers(self) -> tuple[str, str]:
+        """(prefill id, decode id) the scheduler routes to now."""
+        status = json.loads((await self.conns["client"].request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=5)).data)
+        return status["prefill_workers"][0], status["decode_workers"][0]
+
+    async def send_malformed(self) -> set[str]:
+        """Garbage on every subject, each sent by the role allowed to publish there;
+        returns the subjects (each service should report a refusal on kvpush.invalid)."""
+        prefill_id, decode_id = await self.workers()
+        by_role = {
+            "client": [wire.CANCEL_SUBJECT],
+            "scheduler": [wire.prefill_job_subject(prefill_id), wire.decode_job_subject(decode_id)],
+            "prefill": [wire.HANDOFF_SUBJECT, wire.completion_subject(decode_id), wire.HEARTBEAT_SUBJECT,
+                        wire.AGENTS_SUBJECT],
+            "decode": [wire.registration_subject(prefill_id), wire.PROGRESS_SUBJECT],
+        }
+        for role, subjects in by_role.items():
+            for subject in subjects:
+                await self.conns[role].publish(subject, b"\xc1 not msgpack")
+            await self.conns[role].flush()
+        return {s for subjects in by_role.values() for s in subjects}
+
+    async def forge_registration(self, prompt: list[int], block_ids: list[int] | None = None,
+                                 engine: str | None = None) -> tuple[str, str, str]:
+        """A prefill job (as the scheduler) and a registration for it (as a decode) naming
+        blocks out of range, or coming from ``engine`` instead of the decode the job
+        names. Returns (transfer id, prefill id, decode id)."""
+        prefill_id, decode_id = await self.workers()
+        transfer_id = uuid.uuid4().hex
+        blocks = -(-len(prompt) // 128)
+        registration = wire.Registration(
+            transfer_id=transfer_id, request_id="forged", decode_engine_id=engine or decode_id,
+            decode_request_id="forged", decode_tp_size=1, block_ids=block_ids or [10**9] * blocks,
+            num_tokens=len(prompt), registered_at=time.time())
+        job = wire.PrefillJob(request_id="forged", transfer_id=transfer_id, prompt_token_ids=prompt,
+                              received_at=time.time(), decode_engine_id=decode_id)
+        await self.conns["decode"].publish(wire.registration_subject(prefill_id), wire.encode(registration))
+        ack = wire.decode((await self.conns["scheduler"].request(
+            wire.prefill_job_subject(prefill_id), wire.encode(job), timeout=5)).data, wire.JobAck)
+        assert ack.accepted, ack
+        return transfer_id, prefill_id, decode_id
+
+    async def drop_reply_subscription(self, body: dict) -> str:
+        """A client that goes away mid-stream without cancelling; returns its request id."""
+        client = self.conns["client"]
+        request_id = f"gone-{uuid.uuid4().hex[:10]}"
+        inbox = client.new_inbox()
+        sub = await client.subscribe(inbox)
+        request = {"ignore_eos": True, **body, "request_id": request_id}
+        await client.publish(wire.GENERATE_SUBJECT, json.dumps(request).encode(), reply=inbox)
+        try:
+            await sub.next_msg(timeout=DEADLINE_S)  # the first chunk: it streams
+        finally:
+            await sub.unsubscribe()
+        return request_id
+
+    async def kill_and_replace(self, role: str) -> str:
+        """kill -9 ``role``'s worker and start a replacement (a new identity); returns
+        once the replacement heartbeats."""
+        old = set(self.live_workers(role))
+        self.kill(role)
+        self.replace(role)
+        return await self.wait_for_new_worker(role, old)
+
+    async def observe(self, role: str, subject: str, kind=None) -> tuple[list, object]:
+        """Collect messages on ``subject`` (as ``role``) into a list; returns it and the sub."""
+        seen: list = []
+
+        async def on_msg(msg):
+            seen.append(wire.decode(msg.data, kind) if kind else msg)
+
+        sub = await self.conns[role].subscribe(subject, cb=on_msg)
+        await self.conns[role].flush()
+        return seen, sub
+
+
+def _decoded(msg, kind):
+    """The rig watches subjects it also sends garbage to: skip what does not decode."""
+    try:
+        return wire.decode(msg.data, kind)
+    except msgspec.MsgspecError:
+        return None
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,234 @@
+"""``kvpush soak``: a steady stream of requests against the fault rig while faults of every
+kind are injected in turn, then the tally: requests sent, faults by kind, requests
+lost, wrong outputs, leaked KV blocks, and the worst time to a final message.
+
+Every completed output is compared with what one plain vLLM instance generates for the
+same prompt (``tools.reference``), so "wrong" means a token differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
+from shared import wire
+
+# Expected ends of a request under faults: an answer, or one of these codes.
+EXPECTED_CODES = {"cancelled", "worker_lost"}
+MESSAGE_CHAOS = {
+    "kvpush.kv.register.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
+    "kvpush.kv.completion.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
+}
+FAULT_KINDS = ("cancel", "client_gone", "malformed", "forged_registration", "message_chaos",
+               "kill_decode", "kill_prefill", "nats_restart")
+
+
+def soak_prompts(seed: int = 0) -> list[dict]:
+    """Prompt lengths around block boundaries and the context, each with its output length."""
+    rng = random.Random(seed)
+    lengths = [1, 5, 127, 128, 129, 600, 1000, 1024, 1700]
+    return [{"prompt_token_ids": [rng.randrange(1, 4096) for _ in range(n)], "max_tokens": 24 if n < 1500 else 16,
+             "ignore_eos": True} for n in lengths]
+
+
+def reference_outputs(model: str, requests: list[dict], folder: Path, max_model_len: int) -> list[list[int]]:
+    """What one plain vLLM instance generates for each request (in a child process)."""
+    inp, out = folder / "reference-requests.json", folder / "reference.json"
+    inp.write_text(json.dumps(requests))
+    subprocess.run([sys.executable, "-m", "tools.reference", "--model", model, "--requests", str(inp),
+                    "--out", str(out), "--max-model-len", str(max_model_len)],
+                   check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    outcomes: Counter = field(default_factory=Counter)  # "ok" or the error code
+    lost: list[str] = field(default_factory=list)  # no final message at all
+    wrong: list[str] = field(default_factory=list)  # completed, but tokens differ from the reference
+    unexpected: list[str] = field(default_factory=list)  # ended with a code the faults do not explain
+    faults: Counter = field(default_factory=Counter)
+    worst_final_s: float = 0.0
+    leaked_blocks: dict[str, int] = field(default_factory=dict)
+    died: list[str] = field(default_factory=list)
+
+    def as_dict(self, seconds: float, rate: float) -> dict:
+        return {
+            "seconds": round(seconds, 1),
+            "rate_per_s": rate,
+            "requests_sent": self.sent,
+            "outcomes": dict(self.outcomes),
+            "requests_lost": len(self.lost),
+            "wrong_outputs": len(self.wrong),
+            "unexpected_errors": len(self.unexpected),
+            "leaked_blocks": self.leaked_blocks,
+            "worst_time_to_final_s": round(self.worst_final_s, 2),
+            "faults_injected": dict(sorted(self.faults.items())),
+            "processes_died_unexpectedly": self.died,
+            "lost_ids": self.lost, "wrong_ids": self.wrong, "unexpected": self.unexpected,
+        }
+
+
+class Soak:
+    def __init__(self, rig: FaultRig, prompts: list[dict], reference: list[list[int]], seed: int = 0):
+        self.rig = rig
+        self.prompts = prompts
+        self.reference = reference
+        self.rng = random.Random(seed)
+        self.tally = Tally()
+        self._in_flight: dict[str, asyncio.Task] = {}
+
+    async def run(self, seconds: float, rate: float, fault_every_s: float, progress=None) -> Tally:
+        stop_at = time.monotonic() + seconds
+        faults = asyncio.create_task(self._inject_faults(stop_at, fault_every_s, progress))
+        while time.monotonic() < stop_at:
+            self._send()
+            await asyncio.sleep(self.rng.expovariate(rate))
+        await faults
+        await asyncio.gather(*self._in_flight.values())
+        self.rig.set_chaos(None)
+        await self._settle()
+        self.tally.faults.update({f"message_{kind}": n for kind, n in self.rig.injected().items()})
+        return self.tally
+
+    def _send(self) -> str:
+        index = self.rng.randrange(len(self.prompts))
+        request_id = f"soak-{uuid.uuid4().hex[:12]}"
+        body = {**self.prompts[index], "request_id": request_id}
+        self.tally.sent += 1
+        self._in_flight[request_id] = asyncio.create_task(self._one(body, index))
+        return request_id
+
+    async def _one(self, body: dict, index: int) -> None:
+        request_id = body["request_id"]
+        try:
+            outcome = await self.rig.request(body, timeout=DEADLINE_S + 30)
+        except TimeoutError:
+            self.tally.lost.append(request_id)
+            return
+        finally:
+            self._in_flight.pop(request_id, None)
+        self._record(outcome, index)
+
+    def _record(self, outcome: Outcome, index: int) -> None:
+        self.tally.worst_final_s = max(self.tally.worst_final_s, outcome.seconds)
+        code = outcome.code
+        self.tally.outcomes[code or "ok"] += 1
+        if code is None and outcome.tokens != self.reference[index]:
+            self.tally.wrong.append(outcome.request_id)
+        elif code is not None and code not in EXPECTED_CODES:
+            self.tally.unexpected.append(f"{outcome.request_id}: {code}: {outcome.final['error']['message']}")
+
+    async def _settle(self) -> None:
+        try:
+            await self.rig.assert_blocks_back(timeout=90)
+        except AssertionError:
+            pass
+        for role in ("prefill", "decode"):
+            live = self.rig.live_workers(role)
+            now_free = min((b.free for b in live.values()), default=0)
+            self.tally.leaked_blocks[role] = self.rig.start_free[role] - now_free
+        for name, process in self.rig.stack.children:
+            if name not in self.rig.killed and process.poll() is not None:
+                self.tally.died.append(name)
+
+    # ------------------------------------------------------------------ faults
+
+    async def _inject_faults(self, stop_at: float, every_s: float, progress) -> None:
+        turn = 0
+        while time.monotonic() + every_s < stop_at:
+            await asyncio.sleep(every_s)
+            kind = FAULT_KINDS[turn % len(FAULT_KINDS)]
+            turn += 1
+            if progress:
+                progress(f"injecting {kind}")
+            try:
+                await getattr(self, f"_fault_{kind}")()
+                self.tally.faults[kind] += 1
+            except Exception as exc:  # a fault that could not be injected is reported, not fatal
+                self.tally.faults[f"{kind}_not_injected"] += 1
+                if progress:
+                    progress(f"{kind} not injected: {type(exc).__name__}: {exc}")
+
+    async def _fault_cancel(self) -> None:
+        """Cancel a request in flight, wherever it is; or a new one, a moment after sending it."""
+        if self._in_flight:
+            request_id = self.rng.choice(list(self._in_flight))
+        else:
+            request_id = self._send()
+            await asyncio.sleep(self.rng.uniform(0.0, 0.5))
+        await self.rig.conns["client"].publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(request_id)))
+
+    async def _fault_client_gone(self) -> None:
+        await self.rig.drop_reply_subscription({**self.prompts[5], "max_tokens": 300})
+
+    async def _fault_malformed(self) -> None:
+        await self.rig.send_malformed()
+
+    async def _fault_forged_registration(self) -> None:
+        await self.rig.forge_registration(self.prompts[6]["prompt_token_ids"])
+
+    async def _fault_message_chaos(self) -> None:
+        self.rig.set_chaos(MESSAGE_CHAOS)
+        await asyncio.sleep(10)
+        self.rig.set_chaos(None)
+
+    async def _fault_kill_decode(self) -> None:
+        await self.rig.kill_and_replace("decode")
+
+    async def _fault_kill_prefill(self) -> None:
+        await self.rig.kill_and_replace("prefill")
+
+    async def _fault_nats_restart(self) -> None:
+        self.rig.nats.restart()
+
+
+def markdown(report: dict) -> str:
+    rows = [
+        ("requests sent", report["requests_sent"]),
+        ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))),
+        ("requests lost", report["requests_lost"]),
+        ("wrong outputs", report["wrong_outputs"]),
+        ("unexpected errors", report["unexpected_errors"]),
+        ("leaked KV blocks", ", ".join(f"{k} {v}" for k, v in report["leaked_blocks"].items())),
+        ("worst time to a final message", f"{report['worst_time_to_final_s']} s"),
+        ("processes that died unexpectedly", len(report["processes_died_unexpectedly"])),
+    ]
+    faults = ", ".join(f"{k} {v}" for k, v in report["faults_injected"].items())
+    lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), f"| faults injected | {faults} |"]
+    return "\n".join(lines)
+
+
+async def run_soak(model: str, minutes: float, rate: float, out: Path, fault_every_s: float, seed: int,
+                   max_model_len: int = 2048, progress=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = soak_prompts(seed)
+    progress("computing the reference outputs on a plain vLLM instance")
+    reference = reference_outputs(model, prompts, out, max_model_len)
+    rig = FaultRig(out / "rig", model, max_model_len)
+    progress("starting the fault rig (NATS with TLS and per-role users, scheduler, prefill, decode)")
+    started = time.monotonic()
+    try:
+        await rig.start()
+        progress(f"soaking for {minutes:g} min at {rate:g} req/s, a fault every {fault_every_s:g} s")
+        soak = Soak(rig, prompts, reference, seed)
+        begun = time.monotonic()
+        tally = await soak.run(minutes * 60, rate, fault_every_s, progress)
+        report = tally.as_dict(time.monotonic() - begun, rate)
+    finally:
+        await rig.stop()
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    (out / "soak.json").write_text(json.dumps(report, indent=1))
+    (out / "soak.md").write_text(markdown(report) + "\n")
+    return report
+
