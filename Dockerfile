@@ -21,6 +21,7 @@ COPY services ./services
 COPY shared ./shared
 COPY connector ./connector
 COPY otel ./otel
+COPY tools ./tools
 RUN bash scripts/setup.sh && kvpush model build --out /models/small
 
 CMD ["kvpush", "--help"]

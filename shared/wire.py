@@ -33,6 +33,9 @@ Protocol history:
         peers still decode each other.
     2 - fault handling: CancelRequest, CancelJob, RequestProgress, LeaseRenewal, Revoke,
         InvalidMessage; completions on a per-decode subject; heartbeats carry an incarnation.
+    3 - engine request ids are the worker's business: PrefillJob/DecodeJob lose
+        engine_request_id (a version-2 peer's is ignored). Decode renews leases from its
+        connector; the LeaseRenewal message is unchanged.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 GENERATE_SUBJECT = "kvpush.generate"
 SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
@@ -203,7 +206,6 @@ class PrefillJob(Internal):
     received_at: float
     mode: TransferMode = "push"
     decode_engine_id: str = ""  # push only: pull picks decode after prefill
-    engine_request_id: str = ""  # the id the engine gets (vLLM's connectors match on it); default derived
 
 
 class DecodeJob(Internal):
@@ -215,9 +217,9 @@ class DecodeJob(Internal):
     reply_to: str
     received_at: float
     mode: TransferMode = "push"
-    engine_request_id: str = ""
-    # Merged into the engine request's kv_transfer_params: in pull mode what the prefill
-    # engine returned (for kvpush, its block ids); for vLLM's push, the prefill's address.
+    # What the prefill side said about itself: in push its heartbeat's kv_params (for
+    # vLLM's push, its address); in pull what its engine returned (for kvpush, a
+    # PrefilledKv: its block ids). The worker makes the engine's kv_transfer_params from it.
     kv_transfer_params: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

@@ -13,9 +13,10 @@ import argparse
 import json
 
 from services.worker.engine import EngineSettings, engine_kwargs
+from shared import settings
 
 
-def run(model: str, requests: list[dict], max_model_len: int = 2048) -> list[list[int]]:
+def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(EngineSettings(model=model, role=None, engine_id="reference", nats_url=None,
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--requests", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=settings.MAX_MODEL_LEN)
     args = parser.parse_args()
     with open(args.requests) as f:
         requests = json.load(f)

@@ -58,3 +58,9 @@ async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[
             token_ids.extend(reply["token_ids"])
             text.append(reply["text"])
     return token_ids, "".join(text), final
+
+
+async def scheduler_status(nc, timeout: float = 2.0) -> wire.SchedulerStatus:
+    """Ask any scheduler which workers it routes to (raises nats' NoResponders/Timeout errors)."""
+    msg = await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=timeout)
+    return wire.decode_json(msg.data, wire.SchedulerStatus)

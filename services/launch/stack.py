@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -15,8 +14,9 @@ from pathlib import Path
 import nats
 
 from services.launch.natsd import LocalNatsServer, free_port
+from shared import settings
 from shared.nats_security import connect_options
-from shared import wire
+from services.cli.client import scheduler_status
 
 PR_SET_PDEATHSIG = 1
 
@@ -36,9 +36,9 @@ class Stack:
         nats_url: str | None = None,
         prefill: int = 1,
         decode: int = 1,
-        max_model_len: int = 2048,
-        mode: str = "push",
-        connector: str = "kvpush",
+        max_model_len: int = settings.MAX_MODEL_LEN,
+        mode: str = settings.TRANSFER_MODE,
+        connector: str = settings.CONNECTOR,
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
@@ -58,7 +58,7 @@ class Stack:
 
     def start(self) -> "Stack":
         if self.nats_url is None:
-            port = 4222 if _port_free(4222) else free_port()
+            port = settings.DEFAULT_NATS_PORT if _port_free(settings.DEFAULT_NATS_PORT) else free_port()
             self.nats_server = LocalNatsServer(port=port).start()
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
@@ -102,9 +102,8 @@ class Stack:
             while time.monotonic() < deadline:
                 self.check_alive()
                 try:
-                    msg = await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=1.0)
-                    status = json.loads(msg.data)
-                    counts = (len(status["prefill_workers"]), len(status["decode_workers"]))
+                    status = await scheduler_status(nc, timeout=1.0)
+                    counts = (len(status.prefill_workers), len(status.decode_workers))
                 except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                     counts = None
                 if counts != last and progress is not None:

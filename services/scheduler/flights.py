@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from shared import settings
+
 Verdict = Literal["deadline", "retry", "lost"]
 
 
@@ -56,7 +58,7 @@ class Flight:
 
 @dataclass
 class FlightTable:
-    max_attempts: int = 3
+    max_attempts: int = settings.MAX_ATTEMPTS
     _flights: dict[str, Flight] = field(default_factory=dict)
     _by_transfer: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
 

@@ -15,17 +15,16 @@ import contextlib
 import time
 import uuid
 
-import msgspec
-import nats
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from otel import attributes as A
-from otel.messaging import TEMPORARY, TracedNats
+from otel.messaging import TEMPORARY
 from otel.metrics import instruments
-
+from services.bus import Bus
+from services.scheduler import dispatch
 from services.scheduler.flights import Flight, FlightTable
 from services.scheduler.routing import WorkerPool
 from services.tasks import BackgroundTasks
@@ -50,7 +49,6 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
-VLLM_CONNECTOR_MODES = {"vllm-nixl": "pull", "vllm-nixl-push": "push"}
 
 
 class Scheduler:
@@ -74,26 +72,29 @@ class Scheduler:
         self._requests = BackgroundTasks()
         self._watch: asyncio.Task | None = None
         self._closed = False
-        self.nc = None
+        self.bus: Bus | None = None
 
     async def __aenter__(self) -> "Scheduler":
-        from shared.nats_security import connect_options
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()  # what was opened before the failure
+            raise
+        log.info("scheduler ready", scheduler_id=self.scheduler_id)
+        return self
 
-        self.nc = await nats.connect(self.nats_url, name=self.scheduler_id, max_reconnect_attempts=-1,
-                                     **connect_options())
-        self.bus = TracedNats(self.nc)
+    async def _start(self) -> None:
+        self.bus = await Bus.connect(self.nats_url, self.scheduler_id)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
-        await self.nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_heartbeat)
-        await self.nc.subscribe(wire.SCHEDULER_STATUS_SUBJECT, cb=self._on_status)
+        await self.bus.subscribe_plain(wire.HEARTBEAT_SUBJECT, self._on_heartbeat)
+        await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
         await self.bus.subscribe(wire.HANDOFF_SUBJECT, self._on_handoff)
-        await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template="kvpush.kv.completion.{engine_id}")
+        await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template=wire.KV_COMPLETIONS)
         await self.bus.subscribe(wire.PROGRESS_SUBJECT, self._on_progress)
         await self.bus.subscribe(wire.CANCEL_SUBJECT, self._on_cancel)
         await self.bus.subscribe(wire.GENERATE_SUBJECT, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP)
-        await self.nc.flush()
+        await self.bus.nc.flush()
         self._watch = asyncio.get_running_loop().create_task(self._watch_flights())
-        log.info("scheduler ready", scheduler_id=self.scheduler_id)
-        return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
@@ -105,27 +106,15 @@ class Scheduler:
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
-        if self.nc is not None:
-            await self.nc.drain()  # stop taking requests, finish the callbacks under way
+        if self.bus is not None:
+            await self.bus.close()  # stop taking requests, finish the callbacks under way
         await self._requests.close(grace_s=DISPATCH_TIMEOUT_S)
         log.info("scheduler stopped", scheduler_id=self.scheduler_id)
 
     # ---------------------------------------------------------------- events
 
-    async def _decoded(self, msg, kind, decode=wire.decode):
-        """The message as ``kind``; None (said on kvpush.invalid) if it is not one."""
-        try:
-            return decode(msg.data, kind)
-        except msgspec.MsgspecError as exc:
-            log.warning("refused a malformed message", subject=msg.subject, error=str(exc))
-            instruments().failures.add(1, {"reason": "bad_message"})
-            invalid = wire.InvalidMessage(service=self.scheduler_id, subject=msg.subject, code="bad_message",
-                                          reason=str(exc))
-            await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
-            return None
-
     async def _on_heartbeat(self, msg) -> None:
-        beat = await self._decoded(msg, wire.WorkerHeartbeat)
+        beat = await self.bus.decoded(msg, wire.WorkerHeartbeat)
         if beat is not None:
             self.pool.observe(beat, time.monotonic())
 
@@ -137,10 +126,10 @@ class Scheduler:
             decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
         )
         if msg.reply:
-            await self.nc.publish(msg.reply, wire.encode_json(status))
+            await self.bus.nc.publish(msg.reply, wire.encode_json(status))
 
     async def _on_handoff(self, msg) -> None:
-        handoff = await self._decoded(msg, wire.Handoff)
+        handoff = await self.bus.decoded(msg, wire.Handoff)
         if handoff is None:
             return
         waiting = self._handoffs.get(handoff.transfer_id)
@@ -152,7 +141,7 @@ class Scheduler:
                   prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
 
     async def _on_completion(self, msg) -> None:
-        event = await self._decoded(msg, wire.Completion)
+        event = await self.bus.decoded(msg, wire.Completion)
         match event:
             case wire.TransferDone():
                 if flight := self.flights.by_transfer(event.transfer_id):
@@ -164,7 +153,7 @@ class Scheduler:
                 log.warning("kv transfer failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
 
     async def _on_progress(self, msg) -> None:
-        event = await self._decoded(msg, wire.RequestProgress)
+        event = await self.bus.decoded(msg, wire.RequestProgress)
         flight = self.flights.by_transfer(event.transfer_id) if event is not None else None
         if flight is None:
             return  # another scheduler's, or an attempt we already replaced
@@ -176,7 +165,7 @@ class Scheduler:
             await self._cancel_jobs(flight, "the client went away")  # prefill may still hold work for it
 
     async def _on_cancel(self, msg) -> None:
-        cancel = await self._decoded(msg, wire.CancelRequest, wire.decode_cancel_request)
+        cancel = await self.bus.decoded(msg, wire.CancelRequest, wire.decode_json)
         flight = self.flights.by_request(cancel.request_id) if cancel is not None else None
         if flight is not None:  # otherwise another scheduler's, or already ended
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
@@ -265,11 +254,9 @@ class Scheduler:
         cancel = wire.encode(wire.CancelJob(request_id=flight.request_id, transfer_id=flight.transfer_id,
                                             reason=reason))
         if flight.prefill_id:
-            await self.bus.publish(wire.prefill_job_subject(flight.prefill_id), cancel,
-                                   template="kvpush.prefill.{worker_id}")
+            await self.bus.publish(wire.prefill_job_subject(flight.prefill_id), cancel)
         if flight.decode_id:
-            await self.bus.publish(wire.decode_job_subject(flight.decode_id), cancel,
-                                   template="kvpush.decode.{worker_id}")
+            await self.bus.publish(wire.decode_job_subject(flight.decode_id), cancel)
 
     async def _watch_flights(self) -> None:
         while True:
@@ -308,41 +295,30 @@ class Scheduler:
 
     async def _dispatch(self, flight: Flight) -> None:
         connector = self.pool.connector(time.monotonic())
-        # vLLM's own connectors each do one mode; ours does either, per request.
-        flight.mode = VLLM_CONNECTOR_MODES.get(connector) or flight.request.transfer_mode or self.mode
+        flight.mode = dispatch.transfer_mode(connector, flight.request.transfer_mode, self.mode)
         self.flights.bind(flight, uuid.uuid4().hex)
         trace.get_current_span().set_attribute(A.TRANSFER_MODE, flight.mode)
         if flight.mode == "pull":
-            await self._dispatch_pull(flight, connector)
-            return
-        request, transfer_id = flight.request, flight.transfer_id
-        prefill_id, decode_id = await self._pick(
-            flight, lambda: self.pool.pick(len(request.prompt_token_ids), time.monotonic()))
-        self._bind_workers(flight, prefill_id, decode_id)
-        prefill_job = wire.PrefillJob(
-            request_id=request.request_id,
-            transfer_id=transfer_id,
-            prompt_token_ids=request.prompt_token_ids,
-            decode_engine_id=decode_id,
-            received_at=flight.received_at,
-        )
-        decode_job = self._decode_job(flight)
-        if connector != "kvpush":
-            # vLLM's push matches prefill and decode by a shared request id, and decode
-            # registers with the prefill instance it is told about.
-            prefill_job.engine_request_id = decode_job.engine_request_id = transfer_id
-            beat = self.pool.beat(prefill_id)
-            decode_job.kv_transfer_params = {
-                "do_remote_prefill": True, "remote_request_id": transfer_id, **(beat.kv_params if beat else {})
-            }
-        trace.get_current_span().set_attributes(
-            {A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
-        )
-        # Both at once: decode registers its blocks while prefill computes.
-        await asyncio.gather(self._send(prefill_id, prefill_job), self._send(decode_id, decode_job))
+            await self._dispatch_pull(flight)
+        else:
+            await self._dispatch_push(flight)
         flight.decode_took_job = True
-        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
-                 prompt_tokens=len(request.prompt_token_ids), attempt=flight.attempt)
+        log.info("dispatched", transfer_id=flight.transfer_id, prefill=flight.prefill_id, decode=flight.decode_id,
+                 prompt_tokens=len(flight.request.prompt_token_ids), mode=flight.mode, attempt=flight.attempt)
+
+    async def _dispatch_push(self, flight: Flight) -> None:
+        prefill_id, decode_id = await self._pick(
+            flight, lambda: self.pool.pick(len(flight.request.prompt_token_ids), time.monotonic()))
+        self._bind_workers(flight, prefill_id, decode_id)
+        trace.get_current_span().set_attributes(
+            {A.TRANSFER_ID: flight.transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
+        )
+        beat = self.pool.beat(prefill_id)
+        # Both at once: decode registers its blocks while prefill computes.
+        await asyncio.gather(
+            self._send(prefill_id, dispatch.prefill_job(flight)),
+            self._send(decode_id, dispatch.decode_job(flight, beat.kv_params if beat else None)),
+        )
 
     def _bind_workers(self, flight: Flight, prefill_id: str | None = None, decode_id: str | None = None) -> None:
         for worker_id, role in ((prefill_id, "prefill"), (decode_id, "decode")):
@@ -351,7 +327,7 @@ class Scheduler:
                 setattr(flight, f"{role}_id", worker_id)
                 setattr(flight, f"{role}_incarnation", beat.incarnation if beat else "")
 
-    async def _dispatch_pull(self, flight: Flight, connector: str) -> None:
+    async def _dispatch_pull(self, flight: Flight) -> None:
         """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
         from the load at the moment prefill finished, and reads the prefill's blocks."""
         request, transfer_id = flight.request, flight.transfer_id
@@ -365,14 +341,7 @@ class Scheduler:
         handoff_arrived = asyncio.get_running_loop().create_future()
         self._handoffs[transfer_id] = handoff_arrived
         try:
-            await self._send(prefill_id, wire.PrefillJob(
-                request_id=request.request_id,
-                transfer_id=transfer_id,
-                prompt_token_ids=request.prompt_token_ids,
-                received_at=flight.received_at,
-                mode="pull",
-                engine_request_id=transfer_id if connector != "kvpush" else "",
-            ))
+            await self._send(prefill_id, dispatch.prefill_job(flight))
             with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
                 handoff: wire.Handoff = await handoff_arrived  # the deadline watch bounds this wait
         finally:
@@ -382,44 +351,20 @@ class Scheduler:
         decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())  # no waiting now
         self._bind_workers(flight, decode_id=decode_id)
         span.set_attribute(A.DECODE_WORKER, decode_id)
-        decode_job = self._decode_job(flight)
-        decode_job.mode = "pull"
         # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
-        decode_job.kv_transfer_params = dict(handoff.kv_transfer_params or {})
-        if connector != "kvpush":
-            decode_job.engine_request_id = transfer_id
-        await self._send(decode_id, decode_job)
-        flight.decode_took_job = True
-        log.info("dispatched", transfer_id=transfer_id, prefill=prefill_id, decode=decode_id,
-                 prompt_tokens=len(request.prompt_token_ids), mode="pull", attempt=flight.attempt)
-
-    @staticmethod
-    def _decode_job(flight: Flight) -> wire.DecodeJob:
-        request = flight.request
-        return wire.DecodeJob(
-            request_id=request.request_id,
-            transfer_id=flight.transfer_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-            prefill_engine_id=flight.prefill_id,
-            reply_to=flight.reply_to,
-            received_at=flight.received_at,
-        )
+        await self._send(decode_id, dispatch.decode_job(flight, handoff.kv_transfer_params))
 
     async def _send(self, worker_id: str, job: wire.PrefillJob | wire.DecodeJob) -> None:
         """Hand a job to a worker and wait for its ack."""
         body = wire.encode(job)
-        if len(body) > self.nc.max_payload:
+        if len(body) > self.bus.max_payload:
             raise PayloadTooLarge(
                 f"the prompt makes a {len(body)}-byte job, over the NATS server's max_payload of "
-                f"{self.nc.max_payload} bytes; raise max_payload or send a shorter prompt"
+                f"{self.bus.max_payload} bytes; raise max_payload or send a shorter prompt"
             )
-        if isinstance(job, wire.PrefillJob):
-            subject, template = wire.prefill_job_subject(worker_id), "kvpush.prefill.{worker_id}"
-        else:
-            subject, template = wire.decode_job_subject(worker_id), "kvpush.decode.{worker_id}"
+        subject = (wire.prefill_job_subject if isinstance(job, wire.PrefillJob) else wire.decode_job_subject)(worker_id)
         try:
-            reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S, template=template)
+            reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S)
         except Exception as exc:
             raise DispatchFailed(f"worker {worker_id} did not accept the job: {type(exc).__name__}",
                                  worker_id) from None

@@ -1,9 +1,17 @@
-"""Build a vLLM AsyncLLM for a prefill or decode worker, with kvpush's connector."""
+"""The worker's side of vLLM: engine settings and arguments, what each KV connector wants
+in a request (engine request id, ``kv_transfer_params``), the engine's load (from vLLM's
+stat logger hook) and its per-request stage times (as child spans)."""
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+
+import msgspec
+
+from shared import settings, wire
+from shared.settings import FaultSettings
 
 # Set before vLLM is imported anywhere in this process.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -21,70 +29,154 @@ class EngineSettings:
     role: str | None  # "prefill", "decode", or None for a plain single instance
     engine_id: str
     nats_url: str | None
-    max_model_len: int = 2048
+    max_model_len: int = settings.MAX_MODEL_LEN
     block_size: int | None = None
     max_num_seqs: int = 16
     dtype: str = "float32"
     tensor_parallel_size: int = 1
-    connector: str = "kvpush"  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
-    faults: "FaultSettings | None" = None
-
-
-@dataclass
-class FaultSettings:
-    """How long kvpush's connector waits for a peer before giving blocks up, and what
-    decode does when pushed KV will not come (vLLM recomputes the prompt, or fails)."""
-
-    lease_s: float = 10.0  # prefill keeps an unclaimed prompt's blocks this long without a renewal
-    kv_wait_s: float = 120.0  # decode gives registered blocks up after this long without the KV
-    quarantine_s: float = 10.0  # ...and keeps them this long more unless prefill answers the revoke
-    on_kv_failure: str = "recompute"  # or "fail"
+    connector: str = settings.CONNECTOR  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
+    faults: FaultSettings = settings.FAULTS
 
 
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
 
 
-def engine_kwargs(settings: EngineSettings) -> dict:
+def engine_kwargs(engine: EngineSettings) -> dict:
     """Keyword arguments for vLLM's AsyncEngineArgs or LLM; the same for every role, so
     a plain single instance computes exactly what the disaggregated pair computes."""
     kwargs = dict(
-        model=settings.model,
-        tokenizer=settings.model,
-        dtype=settings.dtype,
+        model=engine.model,
+        tokenizer=engine.model,
+        dtype=engine.dtype,
         enforce_eager=True,
-        max_model_len=settings.max_model_len,
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        block_size=engine.block_size,
+        max_num_seqs=engine.max_num_seqs,
         enable_prefix_caching=False,
-        tensor_parallel_size=settings.tensor_parallel_size,
+        tensor_parallel_size=engine.tensor_parallel_size,
     )
-    if settings.role is not None and settings.connector == "kvpush":
-        faults = settings.faults or FaultSettings()
+    if engine.role is not None and engine.connector == "kvpush":
+        faults = engine.faults
+        connector_config = wire.ConnectorConfig(nats_url=engine.nats_url, lease_s=faults.lease_s,
+                                                kv_wait_s=faults.kv_wait_s, quarantine_s=faults.quarantine_s)
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvpushConnector",
             "kv_connector_module_path": "connector.kvpush_connector",
-            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
-            "engine_id": settings.engine_id,
-            "kv_connector_extra_config": {
-                "nats_url": settings.nats_url,
-                "lease_s": faults.lease_s,
-                "kv_wait_s": faults.kv_wait_s,
-                "quarantine_s": faults.quarantine_s,
-            },
+            "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
+            "engine_id": engine.engine_id,
+            "kv_connector_extra_config": msgspec.to_builtins(connector_config),
             "kv_load_failure_policy": faults.on_kv_failure,
         }
         kwargs["disable_hybrid_kv_cache_manager"] = True
-    elif settings.role is not None:
+    elif engine.role is not None:
         # vLLM's own connectors, configured the way their examples run them.
         kwargs["kv_transfer_config"] = {
-            "kv_connector": VLLM_CONNECTORS[settings.connector],
+            "kv_connector": VLLM_CONNECTORS[engine.connector],
             "kv_role": "kv_both",
-            "engine_id": settings.engine_id,
+            "engine_id": engine.engine_id,
         }
     return kwargs
 
 
-def engine_args(settings: EngineSettings):
+def engine_args(engine: EngineSettings):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(**engine_kwargs(settings), disable_log_stats=False)
+    return AsyncEngineArgs(**engine_kwargs(engine), disable_log_stats=False)
+
+
+# --------------------------------------------------------------------------- requests
+# What each connector wants in an engine request. kvpush's connector reads the
+# ``shared.wire`` kv-params structs; vLLM's are driven the way its examples drive them:
+# prefill and decode share the request id (the transfer id), and decode gets the
+# prefill's address (push) or what the prefill engine returned (pull), verbatim.
+
+def prefill_request(connector: str, job: wire.PrefillJob, traceparent: str) -> tuple[str, dict]:
+    """(engine request id, kv_transfer_params) for a prefill job."""
+    if connector != "kvpush":
+        return job.transfer_id, {"do_remote_decode": True}
+    params = wire.PrefillKvParams(transfer_id=job.transfer_id, mode=job.mode, decode_engine_id=job.decode_engine_id,
+                                  traceparent=traceparent)
+    return f"{job.request_id}-p-{job.transfer_id[:8]}", params.as_params()
+
+
+def decode_request(connector: str, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
+    """(engine request id, kv_transfer_params) for a decode job."""
+    if connector == "vllm-nixl-push":
+        return job.transfer_id, {"do_remote_prefill": True, "remote_request_id": job.transfer_id,
+                                 **job.kv_transfer_params}
+    if connector != "kvpush":
+        return job.transfer_id, dict(job.kv_transfer_params)
+    params = wire.DecodeKvParams(transfer_id=job.transfer_id, request_id=job.request_id,
+                                 prefill_engine_id=job.prefill_engine_id, mode=job.mode, traceparent=traceparent)
+    if job.mode == "pull":
+        prefilled = wire.PrefilledKv.of(job.kv_transfer_params)
+        params.prefill_tp_size = prefilled.prefill_tp_size
+        params.remote_block_ids = prefilled.remote_block_ids
+    return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
+
+
+def side_channel(engine_id: str, connector: str) -> dict:
+    """vLLM's NIXL connectors talk over a side channel of their own, one port per engine:
+    set it up for this process's engine, and return what peers need to reach it (the
+    heartbeat's ``kv_params``). kvpush's connector needs none: it speaks NATS."""
+    if connector == "kvpush":
+        return {}
+    from services.launch.natsd import free_port
+
+    port = free_port()
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    return {"remote_engine_id": engine_id, "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1}
+
+
+# --------------------------------------------------------------------------- load and stages
+
+class EngineLoad:
+    """Latest scheduler stats of the engine, fed by vLLM's stat logger hook."""
+
+    def __init__(self) -> None:
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+
+    def factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        load = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    load.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    load.running = scheduler_stats.num_running_reqs
+                    load.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+
+            def log_engine_initialized(self):
+                pass
+
+        return Recorder
+
+
+class EngineStages:
+    """Wall-clock times of vLLM's per-request stages, from its engine-core timestamps
+    (monotonic, same host), recorded as child spans of the current span."""
+
+    def __init__(self, output, tracer) -> None:
+        stats = getattr(output, "metrics", None) if output is not None else None
+        offset_ns = time.time_ns() - time.monotonic_ns()
+        self._tracer = tracer
+
+        def wall(ts: float) -> int | None:
+            return int(ts * 1e9) + offset_ns if ts else None
+
+        self.scheduled_ns = wall(stats.scheduled_ts) if stats else None
+        self.first_token_ns = wall(stats.first_token_ts) if stats else None
+        self.last_token_ns = wall(stats.last_token_ts) if stats else None
+
+    def record(self, name: str, start_ns: int | None, end_ns: int | None) -> None:
+        if start_ns is None or end_ns is None:
+            return
+        self._tracer.start_span(name, start_time=start_ns).end(end_time=max(start_ns, end_ns))

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from services.cli.client import scheduler_status
 from shared import wire
 from tests import prompts
 
@@ -21,8 +22,8 @@ REF_ORDER = REF_TARGET + 2
 
 
 async def _workers(nc) -> tuple[str, str]:
-    status = json.loads((await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=5)).data)
-    return status["prefill_workers"][0], status["decode_workers"][0]
+    status = await scheduler_status(nc, timeout=5)
+    return status.prefill_workers[0], status.decode_workers[0]
 
 
 class _Events:

@@ -13,7 +13,7 @@ import pytest
 
 from services.cli.main import ENVIRONMENT, OTEL_ENVIRONMENT, build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KVPUSH_SERVICES = {"scheduler", "prefill", "decode"}
 ENGINE_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE"}  # vLLM's own settings, passed through
 
@@ -75,5 +75,5 @@ def test_dockerfile_builds_the_model_the_services_serve(config):
     dockerfile = (ROOT / "Dockerfile").read_text()
     model = config["services"]["scheduler"]["environment"]["KVPUSH_MODEL"]
     assert f"kvpush model build --out {model}" in dockerfile
-    for folder in ("services", "shared", "connector", "otel", "scripts"):
+    for folder in ("services", "shared", "connector", "otel", "tools", "scripts"):
         assert f"COPY {folder} ./{folder}" in dockerfile

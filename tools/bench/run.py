@@ -197,10 +197,7 @@ class Bench:
             sampling=wire.SamplingSpec(8, 0.0, True), prefill_engine_id=beats["prefill"].worker_id,
             reply_to=nc.new_inbox(), received_at=time.time(),
         )
-        if engine_connector != "kvpush":
-            job.engine_request_id = transfer_id
-            job.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": transfer_id,
-                                      **beats["prefill"].kv_params}
+        job.kv_transfer_params = dict(beats["prefill"].kv_params)  # as the scheduler sends it
         replies = await nc.subscribe(job.reply_to)
         await nc.request(wire.decode_job_subject(beats["decode"].worker_id), wire.encode(job), timeout=5)
         await asyncio.sleep(1.0)  # let it allocate and register

@@ -22,7 +22,7 @@ import msgspec
 import nats
 
 from tools import dev_certs
-from services.cli.client import generate
+from services.cli.client import generate, scheduler_status
 from services.launch.natsd import LocalNatsServer
 from services.launch.stack import Stack
 from shared import wire
@@ -275,8 +275,8 @@ class FaultRig:
 
     async def workers(self) -> tuple[str, str]:
         """(prefill id, decode id) the scheduler routes to now."""
-        status = json.loads((await self.conns["client"].request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=5)).data)
-        return status["prefill_workers"][0], status["decode_workers"][0]
+        status = await scheduler_status(self.conns["client"], timeout=5)
+        return status.prefill_workers[0], status.decode_workers[0]
 
     async def send_malformed(self) -> set[str]:
         """Garbage on every subject, each sent by the role allowed to publish there;

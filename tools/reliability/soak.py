@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
-from shared import wire
+from shared import settings, wire
 
 # Expected ends of a request under faults: an answer, or one of these codes.
 EXPECTED_CODES = {"cancelled", "worker_lost"}
@@ -210,7 +210,7 @@ def markdown(report: dict) -> str:
 
 
 async def run_soak(model: str, minutes: float, rate: float, out: Path, fault_every_s: float, seed: int,
-                   max_model_len: int = 2048, progress=print) -> dict:
+                   max_model_len: int = settings.MAX_MODEL_LEN, progress=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     prompts = soak_prompts(seed)
     progress("computing the reference outputs on a plain vLLM instance")

@@ -1,0 +1,67 @@
+"""A service's one NATS boundary: the connection, trace context on every request-scoped
+message (``otel.messaging``), and the one place a received message becomes a typed value
+or a refusal said on ``kvpush.invalid``.
+
+    bus = await Bus.connect(url, name="scheduler-1")
+    job = await bus.decoded(msg, wire.PrefillMessage)   # None: refused, the sender was told
+    await bus.publish(wire.decode_job_subject(worker_id), wire.encode(job))   # span named by the template
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+import msgspec
+import nats
+import structlog
+
+from otel.messaging import TEMPORARY, TracedNats
+from otel.metrics import instruments
+from shared import wire
+from shared.errors import BadMessage, refusal
+from shared.nats_security import connect_options
+
+log = structlog.get_logger("kvpush.bus")
+
+
+class Bus(TracedNats):
+    """``publish``, ``request`` and ``subscribe`` are traced (``TracedNats``); ``nc`` is the
+    plain connection for periodic messages (heartbeats, status polls) that belong to no request."""
+
+    def __init__(self, nc, service: str):
+        super().__init__(nc)
+        self.service = service
+
+    @classmethod
+    async def connect(cls, url: str, service: str) -> "Bus":
+        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, **connect_options())
+        return cls(nc, service)
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    async def decoded(self, msg, kind, decode: Callable = wire.decode, refuse_as: type[BadMessage] = BadMessage,
+                      nack: bool = False):
+        """``msg`` as ``kind``; or None, once the refusal is said on ``kvpush.invalid`` (and,
+        with ``nack``, to the sender as a refused ``JobAck``)."""
+        try:
+            return decode(msg.data, kind)
+        except msgspec.MsgspecError as exc:
+            invalid = refusal(self.service, msg.subject, exc, refuse_as)
+        log.warning("refused a malformed message", subject=msg.subject, error=invalid.reason)
+        instruments().failures.add(1, {"reason": invalid.code})
+        if nack and msg.reply:
+            ack = wire.JobAck(accepted=False, error=wire.ErrorBody(invalid.code, f"malformed job: {invalid.reason}"))
+            await self.publish(msg.reply, wire.encode(ack), template=TEMPORARY)
+        await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
+        return None
+
+    async def subscribe_plain(self, subject: str, cb: Callable[..., Awaitable[None]]):
+        """A subscription without spans: for periodic messages that are part of no request."""
+        return await self.nc.subscribe(subject, cb=cb)
+
+    async def close(self) -> None:
+        """Stop taking messages, finish the callbacks under way, and close."""
+        if not self.nc.is_closed:
+            await self.nc.drain()

@@ -1,0 +1,40 @@
+"""What every kvpush command shares: messages to the user, the model folder, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+
+def say(message: str) -> None:
+    print(f"[kvpush] {message}", file=sys.stderr, flush=True)
+
+
+def model_path(args) -> str:
+    """``--model``, or the built-in small model (built on first use)."""
+    if args.model:
+        return args.model
+    from tools.model_build import build_model, default_model_dir
+
+    folder = default_model_dir("small")
+    say(f"using the built-in small model in {folder} (building it if needed)")
+    return str(build_model(folder))
+
+
+async def until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+
+
+async def connect(nats_url: str, **kwargs):
+    import nats
+
+    from shared.nats_security import connect_options
+
+    return await nats.connect(nats_url, **kwargs, **connect_options())

@@ -1,0 +1,124 @@
+"""Commands that serve: one scheduler, one worker, or the whole stack (``up``, ``demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+from services.cli.common import model_path, say, until_signalled
+from services.cli.requests import describe_final, stream
+from shared.settings import FaultSettings
+
+DEMO_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\nclass Config:",
+    "for line in open(path):",
+]
+
+
+def _run_service(service_name: str, log_level: str, make_service) -> int:
+    """Run one long-lived service (an async context manager) until SIGINT/SIGTERM."""
+    from otel import setup as otel_setup
+    from services import logs
+
+    logs.configure(log_level)
+    otel_setup.configure(service_name)
+
+    async def serve() -> None:
+        async with make_service():
+            await until_signalled()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        otel_setup.shutdown()
+    return 0
+
+
+def cmd_scheduler(args) -> int:
+    from services.scheduler.service import Scheduler
+    from services.scheduler.validation import load_validator
+
+    validator = load_validator(model_path(args), args.max_model_len)
+    return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
+        args.nats_url, validator, mode=args.mode, deadline_s=args.deadline_s,
+        worker_timeout_s=args.worker_timeout_s))
+
+
+def cmd_worker(args) -> int:
+    from services.worker.service import Worker
+
+    faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
+                           on_kv_failure=args.on_kv_failure)
+    return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
+        args.role, args.nats_url, model_path(args), args.worker_id, args.max_model_len, connector=args.connector,
+        faults=faults))
+
+
+def _start_stack(args, quiet: bool = False):
+    from services.launch.stack import Stack
+
+    env = {"KVPUSH_LOG_LEVEL": os.environ.get("KVPUSH_LOG_LEVEL", "WARNING")} if quiet else {}
+    stack = Stack(
+        model_path(args),
+        nats_url=args.nats_url,
+        prefill=args.prefill,
+        decode=args.decode,
+        max_model_len=args.max_model_len,
+        mode=args.mode,
+        connector=args.connector,
+        extra_env=env,
+    )
+    say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
+         "(vLLM engines take 30-60 s each on a CPU)")
+    stack.start()
+    return stack
+
+
+def cmd_up(args) -> int:
+    stack = _start_stack(args)
+
+    async def run() -> None:
+        await stack.wait_ready(timeout=args.ready_timeout, progress=say)
+        print(f"ready {stack.nats_url}", flush=True)
+        say(f"try: kvpush generate --nats-url {stack.nats_url} 'def main():'   (Ctrl-C stops everything)")
+        await until_signalled()
+
+    try:
+        asyncio.run(run())
+    finally:
+        say("stopping")
+        stack.stop()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    stack = _start_stack(args, quiet=True)
+
+    async def run() -> int:
+        await stack.wait_ready(timeout=args.ready_timeout, progress=say)
+        say(f"ready {stack.nats_url}")
+        failures = 0
+        for i, prompt in enumerate(DEMO_PROMPTS):
+            print(f"\n>>> {prompt!r}", flush=True)
+            body = {"prompt": prompt, "max_tokens": args.max_tokens, "request_id": f"demo-{run_id}-{i}"}
+            final = await stream(stack.nats_url, body)
+            say(describe_final(final))
+            failures += "error" in final
+        return failures
+
+    run_id = f"{int(time.time())}"
+    try:
+        failures = asyncio.run(run())
+    finally:
+        say("stopping")
+        stack.stop()
+    if not failures and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        request_id = f"demo-{run_id}-{len(DEMO_PROMPTS) - 1}"
+        say(f"where the last request's time went (kvpush trace {request_id}):\n")
+        from services.cli.tools import cmd_trace
+
+        cmd_trace(argparse.Namespace(dir=None, summary=False, request_id=request_id))
+    return 1 if failures else 0

@@ -1,0 +1,84 @@
+"""The services' settings, one table: flag, environment variable, default, help.
+
+A flag's default is its environment variable when set, else the value in
+``shared.settings``; compose configures the services through these variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shared import settings as defaults
+
+
+@dataclass(frozen=True)
+class Setting:
+    flag: str
+    env: str
+    default: Any
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] = field(default=())
+
+    def add_to(self, parser, default: Any = ...) -> None:
+        """Add the flag to an argparse parser; a given ``default`` replaces both the
+        environment variable and the table's default."""
+        if default is ...:
+            value = os.environ.get(self.env)
+            default = self.type(value) if value is not None else self.default
+        chosen = default
+        parser.add_argument(self.flag, type=self.type, default=chosen, choices=self.choices or None, help=self.help)
+
+
+_FAULTS = defaults.FAULTS
+
+SETTINGS: dict[str, Setting] = {s.flag: s for s in [
+    Setting("--nats-url", "KVPUSH_NATS_URL", defaults.DEFAULT_NATS_URL, "NATS server URL"),
+    Setting("--model", "KVPUSH_MODEL", None,
+            "a local Hugging Face model folder (default: the built-in small model)"),
+    Setting("--max-model-len", "KVPUSH_MAX_MODEL_LEN", defaults.MAX_MODEL_LEN,
+            "context length the engines serve", int),
+    Setting("--log-level", "KVPUSH_LOG_LEVEL", "INFO", "log level of the services"),
+    Setting("--mode", "KVPUSH_MODE", defaults.TRANSFER_MODE,
+            "how the prompt's KV moves unless a request says otherwise (transfer_mode)", str, ("push", "pull")),
+    Setting("--connector", "KVPUSH_CONNECTOR", defaults.CONNECTOR,
+            "KV connector of the engines: ours, or vLLM's NixlConnector (pull) or NixlPushConnector, "
+            "for side-by-side comparison", str, ("kvpush", "vllm-nixl", "vllm-nixl-push")),
+    Setting("--deadline-s", "KVPUSH_DEADLINE_S", defaults.DEADLINE_S,
+            "every accepted request gets a final message (an answer or an error) within this", float),
+    Setting("--worker-timeout-s", "KVPUSH_WORKER_TIMEOUT_S", defaults.WORKER_TIMEOUT_S,
+            "a worker without a heartbeat for this long is lost; its requests are retried", float),
+    Setting("--lease-s", "KVPUSH_LEASE_S", _FAULTS.lease_s,
+            "prefill: keep a finished prompt's blocks this long unless decode renews the lease", float),
+    Setting("--kv-wait-s", "KVPUSH_KV_WAIT_S", _FAULTS.kv_wait_s,
+            "decode: give registered blocks up after this long without the KV", float),
+    Setting("--quarantine-s", "KVPUSH_QUARANTINE_S", _FAULTS.quarantine_s,
+            "decode: after giving blocks up, keep them this long unless prefill answers", float),
+    Setting("--on-kv-failure", "KVPUSH_ON_KV_FAILURE", _FAULTS.on_kv_failure,
+            "decode: when the pushed KV will not come, compute the prompt here (recompute) or fail",
+            str, ("recompute", "fail")),
+]}
+
+# Environment variables kvpush reads, each the default of an option or a setting.
+ENVIRONMENT = {
+    **{s.env: f"{s.help} ({s.flag})" for s in SETTINGS.values()},
+    "KVPUSH_CACHE_DIR": "where built models and local traces go (default ~/.cache/kvpush)",
+    "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
+    "KVPUSH_NATS_USER / _PASSWORD / _TOKEN / _NKEY_SEED / _CREDS": "NATS login (--nats-user ...); see deploy/README.md",
+    "KVPUSH_NATS_TLS_CA / _TLS_CERT / _TLS_KEY": "NATS TLS: the CA to trust, the client certificate and key",
+}
+OTEL_ENVIRONMENT = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "send spans and metrics there (OTLP/HTTP) instead of local files",
+    "OTEL_METRICS_EXPORTER": "'none' turns metric export off (e.g. for a traces-only backend)",
+    "OTEL_METRIC_EXPORT_INTERVAL": "metric export interval in ms",
+    "OTEL_SERVICE_NAME": "overrides the service name of one process",
+}
+
+
+def add(parser, *flags: str, **defaults_by_flag: Any) -> None:
+    """Add these settings' flags to ``parser`` (``nats_url=None`` overrides a default)."""
+    for flag in flags:
+        key = flag.lstrip("-").replace("-", "_")
+        SETTINGS[flag].add_to(parser, defaults_by_flag.get(key, ...))

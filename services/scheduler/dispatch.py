@@ -1,0 +1,59 @@
+"""The jobs a scheduler sends for one attempt at a flight, from the flight and the workers
+chosen for it.
+
+Pure: no NATS. What each connector makes of a job (engine request ids, vLLM's own
+``kv_transfer_params``) is the worker's business (``services.worker.engine``); the
+scheduler only passes on what the prefill side says about itself: its heartbeat's
+``kv_params`` in push, or the handoff's ``kv_transfer_params`` in pull.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.scheduler.flights import Flight
+from shared import wire
+
+# vLLM's own connectors each do one mode; ours does either, per request.
+CONNECTOR_MODES: dict[str, tuple[wire.TransferMode, ...]] = {
+    "kvpush": ("push", "pull"),
+    "vllm-nixl": ("pull",),
+    "vllm-nixl-push": ("push",),
+}
+
+
+def transfer_mode(connector: str, requested: str | None, default: str) -> wire.TransferMode:
+    """The mode of an attempt: the request's (or the scheduler's) if the connector does it."""
+    modes = CONNECTOR_MODES.get(connector, CONNECTOR_MODES["kvpush"])
+    wanted = requested or default
+    return wanted if wanted in modes else modes[0]
+
+
+def prefill_job(flight: Flight) -> wire.PrefillJob:
+    """Push: decode is already chosen (its registration is the only one prefill may write
+    to). Pull: decode is chosen after prefill."""
+    return wire.PrefillJob(
+        request_id=flight.request_id,
+        transfer_id=flight.transfer_id,
+        prompt_token_ids=flight.request.prompt_token_ids,
+        received_at=flight.received_at,
+        mode=flight.mode,
+        decode_engine_id=flight.decode_id if flight.mode == "push" else "",
+    )
+
+
+def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None) -> wire.DecodeJob:
+    """``prefill_kv``: push, the prefill's heartbeat ``kv_params`` (how to reach it); pull,
+    what its engine returned in the handoff (where the prompt's blocks are)."""
+    request = flight.request
+    return wire.DecodeJob(
+        request_id=request.request_id,
+        transfer_id=flight.transfer_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=request.sampling,
+        prefill_engine_id=flight.prefill_id,
+        reply_to=flight.reply_to,
+        received_at=flight.received_at,
+        mode=flight.mode,
+        kv_transfer_params=dict(prefill_kv or {}),
+    )

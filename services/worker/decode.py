@@ -1,0 +1,180 @@
+"""The decode role: start generating at once (the connector registers the blocks with
+prefill and holds the request until the KV has arrived) and stream tokens straight to the
+client's reply subject.
+
+Each token chunk goes out with a reply subject of our own (a probe): if the client
+dropped its subscription, NATS answers "no responders" there and the request is
+cancelled. The schedulers hear when the first token went out (a retry would now repeat
+tokens) and when the request ended (``kvpush.request.progress``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from otel import attributes as A
+from otel.messaging import TEMPORARY, current_traceparent
+from otel.metrics import instruments
+from services.worker.engine import EngineStages, decode_request
+from services.worker.jobs import RunningJob, WorkerContext
+from shared import wire
+from shared.errors import EngineFailed, KvTransferFailed, KvpushError, to_error_body
+
+log = structlog.get_logger("kvpush.worker")
+_tracer = trace.get_tracer("kvpush.worker")
+
+
+@dataclass
+class _Stream:
+    """What one decode request has sent so far."""
+
+    first_at: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    last: object = None  # vLLM's last RequestOutput
+
+
+class DecodeRole:
+    name: wire.Role = "decode"
+    job_kind = wire.DecodeMessage
+    job_subject = wire.DECODE_JOBS
+
+    def __init__(self, worker: WorkerContext):
+        self.worker = worker
+        self._probes: dict[str, str] = {}  # probe key -> transfer id
+        self._probe_prefix = ""
+
+    async def start(self) -> None:
+        self._probe_prefix = self.worker.bus.nc.new_inbox()
+        await self.worker.bus.subscribe_plain(f"{self._probe_prefix}.*", self._on_probe)
+
+    async def _on_probe(self, msg) -> None:
+        """NATS said nobody listens on a client's reply subject any more."""
+        if msg.headers and msg.headers.get("Status") == "503":
+            transfer_id = self._probes.get(msg.subject.rsplit(".", 1)[-1])
+            if transfer_id is not None:
+                self.worker.cancel(transfer_id, "client_gone")
+
+    async def serve(self, running: RunningJob, received_ns: int) -> None:
+        job: wire.DecodeJob = running.job
+        outcome = "error"
+        probe_key = uuid.uuid4().hex
+        self._probes[probe_key] = job.transfer_id
+        try:
+            with self.worker.request_span(A.DECODE, job, received_ns) as span:
+                outcome = await self._decode(running, received_ns, span, f"{self._probe_prefix}.{probe_key}")
+        except asyncio.CancelledError:
+            outcome = running.ended_by or "cancelled"
+            log.info("decode stopped", request_id=job.request_id, transfer_id=job.transfer_id, why=outcome)
+            instruments().requests.add(1, {"outcome": outcome})
+        finally:
+            self._probes.pop(probe_key, None)
+            await self._progress(job, "ended", outcome)
+
+    async def _progress(self, job: wire.DecodeJob, stage: wire.ProgressStage, outcome: str = "") -> None:
+        event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
+                                     worker_id=self.worker.worker_id, stage=stage, outcome=outcome)
+        try:
+            await self.worker.bus.publish(wire.PROGRESS_SUBJECT, wire.encode(event))
+        except Exception as exc:
+            log.warning("could not report progress", error=str(exc))
+
+    async def _decode(self, running: RunningJob, received_ns: int, span, probe: str) -> str:
+        job: wire.DecodeJob = running.job
+        stream = _Stream()
+        try:
+            await self._stream(running, stream, probe)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._fail(job, span, exc)
+            return "error"
+        await self._finish(job, received_ns, span, stream)
+        return "ok"
+
+    async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
+        """Generate and send each chunk as it comes."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        job: wire.DecodeJob = running.job
+        engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
+        params = SamplingParams(
+            max_tokens=job.sampling.max_tokens,
+            temperature=job.sampling.temperature,
+            ignore_eos=job.sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_params},
+        )
+        async for output in self.worker.engine.generate(
+            {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
+        ):
+            stream.last = output
+            completion = output.outputs[0]
+            if completion.finish_reason is not None:
+                stream.finish_reason = completion.finish_reason
+            if stream.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
+                raise KvTransferFailed(
+                    "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
+                    "requests (--on-kv-failure fail)")
+            if not completion.token_ids:
+                continue
+            if stream.first_at is None:
+                stream.first_at = time.time()
+                running.streaming = True
+                # Before the chunk, on the same connection: the schedulers learn that
+                # a retry would repeat tokens no later than the client sees one.
+                await self._progress(job, "streaming")
+            stream.completion_tokens += len(completion.token_ids)
+            chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
+            # Token chunks are not traced one by one; the final reply is. The reply
+            # subject hears "no responders" if the client has gone.
+            await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+
+    async def _fail(self, job: wire.DecodeJob, span, exc: Exception) -> None:
+        if not isinstance(exc, KvpushError):
+            log.exception("decode failed")
+            exc = EngineFailed(f"decode failed: {exc}")
+        error = to_error_body(exc)
+        span.set_status(Status(StatusCode.ERROR, error.message))
+        span.set_attribute(A.ERROR_CODE, error.code)
+        instruments().failures.add(1, {"reason": error.code})
+        instruments().requests.add(1, {"outcome": "error"})
+        await self.worker.bus.publish(job.reply_to, wire.encode_json(wire.ErrorReply(job.request_id, error)),
+                                      template=TEMPORARY)
+
+    async def _finish(self, job: wire.DecodeJob, received_ns: int, span, stream: _Stream) -> None:
+        done = time.time()
+        first_at = stream.first_at or done
+        tokens = stream.completion_tokens
+        stages = EngineStages(stream.last, _tracer)
+        stages.record(A.DECODE_WAIT_KV, received_ns, stages.scheduled_ns)
+        stages.record(A.DECODE_FIRST_TOKEN, stages.scheduled_ns, stages.first_token_ns)
+        stages.record(A.DECODE_GENERATE, stages.first_token_ns, stages.last_token_ns)
+        timings = wire.Timings(
+            ttft_ms=(first_at - job.received_at) * 1000,
+            tpot_ms=((done - first_at) / (tokens - 1) * 1000) if tokens > 1 else 0.0,
+            e2e_ms=(done - job.received_at) * 1000,
+        )
+        span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: tokens})
+        metrics = instruments()
+        metrics.ttft.record(timings.ttft_ms)
+        if tokens > 1:
+            metrics.tpot.record(timings.tpot_ms)
+        metrics.requests.add(1, {"outcome": "ok"})
+        final = wire.FinalReply(
+            request_id=job.request_id,
+            finish_reason=stream.finish_reason,
+            usage=wire.Usage(len(job.prompt_token_ids), tokens),
+            timings=timings,
+        )
+        await self.worker.bus.publish(job.reply_to, wire.encode_json(final), template=TEMPORARY)
+        log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,
+                 ttft_ms=round(timings.ttft_ms, 1), finish_reason=stream.finish_reason)

@@ -1,0 +1,78 @@
+"""The prefill role: run the prompt with max_tokens=1 and announce the handoff. The
+connector pushes the KV by itself (push), or holds the blocks for decode to read (pull)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from otel import attributes as A
+from otel.messaging import current_traceparent
+from services.worker.engine import EngineStages, prefill_request
+from services.worker.jobs import RunningJob, WorkerContext
+from shared import wire
+from shared.errors import EngineFailed, to_error_body
+
+log = structlog.get_logger("kvpush.worker")
+_tracer = trace.get_tracer("kvpush.worker")
+
+
+class PrefillRole:
+    name: wire.Role = "prefill"
+    job_kind = wire.PrefillMessage
+    job_subject = wire.PREFILL_JOBS
+
+    def __init__(self, worker: WorkerContext):
+        self.worker = worker
+
+    async def start(self) -> None:
+        return None
+
+    async def serve(self, running: RunningJob, received_ns: int) -> None:
+        job: wire.PrefillJob = running.job
+        try:
+            with self.worker.request_span(A.PREFILL, job, received_ns) as span:
+                await self._prefill(job, received_ns, span)
+        except asyncio.CancelledError:
+            log.info("prefill cancelled", request_id=job.request_id, transfer_id=job.transfer_id)
+
+    async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
+        from vllm import SamplingParams
+
+        engine_request_id, kv_params = prefill_request(self.worker.connector, job, current_traceparent())
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kv_params})
+        first_token = None
+        error = None
+        last = None
+        try:
+            async for output in self.worker.engine.generate(
+                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
+            ):
+                last = output
+                if output.outputs and output.outputs[0].token_ids:
+                    first_token = output.outputs[0].token_ids[0]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("prefill failed")
+            error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
+            span.set_status(Status(StatusCode.ERROR, error.message))
+        stages = EngineStages(last, _tracer)
+        stages.record(A.PREFILL_QUEUE, received_ns, stages.scheduled_ns)
+        stages.record(A.PREFILL_COMPUTE, stages.scheduled_ns, stages.first_token_ns)
+        handoff = wire.Handoff(
+            request_id=job.request_id,
+            transfer_id=job.transfer_id,
+            prefill_engine_id=self.worker.worker_id,
+            first_token_id=first_token,
+            prefill_started_at=received_ns / 1e9,
+            prefill_finished_at=time.time(),
+            error=error,
+            kv_transfer_params=getattr(last, "kv_transfer_params", None),
+        )
+        await self.worker.bus.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+        log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))
