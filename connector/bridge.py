@@ -5,6 +5,11 @@ publish without blocking, subscribe with plain callbacks (run on the bridge thre
 so they must be quick), and make requests whose replies come back as callbacks. One bridge per process and
 NATS URL (``NatsBridge.shared``), because both connector roles live in the same
 engine-core process on a single-rank engine.
+
+``decoded`` is the connector's one decode-or-refuse boundary: a message that does not
+decode is logged, counted and said on ``kvpush.invalid``, and the handler never sees it.
+``every`` sends periodic messages (lease renewals) from the bridge's own loop, so their
+cadence does not depend on vLLM's steps.
 """
 
 from __future__ import annotations
@@ -12,17 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable, Iterable
 
+import msgspec
 import nats
 
 from connector.chaos import Chaos
-from otel.messaging import consumer, producer
+from otel.messaging import TEMPORARY, consumer, producer, template_of
+from otel.metrics import instruments
+from shared import errors, wire
 from shared.nats_security import connect_options
 
 log = logging.getLogger("kvpush.bridge")
+_refusals = logging.getLogger("kvpush.connector")  # a refused message is the connector's to report
 
 Handler = Callable[[bytes], bytes | None]
+Messages = Callable[[], Iterable[tuple[str, bytes]]]
 
 
 class NatsBridge:
@@ -47,6 +57,7 @@ class NatsBridge:
         self._nc = None
         self._closed = False
         self._chaos = Chaos.from_env()
+        self._periodic: list[asyncio.Task] = []  # every()'s tasks, cancelled on close
         self._thread = threading.Thread(target=self._run, name=f"kvpush-nats-{name}", daemon=True)
 
     def start(self, timeout: float = 30.0) -> None:
@@ -81,25 +92,44 @@ class NatsBridge:
         for delay in self._chaos.delays(subject):
             self._loop.call_later(delay, lambda: self._loop.create_task(self._publish(subject, data, headers)))
 
-    async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+    async def _publish(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
         try:
             await self._nc.publish(subject, data, headers=headers)
         except Exception as exc:
             log.warning("publish to %s failed: %s", subject, exc)
 
+    def every(self, interval_s: float, messages: Messages) -> None:
+        """Every ``interval_s`` until close, publish the (subject, data) pairs ``messages()``
+        returns; it runs on the bridge thread, so it must be quick. Periodic messages are
+        not traced, and chaos leaves them alone: the next tick repeats each anyway."""
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    batch = list(messages())
+                except Exception:
+                    log.exception("periodic messages failed")
+                    continue
+                for subject, data in batch:
+                    await self._publish(subject, data, None)
+
+        self._loop.call_soon_threadsafe(lambda: self._periodic.append(self._loop.create_task(tick())))
+
     def subscribe(self, subject: str, handler: Handler, template: str | None = None) -> None:
-        """``handler(data)`` runs on the bridge thread inside a CONSUMER span; bytes it
-        returns are the reply."""
+        """``handler(data)`` runs on the bridge thread inside a CONSUMER span (named by
+        ``template``, by default the subject's own); bytes it returns are the reply."""
+        template = template_of(subject, template)
 
         async def on_message(msg) -> None:
-            with consumer(msg.subject, template or subject, msg.headers):
+            with consumer(msg.subject, template, msg.headers):
                 try:
                     reply = handler(msg.data)
                 except Exception:
                     log.exception("handler for %s failed", subject)
                     return
                 if reply is not None and msg.reply:
-                    with producer(msg.reply, "(temporary)") as headers:
+                    with producer(msg.reply, TEMPORARY) as headers:
                         await self._nc.publish(msg.reply, reply, headers=headers)
 
         async def subscribe() -> None:
@@ -107,6 +137,29 @@ class NatsBridge:
             await self._nc.flush()
 
         asyncio.run_coroutine_threadsafe(subscribe(), self._loop).result(timeout=10)
+
+    def subscribe_typed(self, subject: str, kind, handler: Callable[[Any], None], service: str) -> None:
+        """``handler(message)`` with each message on ``subject`` that decodes as ``kind``
+        (a Struct type or a union); the others are refused (``decoded``)."""
+
+        def on_data(data: bytes) -> None:
+            message = self.decoded(data, kind, subject, service)
+            if message is not None:
+                handler(message)
+
+        self.subscribe(subject, on_data)
+
+    def decoded(self, data: bytes, kind, subject: str, service: str):
+        """``data`` as ``kind``; None, said on kvpush.invalid as refused by ``service``, if it
+        is not one."""
+        try:
+            return wire.decode(data, kind)
+        except msgspec.MsgspecError as exc:
+            _refusals.warning("refused a malformed message on %s: %s", subject, exc)
+            instruments().failures.add(1, {"reason": errors.BadMessage.code})
+            refusal = errors.refusal(service, str(subject), exc)  # str(): msgspec does not encode a wire.Subject
+            self.publish(wire.INVALID_SUBJECT, wire.encode(refusal))
+            return None
 
     def request_async(
         self, subject: str, data: bytes, timeout: float, on_reply: Callable[[bytes | None, str | None], None],
@@ -131,6 +184,7 @@ class NatsBridge:
         if self._closed:
             return
         self._closed = True
+        self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in self._periodic])
         if self._nc is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._nc.drain(), self._loop).result(timeout=5)

@@ -6,11 +6,12 @@ Off unless ``KVPUSH_CHAOS`` is set. It maps subject prefixes to fault rates::
 
 Each message published through the connector's NATS bridge on a matching subject is
 dropped, sent twice, or held back for a random time (which also reorders it behind
-later messages), with those probabilities. ``KVPUSH_CHAOS_FILE`` names a file holding
-the same JSON instead, read again whenever it changes (no file: no faults), so a test
-can turn faults on and off in running engines. ``KVPUSH_CHAOS_SEED`` fixes the dice;
-``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault, ``<kind> <subject>``,
-so a run can report what it injected.
+later messages), with those probabilities; periodic ones (``NatsBridge.every``: lease
+renewals) are left alone, like the workers' heartbeats. ``KVPUSH_CHAOS_FILE`` names a
+file holding the same JSON instead, read again whenever it changes (no file: no
+faults), so a test can turn faults on and off in running engines. ``KVPUSH_CHAOS_SEED``
+fixes the dice; ``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault,
+``<kind> <subject>``, so a run can report what it injected.
 
 No NATS: the bridge asks ``delays(subject)`` and sends accordingly.
 """

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.wire import KvRegion
+from shared.wire import AgentInfo, KvRegion
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,18 @@ def compatible(local: list[KvRegion], remote: list[KvRegion]) -> str | None:
         if a.block_len != b.block_len:
             return f"region {i}: block is {a.block_len} bytes here, {b.block_len} remote"
     return None
+
+
+def copy_problem(layout: KvLayout, remote: AgentInfo, local_blocks: list[int], remote_blocks: list[int]) -> str | None:
+    """Why these blocks cannot be copied between our ``layout`` and ``remote``'s, or None."""
+    problem = compatible(layout.regions, remote.regions)
+    if problem is None and len(local_blocks) != len(remote_blocks):
+        problem = f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones"
+    if problem is None and any(not 0 <= b < remote.num_blocks for b in remote_blocks):
+        problem = f"remote block ids outside 0..{remote.num_blocks - 1}"
+    if problem is None and any(not 0 <= b < layout.num_blocks for b in local_blocks):
+        problem = f"local block ids outside 0..{layout.num_blocks - 1}"
+    return problem
 
 
 def _merge(buffers: dict[int, int]) -> list[tuple[int, int]]:

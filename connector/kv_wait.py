@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared import settings
+
 
 @dataclass(slots=True)
 class Waiting:
@@ -57,8 +59,8 @@ class Released:
 
 @dataclass
 class KvWaits:
-    kv_wait_s: float = 120.0
-    quarantine_s: float = 10.0
+    kv_wait_s: float = settings.FAULTS.kv_wait_s
+    quarantine_s: float = settings.FAULTS.quarantine_s
     max_early: int = 10_000
     _waits: dict[str, Waiting] = field(default_factory=dict)
     _early: dict[str, tuple[float | None, str | None]] = field(default_factory=dict)  # tid -> (arrived at, why it failed)

@@ -5,32 +5,39 @@ Load it with::
     kv_transfer_config = {
         "kv_connector": "KvpushConnector",
         "kv_connector_module_path": "connector.kvpush_connector",
-        "kv_role": "kv_producer" (prefill) | "kv_consumer" (decode),
+        "kv_role": "kv_producer" (prefill) | "kv_consumer" (decode) | "kv_both",
         "engine_id": "<worker id>",
-        "kv_connector_extra_config": {"nats_url": "nats://127.0.0.1:4222",
-                                      # optional, seconds: see connector.worker_side
-                                      "lease_s": 10, "kv_wait_s": 120, "quarantine_s": 10},
+        "kv_connector_extra_config": msgspec.to_builtins(wire.ConnectorConfig(...)),
         "kv_load_failure_policy": "recompute" | "fail",  # when pushed KV will not come
     }
 
-Per request, ``kv_transfer_params``:
-    prefill: {"do_remote_decode": True, "transfer_id": ...}
-    decode:  {"do_remote_prefill": True, "transfer_id": ..., "prefill_engine_id": ...,
-              "prefill_tp_size": 1}
+Per request, ``kv_transfer_params``: ``wire.PrefillKvParams(...).as_params()`` on a
+prefill engine, ``wire.DecodeKvParams(...).as_params()`` on a decode engine (in pull
+mode with the ``wire.PrefilledKv`` the prefill engine returned).
 
-Scheduler side (ConnectorScheduler): get_num_new_matched_tokens, update_state_after_alloc
-(decode publishes its registration here), build_connector_meta, request_finished
-(prefill keeps blocks until pushed), update_connector_output, has_pending_push_work.
-Worker side (ConnectorWorker): register_kv_caches (starts the transfer thread),
-start_load_kv (decode learns what to expect), wait_for_save (prefill offers finished
-prompts to the rendezvous), get_transfer_results (also the loads that failed), shutdown. Per-layer hooks are no-ops: the
-push starts once the whole forward pass is done.
+Scheduler side (``ConnectorScheduler``, in vLLM's scheduler; never blocks):
+    on_new_request              decode: start renewing prefill's lease on the prompt's blocks
+    get_num_new_matched_tokens  decode: the whole prompt comes from prefill, asynchronously
+    update_state_after_alloc    decode: publish the registration (push) or plan the READ (pull)
+    build_connector_meta        what the workers do this step: prompts finished, KV to expect or READ
+    request_finished            prefill: keep the blocks until the KV left; returns ``PrefilledKv``
+    update_connector_output     stop renewing what arrived; forget what was sent
+    has_pending_push_work       prefill: blocks are still held for a transfer
+Worker side (``ConnectorWorker``, in each TP rank; its ``Producer`` and/or ``Consumer``):
+    register_kv_caches          start the transfer thread (the NIXL agent), subscribe, announce
+    start_load_kv               decode: wait for pushed KV, post pull READs
+    wait_for_layer_load         no-op: the KV is whole before the request is scheduled
+    save_kv_layer               no-op: the push starts once the whole forward pass is done
+    wait_for_save               prefill: offer finished prompts to the rendezvous (or hold them for a READ)
+    get_transfer_results        blocks that may be freed, waits that ended, loads that failed
+    shutdown                    stop the transfer thread
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -38,26 +45,33 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
+from connector.consumer import Consumer
 from connector.metadata import KvpushMetadata
+from connector.producer import Producer
 from connector.scheduler_side import ConnectorScheduler
 from connector.worker_side import ConnectorWorker
 from otel import setup as otel_setup
+from shared import wire
+
+SIDES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}  # kv role -> service name
 
 
 class KvpushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = self._kv_transfer_config
-        extra = transfer_config.kv_connector_extra_config or {}
-        nats_url = extra.get("nats_url")
-        if not nats_url:
+        try:
+            config = msgspec.convert(transfer_config.kv_connector_extra_config or {}, wire.ConnectorConfig)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"KvpushConnector's kv_connector_extra_config: {exc}") from None
+        if not config.nats_url:
             raise ValueError("KvpushConnector needs kv_connector_extra_config['nats_url']")
         engine_id = transfer_config.engine_id
-        side = "prefill" if transfer_config.is_kv_producer else "decode"
-        otel_setup.configure(f"kvpush-{side}-connector")
+        otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        bridge = NatsBridge.shared(nats_url, name=f"{engine_id}-connector")
+        bridge = NatsBridge.shared(config.nats_url, name=f"{engine_id}-connector")
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -68,22 +82,24 @@ class KvpushConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else None
-            self._worker = ConnectorWorker(
-                engine_id,
-                get_tensor_model_parallel_rank(),
-                tp_size,
-                transfer_config.is_kv_producer,
-                bridge,
-                lease_s=float(extra.get("lease_s", 10.0)),
-                kv_wait_s=float(extra.get("kv_wait_s", 120.0)),
-                quarantine_s=float(extra.get("quarantine_s", 10.0)),
-            )
+            rank = get_tensor_model_parallel_rank()
+            agents = AgentDirectory(bridge, rank, service=engine_id)
+            producer = consumer = None
+            if transfer_config.is_kv_producer:
+                producer = Producer(engine_id, rank, tp_size, bridge, agents, lease_s=config.lease_s)
+            if transfer_config.is_kv_consumer:
+                consumer = Consumer(engine_id, rank, tp_size, bridge, agents,
+                                    kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)
+            self._worker = ConnectorWorker(engine_id, rank, bridge, agents, producer=producer, consumer=consumer)
 
     # ---------------------------------------------------------------- scheduler side
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Literal, TypeVar
 
+from shared import settings
+
 R = TypeVar("R")
 P = TypeVar("P")
 
@@ -57,7 +59,7 @@ class Half(Generic[R, P]):
 class Rendezvous(Generic[R, P]):
     def __init__(
         self,
-        lease_s: float = 30.0,
+        lease_s: float = settings.FAULTS.lease_s,
         check: Callable[[R, P], str | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_tombstones: int = 100_000,

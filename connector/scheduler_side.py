@@ -8,11 +8,18 @@ Prefill, both modes: tell the worker side, in the step that computes a request's
 prompt token, which blocks hold that prompt, so the push can start right after that
 step's forward pass; hold the blocks until the worker reports the KV gone (written,
 or read by decode). In pull mode the block ids go back in the output's
-kv_transfer_params for the scheduler to hand to decode.
+kv_transfer_params (``wire.PrefilledKv``) for the scheduler to hand to decode.
+Decode, both modes: from the moment the engine receives a request whose KV comes from a
+prefill engine (``on_new_request``, even if it then queues) until its KV arrived, its
+wait ended or it finished, renew prefill's lease on the prompt's blocks: one
+``LeaseRenewal`` per prefill engine every heartbeat, sent from the NATS bridge's loop.
+
+Requests' ``kv_transfer_params`` are ``wire.PrefillKvParams`` / ``wire.DecodeKvParams``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 
 from connector.bridge import NatsBridge
+from connector.leases import Renewals
 from connector.metadata import ExpectedKv, KvpushMetadata, PullRead, ReadyPrefill
 from otel import attributes as A
 from otel.messaging import context_from_traceparent
-from shared import wire
+from shared import settings, wire
 
 _tracer = trace.get_tracer("kvpush.connector")
 
@@ -37,18 +45,32 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def prefill_params(params: dict[str, Any] | None) -> wire.PrefillKvParams | None:
+    """A request's params if it is a prefill whose KV goes to a decode engine."""
+    if not params or "do_remote_decode" not in params:
+        return None
+    prefill = wire.PrefillKvParams.of(params)
+    return prefill if prefill.do_remote_decode else None
+
+
+def decode_params(params: dict[str, Any] | None) -> wire.DecodeKvParams | None:
+    """A request's params if its KV is still to come from a prefill engine."""
+    if not params or "do_remote_prefill" not in params:
+        return None
+    decode = wire.DecodeKvParams.of(params)
+    return decode if decode.do_remote_prefill else None
+
+
 @dataclass
 class _Prefill:
     request: "Request"
-    transfer_id: str
-    traceparent: str
-    mode: str
-    decode_engine_id: str
+    params: wire.PrefillKvParams
     block_ids: list[int] | None = None  # set once announced to the worker side
 
 
 class ConnectorScheduler:
-    def __init__(self, engine_id: str, block_size: int, tp_size: int, bridge: NatsBridge):
+    def __init__(self, engine_id: str, block_size: int, tp_size: int, bridge: NatsBridge,
+                 renew_every_s: float = settings.HEARTBEAT_INTERVAL_S):
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
@@ -58,12 +80,20 @@ class ConnectorScheduler:
         self._expected: list[ExpectedKv] = []  # decode side, push: for the next metadata
         self._reads: list[PullRead] = []  # decode side, pull: for the next metadata
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
+        self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
+        self._renewals_lock = threading.Lock()  # protects _renewals (vLLM's scheduler thread and the bridge's)
+        bridge.every(renew_every_s, self._lease_renewals)
 
     # ---------------------------------------------------------------- both sides
 
+    def on_new_request(self, request: "Request") -> None:
+        params = decode_params(request.kv_transfer_params)
+        if params is not None:
+            with self._renewals_lock:
+                self._renewals.start(request.request_id, params.transfer_id, params.prefill_engine_id)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
+        if decode_params(request.kv_transfer_params) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -75,37 +105,36 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if not params:
             return
-        if params.get("do_remote_decode") and request.request_id not in self._prefills:
-            self._prefills[request.request_id] = _Prefill(
-                request, params["transfer_id"], params.get("traceparent", ""), params.get("mode", "push"),
-                params.get("decode_engine_id", ""),
-            )
-        if params.get("do_remote_prefill") and num_external_tokens > 0:
+        prefill = prefill_params(params)
+        if prefill is not None and request.request_id not in self._prefills:
+            self._prefills[request.request_id] = _Prefill(request, prefill)
+        decode = decode_params(params)
+        if decode is not None and num_external_tokens > 0:
             block_ids = blocks.get_block_ids()[0]
-            if params.get("mode", "push") == "pull":
-                self._read(request, block_ids, params)
+            if decode.mode == "pull":
+                self._read(request, block_ids, decode)
             else:
-                self._register(request, block_ids, params)
+                self._register(request, block_ids, decode)
             params["do_remote_prefill"] = False  # a re-entry must not register again
 
-    def _read(self, request: "Request", block_ids: list[int], params: dict[str, Any]) -> None:
+    def _read(self, request: "Request", block_ids: list[int], params: wire.DecodeKvParams) -> None:
         needed = blocks_for(len(request.prompt_token_ids or ()), self.block_size)
         self._reads.append(
             PullRead(
                 request_id=request.request_id,
-                transfer_id=params["transfer_id"],
+                transfer_id=params.transfer_id,
                 local_block_ids=list(block_ids[:needed]),
-                prefill_engine_id=params["prefill_engine_id"],
-                remote_block_ids=list(params["remote_block_ids"]),  # what prefill's request_finished returned
-                traceparent=params.get("traceparent", ""),
+                prefill_engine_id=params.prefill_engine_id,
+                remote_block_ids=list(params.remote_block_ids),  # what prefill's request_finished returned
+                traceparent=params.traceparent,
             )
         )
 
-    def _register(self, request: "Request", block_ids: list[int], params: dict[str, Any]) -> None:
+    def _register(self, request: "Request", block_ids: list[int], params: wire.DecodeKvParams) -> None:
         num_tokens = len(request.prompt_token_ids or ())
         registration = wire.Registration(
-            transfer_id=params["transfer_id"],
-            request_id=params.get("request_id", request.request_id),
+            transfer_id=params.transfer_id,
+            request_id=params.request_id,
             decode_engine_id=self.engine_id,
             decode_request_id=request.request_id,
             decode_tp_size=self.tp_size,
@@ -113,10 +142,9 @@ class ConnectorScheduler:
             num_tokens=num_tokens,
             registered_at=time.time(),
         )
-        traceparent = params.get("traceparent", "")
         with _tracer.start_as_current_span(
             A.KV_REGISTER,
-            context=context_from_traceparent(traceparent),
+            context=context_from_traceparent(params.traceparent),
             attributes={
                 A.REQUEST_ID: registration.request_id,
                 A.TRANSFER_ID: registration.transfer_id,
@@ -125,12 +153,10 @@ class ConnectorScheduler:
             },
         ):
             body = wire.encode(registration)
-            self.bridge.publish(
-                wire.registration_subject(params["prefill_engine_id"]), body, template="kvpush.kv.register.{engine_id}"
-            )
+            self.bridge.publish(wire.registration_subject(params.prefill_engine_id), body)
         self._expected.append(
-            ExpectedKv(request.request_id, params["transfer_id"], params.get("prefill_tp_size", 1), traceparent,
-                       params["prefill_engine_id"], body)
+            ExpectedKv(request.request_id, params.transfer_id, params.prefill_tp_size, params.traceparent,
+                       params.prefill_engine_id, body)
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
@@ -150,27 +176,45 @@ class ConnectorScheduler:
             needed = blocks_for(request.num_prompt_tokens, self.block_size)
             prefill.block_ids = list(block_ids[:needed])
             meta.ready_prefills.append(
-                ReadyPrefill(request_id, prefill.transfer_id, prefill.block_ids, prefill.traceparent, prefill.mode,
-                             request.num_prompt_tokens, prefill.decode_engine_id)
+                ReadyPrefill(request_id, prefill.params.transfer_id, prefill.block_ids, prefill.params.traceparent,
+                             prefill.params.mode, request.num_prompt_tokens, prefill.params.decode_engine_id)
             )
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]):
+        self._stop_renewing([request.request_id])
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
             return False, None
         # Blocks stay ours until the worker reports the KV gone (get_finished).
         self._awaiting_send.add(request.request_id)
-        return True, {
-            "transfer_id": prefill.transfer_id,
-            "prefill_engine_id": self.engine_id,
-            "prefill_tp_size": self.tp_size,
-            "remote_block_ids": prefill.block_ids,
-        }
+        return True, wire.PrefilledKv(
+            transfer_id=prefill.params.transfer_id,
+            prefill_engine_id=self.engine_id,
+            prefill_tp_size=self.tp_size,
+            remote_block_ids=prefill.block_ids,
+        ).as_params()
 
     def update_connector_output(self, connector_output) -> None:
+        self._stop_renewing(connector_output.finished_recving or ())
         for request_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(request_id)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_send)
+
+    # ---------------------------------------------------------------- lease renewals
+
+    def _stop_renewing(self, request_ids) -> None:
+        with self._renewals_lock:
+            self._renewals.stop(request_ids)
+
+    def _lease_renewals(self) -> list[tuple[str, bytes]]:
+        """On the bridge's loop, every heartbeat: one renewal per prefill engine."""
+        with self._renewals_lock:
+            due = self._renewals.by_prefill()
+        return [
+            (wire.registration_subject(prefill_engine_id),
+             wire.encode(wire.LeaseRenewal(decode_engine_id=self.engine_id, transfer_ids=transfer_ids)))
+            for prefill_engine_id, transfer_ids in due.items()
+        ]

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from connector import kv_layout
 from connector.completion import notification, parse_notification
 from connector.metadata import ReadyPrefill
-from connector.worker_side import _block_problem, pair_problem
+from connector.producer import pair_problem
 from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
 from shared import wire
 from shared.errors import RequestError
@@ -341,7 +341,7 @@ REGIONS = st.lists(strategy_for(mi.type_info(wire.KvRegion)), max_size=4)
        local_blocks=st.lists(MSGPACK_INT, max_size=6), remote_blocks=st.lists(MSGPACK_INT, max_size=6))
 def test_block_problem_never_raises(local, remote, num_blocks, local_blocks, remote_blocks):
     layout = SimpleNamespace(regions=local, num_blocks=num_blocks)
-    problem = _block_problem(layout, remote, local_blocks, remote_blocks)
+    problem = kv_layout.copy_problem(layout, remote, local_blocks, remote_blocks)
     assert problem is None or (isinstance(problem, str) and problem)
     assert (kv_layout.compatible(local, remote.regions) is None) or problem is not None
 

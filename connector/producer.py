@@ -1,0 +1,297 @@
+"""The prefill half of a worker rank: where a finished prompt's KV leaves.
+
+Push: a finished prefill (from this step's metadata, after the forward pass) and a
+decode registration (from NATS) meet in the rendezvous; the match becomes a WRITE for
+the transfer thread, and its end a completion event for decode. Pull: the prompt's
+blocks are held (``ServedReads``) until decode's READ notification came.
+
+Faults. A finished prompt's blocks, and a registration waiting for its prompt, are held
+under a lease that decode renews (``LeaseRenewal``); expiry frees the blocks and tells
+decode and the schedulers (``LeaseExpired``). A ``Revoke`` gives the transfer up: no
+write starts, and decode gets its answer once no write of ours can still land.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from opentelemetry import trace
+
+from connector import kv_layout
+from connector.agents import AgentDirectory
+from connector.bridge import NatsBridge
+from connector.completion import CompletionCounter, notification
+from connector.leases import ServedReads
+from connector.metadata import KvpushMetadata, ReadyPrefill
+from connector.outcomes import record_transfer, report_failure
+from connector.rendezvous import Match, Refused, Rendezvous
+from connector.transfer_thread import TransferJob, TransferResult, TransferThread
+from otel import attributes as A
+from otel.messaging import context_from_traceparent
+from otel.metrics import instruments
+from shared import wire
+from shared.errors import (
+    AgentUnreachable,
+    BadRegistration,
+    LeaseExpired,
+    Revoked,
+    TpMismatch,
+    TransferClosed,
+    TransferError,
+    WriteFailed,
+)
+
+_tracer = trace.get_tracer("kvpush.connector")
+
+
+def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | None:
+    """Why this registration must not receive this prefill's KV, or None."""
+    if ready.decode_engine_id and registration.decode_engine_id != ready.decode_engine_id:
+        return f"registration from {registration.decode_engine_id}, but the scheduler chose {ready.decode_engine_id}"
+    if ready.num_tokens and registration.num_tokens != ready.num_tokens:
+        return f"registration for {registration.num_tokens} tokens, the prompt has {ready.num_tokens}"
+    if len(registration.block_ids) != len(ready.block_ids):
+        return f"registration names {len(registration.block_ids)} blocks, the prompt fills {len(ready.block_ids)}"
+    return None
+
+
+class Producer:
+    def __init__(self, engine_id: str, rank: int, tp_size: int, bridge: NatsBridge, agents: AgentDirectory,
+                 lease_s: float):
+        self.engine_id = engine_id
+        self.rank = rank
+        self.tp_size = tp_size
+        self.bridge = bridge
+        self.agents = agents
+        self.lease_s = lease_s
+        self.transfer: TransferThread | None = None
+        self._wake: Callable[[], None] = lambda: None
+        self._rendezvous: Rendezvous[wire.Registration, ReadyPrefill] = Rendezvous(lease_s, check=pair_problem)
+        self._counter = CompletionCounter()  # decode's READ notifications
+        self._lock = threading.Lock()  # protects the sets and the served reads below
+        self._sent: set[str] = set()  # request ids whose blocks may go back (KV left, or given up)
+        self._finished: set[str] = set()  # request ids vLLM reported finished
+        self._pushing: set[str] = set()  # request ids whose blocks we hold for a transfer
+        self._writing: set[str] = set()  # transfer ids with a WRITE posted and not yet ended
+        self._served = ServedReads(lease_s)  # pull: blocks held for decode's READ
+
+    def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
+        """The rank's transfer thread, and what to call when blocks may go back."""
+        self.transfer = transfer
+        self._wake = wake
+
+    def subscriptions(self):
+        """(subject, message kind, handler) for the worker to subscribe."""
+        return [(wire.registration_subject(self.engine_id), wire.KvControl, self.on_kv_control)]
+
+    # ---------------------------------------------------------------- vLLM's worker thread
+
+    def wait_for_save(self, meta: KvpushMetadata) -> None:
+        """After the forward pass: these prefills' KV is now in their blocks."""
+        for ready in meta.ready_prefills:
+            with self._lock:
+                self._pushing.add(ready.request_id)
+            if ready.mode == "pull":
+                with self._lock:
+                    self._served.hold(ready.transfer_id, ready.request_id, time.monotonic())
+                self.transfer.expect(1)
+                continue
+            self._settle(self._rendezvous.offer_prefill(ready.transfer_id, ready), ready)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose blocks may now be freed (their KV left, or will not)."""
+        with self._lock:
+            self._finished |= finished_req_ids & self._pushing
+            sending = self._finished & self._sent
+            self._finished -= sending
+            self._sent -= sending
+            self._pushing -= sending
+        return sending
+
+    def busy(self) -> bool:
+        """Blocks are held for a transfer that has not ended."""
+        with self._lock:
+            return bool(self._pushing)
+
+    # ---------------------------------------------------------------- the clock
+
+    def tick(self, now: float) -> None:
+        for transfer_id, half in self._rendezvous.expired():
+            ready = half.prefill
+            decode_engine_id = half.registration.decode_engine_id if half.registration else (
+                ready.decode_engine_id if ready else "")
+            if ready is not None:
+                self._give_back(ready.request_id)
+            self._fail(transfer_id, decode_engine_id,
+                       LeaseExpired(f"decode did not renew the lease within {self.lease_s:g} s"))
+        with self._lock:
+            lapsed = self._served.lapsed(now)
+        for transfer_id, request_id in lapsed:
+            self.transfer.expect(-1)
+            self._give_back(request_id)
+            self._fail(transfer_id, "", LeaseExpired("decode did not read the KV within its lease"))
+
+    # ---------------------------------------------------------------- the transfer thread
+
+    def serves(self, transfer_id: str) -> bool:
+        """Pull: decode is to READ this transfer's blocks from us."""
+        with self._lock:
+            return self._served.holds(transfer_id)
+
+    def read_notified(self, transfer_id: str, rank: int, num_ranks: int) -> None:
+        """Decode's READ notification: once every rank's came, the blocks may go back."""
+        if not self._counter.record(transfer_id, rank, num_ranks):
+            return
+        self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
+        with self._lock:
+            request_id = self._served.release(transfer_id)
+        if request_id is not None:
+            self.transfer.expect(-1)
+            self._give_back(request_id)
+
+    # ---------------------------------------------------------------- NATS
+
+    def on_kv_control(self, message: wire.KvControl) -> None:
+        match message:
+            case wire.LeaseRenewal():
+                for transfer_id in message.transfer_ids:
+                    if not self._rendezvous.renew(transfer_id):
+                        self._renew_read(transfer_id)
+            case wire.Revoke():
+                self._on_revoke(message)
+            case wire.Registration():
+                self._on_registration(message)
+
+    def _on_registration(self, registration: wire.Registration) -> None:
+        if registration.decode_tp_size != self.tp_size:
+            self._fail(registration.transfer_id, registration.decode_engine_id,
+                       TpMismatch(f"decode has TP {registration.decode_tp_size}, prefill has TP {self.tp_size}"))
+            return
+        self._settle(self._rendezvous.offer_registration(registration.transfer_id, registration))
+
+    def _settle(self, outcome: Match | Refused | None, ready: ReadyPrefill | None = None) -> None:
+        """Act on what the rendezvous said about a half just offered."""
+        if isinstance(outcome, Match):
+            self._start_write(outcome)
+            return
+        if not isinstance(outcome, Refused) or outcome.code == "duplicate":
+            return
+        if outcome.registration is not None:
+            error = BadRegistration if outcome.code == "incompatible" else TransferClosed
+            self._fail(outcome.transfer_id, outcome.registration.decode_engine_id, error(outcome.reason))
+        if ready is not None and outcome.code == "closed":
+            self._give_back(ready.request_id)  # decode gave this transfer up before the prompt was done
+
+    def _on_revoke(self, revoke: wire.Revoke) -> None:
+        half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
+        if half is not None and half.prefill is not None:
+            self._give_back(half.prefill.request_id)
+        with self._lock:
+            writing = revoke.transfer_id in self._writing
+            served = self._served.release(revoke.transfer_id)
+        if served is not None:
+            self.transfer.expect(-1)
+            self._give_back(served)
+        if writing:
+            return  # the write's own completion event answers, once nothing more can land
+        written = " after it was written" if matched else "; nothing was written"
+        self._fail(revoke.transfer_id, revoke.decode_engine_id, Revoked(f"decode gave the transfer up{written}"))
+
+    def _renew_read(self, transfer_id: str) -> None:
+        with self._lock:
+            self._served.renew(transfer_id, time.monotonic())
+
+    # ---------------------------------------------------------------- writes
+
+    def _start_write(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
+        now_ns = time.time_ns()
+        wait_ms = match.waited_s * 1000
+        second = "registration" if match.order == "prefill_first" else "prefill"
+        span = _tracer.start_span(
+            A.KV_RENDEZVOUS,
+            context=context_from_traceparent(match.prefill.traceparent),
+            start_time=now_ns - int(match.waited_s * 1e9),
+            attributes={
+                A.TRANSFER_ID: match.transfer_id,
+                A.REQUEST_ID: match.registration.request_id,
+                A.WORKER_ID: self.engine_id,
+                A.RENDEZVOUS_SECOND: second,
+                A.RENDEZVOUS_WAIT_MS: wait_ms,
+            },
+        )
+        span.end(end_time=now_ns)
+        instruments().rendezvous_wait.record(wait_ms, {"second": second})
+        with self._lock:
+            self._writing.add(match.transfer_id)
+        self.agents.with_agent(
+            match.registration.decode_engine_id,
+            lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
+                match, AgentUnreachable(why)),
+        )
+
+    def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
+        registration, ready = match.registration, match.prefill
+        problem = kv_layout.copy_problem(self.transfer.layout, remote, ready.block_ids, registration.block_ids)
+        if problem is not None:
+            self._fail_match(match, BadRegistration(problem))
+            return
+        started = time.perf_counter()
+
+        def on_done(result: TransferResult) -> None:
+            with self._lock:
+                self._sent.add(ready.request_id)
+                self._writing.discard(match.transfer_id)
+            self._wake()
+            if not result.ok:
+                self._rendezvous.close(match.transfer_id, "failed")
+                self._fail(match.transfer_id, registration.decode_engine_id, WriteFailed(result.error))
+                return
+            record_transfer(result)
+            self.bridge.publish(
+                wire.completion_subject(registration.decode_engine_id),
+                wire.encode(
+                    wire.TransferDone(
+                        transfer_id=match.transfer_id,
+                        prefill_engine_id=self.engine_id,
+                        decode_engine_id=registration.decode_engine_id,
+                        rank=self.rank,
+                        order=match.order,
+                        waited_ms=match.waited_s * 1000,
+                        bytes=result.bytes,
+                        descriptors=result.descriptors,
+                        write_ms=(time.perf_counter() - started) * 1000,
+                        finished_at=time.time(),
+                    )
+                ),
+            )
+
+        self.transfer.submit(
+            TransferJob(
+                "WRITE",
+                match.transfer_id,
+                remote,
+                ready.block_ids,
+                registration.block_ids,
+                notification(match.transfer_id, self.rank, self.tp_size),
+                on_done,
+                parent=context_from_traceparent(ready.traceparent),
+            )
+        )
+
+    def _fail_match(self, match: Match[wire.Registration, ReadyPrefill], error: TransferError) -> None:
+        self._rendezvous.close(match.transfer_id, "failed")  # a copy of the registration sent again gets the answer
+        with self._lock:
+            self._writing.discard(match.transfer_id)
+        self._give_back(match.prefill.request_id)  # nothing in flight: free the blocks
+        self._fail(match.transfer_id, match.registration.decode_engine_id, error)
+
+    def _give_back(self, request_id: str) -> None:
+        """A prefill's blocks hold nothing decode will take: let vLLM free them."""
+        with self._lock:
+            self._sent.add(request_id)
+        self._wake()
+
+    def _fail(self, transfer_id: str, decode_engine_id: str, error: TransferError) -> None:
+        report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error)
