@@ -28,7 +28,7 @@ from services.launch.stack import Stack
 from shared import wire
 from shared.nats_security import connect_options
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: deploy/ holds the sample server config
 PASSWORDS = {role: f"{role}-{uuid.uuid4().hex[:12]}" for role in ("scheduler", "prefill", "decode", "client")}
 
 # Short on purpose, so faults resolve within a test; the deadline leaves room for a
