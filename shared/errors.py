@@ -8,6 +8,7 @@
     │   ├── PromptTooLong       prompt does not fit the model's context
     │   └── PayloadTooLarge     bigger than the NATS server accepts
     ├── NoWorkers               no live prefill or decode worker to dispatch to
+    │   └── NoScheduler         (client side) nobody listens on kvpush.generate
     ├── DispatchFailed          a worker did not accept the job
     ├── EngineFailed            the engine raised while serving the request
     ├── KvTransferFailed        the prompt's KV did not arrive and the policy is to fail
@@ -69,6 +70,10 @@ class PayloadTooLarge(RequestError):
 
 class NoWorkers(KvpushError):
     code = "no_workers"
+
+
+class NoScheduler(NoWorkers):
+    code = "no_scheduler"
 
 
 class DispatchFailed(KvpushError):

@@ -1,25 +1,36 @@
-"""Session fixtures: a real nats-server, the built model, one kvpush stack (scheduler,
-prefill and decode workers on real vLLM engines) and one plain vLLM reference run,
-each started once for the whole session."""
+"""Session fixtures every folder may use: a real nats-server and the built model, each
+made once for the whole session. The vLLM stack lives in tests/stack/conftest.py.
+
+Each test is marked by its folder: ``unit`` (pure, seconds), ``nats`` (a real
+nats-server, no vLLM), ``stack`` (real NATS, vLLM engines and NIXL); ``-m unit`` is the
+fast loop."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nats
 import pytest
 
-from tools.model_build import build_model, default_model_dir
 from services.launch.natsd import LocalNatsServer
-from services.launch.stack import Stack
-from tests import prompts
-from tools.otlp_receiver import OtlpReceiver
+from tools.model_build import build_model, default_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = ("unit", "nats", "stack")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            folder = item.path.resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            continue  # collected from outside tests/: not ours to mark
+        if folder not in FOLDER_MARKERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/nats or tests/stack")
+        item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture(scope="session")
@@ -31,49 +42,6 @@ def model_dir() -> str:
 def nats_server():
     with LocalNatsServer() as server:
         yield server
-
-
-@pytest.fixture(scope="session")
-def stack_logs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stack-logs")
-
-
-@pytest.fixture(scope="session")
-def otlp():
-    """Every service of the session's stack exports its spans and metrics here."""
-    with OtlpReceiver() as receiver:
-        yield receiver
-
-
-@pytest.fixture(scope="session")
-async def stack(model_dir, nats_server, stack_logs, otlp):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
-    stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
-                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env)
-    stack.start()
-    try:
-        await stack.wait_ready(timeout=400)
-        yield stack
-    except BaseException:
-        for log in sorted(stack_logs.glob("*.log")):
-            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-4000:]}\n")
-        raise
-    finally:
-        stack.stop()
-
-
-@pytest.fixture(scope="session")
-def reference(model_dir, tmp_path_factory) -> list[list[int]]:
-    """Token ids a single plain vLLM instance generates for prompts.reference_requests()."""
-    folder = tmp_path_factory.mktemp("reference")
-    requests, out = folder / "requests.json", folder / "out.json"
-    requests.write_text(json.dumps(prompts.reference_requests()))
-    subprocess.run(
-        [sys.executable, "-m", "tools.reference", "--model", model_dir, "--requests", str(requests),
-         "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
-        check=True, timeout=400, stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="session")

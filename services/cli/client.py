@@ -7,13 +7,14 @@ import json
 from typing import AsyncIterator
 
 from shared import wire
-from shared.errors import PayloadTooLarge
+from shared.errors import NoScheduler, PayloadTooLarge
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncIterator[dict]:
     """Yield each reply (token chunks, then the final message) for one request.
 
-    Raises TimeoutError when no message arrives for ``timeout`` seconds. Stopping early
+    Raises TimeoutError when no message arrives for ``timeout`` seconds, NoScheduler when
+    nobody listens on ``kvpush.generate``. Stopping early
     (breaking out, cancelling the task) cancels the request, if it has a request_id.
     """
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -28,6 +29,9 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncItera
         await nc.publish(wire.GENERATE_SUBJECT, data, reply=inbox)
         while True:
             msg = await sub.next_msg(timeout=timeout)
+            if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+                raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
+                                  "(kvpush up, or kvpush scheduler) or check --nats-url")
             reply = json.loads(msg.data)
             finished = bool(reply.get("finished"))
             yield reply

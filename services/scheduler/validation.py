@@ -97,14 +97,17 @@ def request_id_of(data: bytes) -> str:
 
 
 def load_validator(model: str, max_model_len: int) -> RequestValidator:
-    """A validator with the tokenizer and limits of the model in folder ``model``."""
-    from tokenizers import Tokenizer
+    """A validator with the tokenizer and limits of the model in folder ``model``.
+
+    The tokenizer is the one vLLM loads from the folder (transformers' AutoTokenizer), so a
+    text prompt becomes the ids a single vLLM instance would make of it; tokenizer.json
+    read on its own can differ (transformers picks the tokenizer class from the model type).
+    """
+    from transformers import AutoTokenizer
 
     folder = Path(model)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     config = json.loads((folder / "config.json").read_text())
     vocab_size = int(config["vocab_size"])
     max_len = min(max_model_len, int(config.get("max_position_embeddings", max_model_len)))
-    return RequestValidator(
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids, vocab_size, max_len
-    )
+    return RequestValidator(tokenizer.encode, vocab_size, max_len)

@@ -11,7 +11,8 @@ import pytest
 from services.cli import main as cli
 from services.cli.client import generate
 from shared import wire
-from shared.errors import PayloadTooLarge
+from services.launch.natsd import LocalNatsServer
+from shared.errors import NoScheduler, PayloadTooLarge
 
 
 def _collect(into: list):
@@ -19,6 +20,14 @@ def _collect(into: list):
         into.append(msg.data)
 
     return on_msg
+
+
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout} s"
+        await asyncio.sleep(0.01)
 
 
 async def test_a_request_over_the_servers_payload_limit_is_refused_before_sending(nc):
@@ -46,7 +55,8 @@ async def test_leaving_the_stream_early_cancels_the_request(nc):
     async for reply in generate(nc, {"prompt": "hi", "request_id": "r-early"}):
         assert reply["token_ids"] == [1]
         break
-    await asyncio.sleep(0.2)
+    await _until(lambda: cancels)  # the generator's cleanup runs as a task once it is dropped
+    await nc.flush()
     await sched.unsubscribe()
     await cancel_sub.unsubscribe()
     assert [json.loads(c) for c in cancels] == [{"request_id": "r-early"}]
@@ -57,7 +67,21 @@ async def test_the_cancel_command_publishes_the_request_id(nc, nats_server):
     sub = await nc.subscribe(wire.CANCEL_SUBJECT, cb=_collect(cancels))
     await nc.flush()
     code = await asyncio.to_thread(cli.main, ["cancel", "r-42", "--nats-url", nats_server.url])
-    await asyncio.sleep(0.2)
-    await sub.unsubscribe()
     assert code == 0
-    assert wire.decode_json(cancels[0], wire.CancelRequest).request_id == "r-42"
+    await _until(lambda: cancels)
+    await nc.flush()
+    await sub.unsubscribe()
+    assert [wire.decode_json(c, wire.CancelRequest).request_id for c in cancels] == ["r-42"]
+
+
+async def test_a_request_nobody_listens_for_is_refused_with_a_sentence():
+    import nats
+
+    with LocalNatsServer() as server:  # its own server: no scheduler of another test can answer
+        conn = await nats.connect(server.url)
+        try:
+            with pytest.raises(NoScheduler, match="no scheduler is listening on kvpush.generate"):
+                async for _ in generate(conn, {"prompt": "hi", "request_id": "r-alone"}, timeout=10):
+                    pass
+        finally:
+            await conn.close()

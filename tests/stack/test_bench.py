@@ -1,4 +1,5 @@
-"""`kvpush bench` in CI size: two connectors on one stack, a few requests, every output."""
+"""`kvpush bench` in CI size: two connectors on one stack, a few requests, every output.
+Its statistics are tested in tests/unit/test_bench_stats.py."""
 
 from __future__ import annotations
 
@@ -9,27 +10,7 @@ import sys
 
 import pytest
 
-from tools.bench.stats import RequestResult, percentile, summarize
-
 pytestmark = pytest.mark.timeout(600)
-
-
-def test_percentiles_interpolate_and_ignore_nan():
-    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
-    assert percentile([5.0, float("nan"), 1.0], 0.99) == pytest.approx(4.96)
-    assert percentile([], 0.5) != percentile([], 0.5)  # NaN
-
-
-def test_summary_counts_failures_and_throughput():
-    results = [RequestResult("kvpush-push", 8, 1.0, str(i), ok=i != 2, ttft_ms=10.0 * (i + 1), tpot_ms=5.0,
-                             e2e_ms=100.0, split={"queueing": 1.0, "compute": 5.0, "coordination": 2.0,
-                                                  "transfer": 0.5} if i != 2 else {})
-               for i in range(4)]
-    point = summarize(results, wall_s=2.0)
-    assert point.failures == 1 and point.requests == 4
-    assert point.throughput_rps == pytest.approx(1.5)
-    assert point.ttft.p50 == pytest.approx(20.0)  # of 10, 20, 40
-    assert point.split_mean["compute"] == pytest.approx(5.0)
 
 
 def test_bench_smoke_writes_every_output(model_dir, tmp_path):

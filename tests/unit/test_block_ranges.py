@@ -42,7 +42,7 @@ def test_no_blocks_no_runs():
 
 
 def test_block_lists_of_different_lengths_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="3 source, 2 destination"):
         coalesce([1, 2, 3], [1, 2])
 
 
@@ -69,14 +69,16 @@ def test_one_strided_side_is_enough_to_split_per_block():
 
 
 def test_different_block_sizes_are_refused():
-    other = KvRegion(base_addr=0, block_stride=2 * BLOCK, block_len=2 * BLOCK)
-    with pytest.raises(ValueError):
-        byte_ranges([BlockRun(0, 0, 1)], [_packed(0)], [other])
+    runs, src, dst = [BlockRun(0, 0, 1)], [_packed(0)], [KvRegion(base_addr=0, block_stride=2 * BLOCK,
+                                                                  block_len=2 * BLOCK)]
+    with pytest.raises(ValueError, match=f"block sizes differ: {BLOCK} vs {2 * BLOCK} bytes"):
+        byte_ranges(runs, src, dst)
 
 
 def test_different_region_counts_are_refused():
-    with pytest.raises(ValueError):
-        byte_ranges([BlockRun(0, 0, 1)], [_packed(0)], [_packed(0), _packed(100)])
+    runs, src, dst = [BlockRun(0, 0, 1)], [_packed(0)], [_packed(0), _packed(100)]
+    with pytest.raises(ValueError, match="1 vs 2 regions"):
+        byte_ranges(runs, src, dst)
 
 
 def test_runs_expand_back_to_the_pairs_and_are_minimal():

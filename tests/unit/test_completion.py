@@ -65,7 +65,7 @@ def test_forget_drops_partial_and_finished_transfers():
 @pytest.mark.parametrize("rank,num_ranks", [(2, 2), (-1, 2), (0, 0)])
 def test_a_rank_outside_the_producer_group_is_refused(rank, num_ranks):
     counter = CompletionCounter()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"rank {rank} outside"):
         counter.record("t", rank, num_ranks)
 
 

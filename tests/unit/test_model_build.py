@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -62,8 +63,8 @@ def test_profiles():
     heavy = PROFILES["kv-heavy"]
     # 4 layers x (K+V) x 4 heads x 128 x 4 bytes
     assert heavy.kv_bytes_per_token_fp32 == 16 * 1024
-    with pytest.raises(Exception):
-        small.hidden_size = 1  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        small.hidden_size = 1
 
 
 def test_default_model_dir(monkeypatch, tmp_path):
@@ -72,13 +73,14 @@ def test_default_model_dir(monkeypatch, tmp_path):
     assert default_model_dir("kv-heavy") == tmp_path / "models" / "kv-heavy"
     monkeypatch.delenv("KVPUSH_CACHE_DIR")
     assert default_model_dir() == Path.home() / ".cache" / "kvpush" / "models" / "small"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown model profile 'nope'"):
         default_model_dir("nope")
 
 
 def test_unknown_profile(tmp_path):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown model profile 'nope'"):
         build_model(tmp_path / "m", profile="nope")
+    assert not (tmp_path / "m").exists()
 
 
 def test_folder_contents(small_model):
@@ -153,19 +155,53 @@ def test_idempotent_and_force(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-def test_tokenizer_round_trip(loaded):
-    tok, _ = loaded
+TEXTS = [
+    "def foo(x):\n    return {'a': x ** 2}  # héllo ✓ 漢字\n\t\r\n",
+    "import os\n\ndef main(argv):\n    for name in sorted(os.listdir('.')):\n        print(name)\n",
+    "x = 12345 + 0.5e-3\n",
+    "  leading spaces and trailing ones  ",
+    "a" + EOS_TOKEN + "b",
+    "😀 ünïcödé",
+]
+
+
+def test_tokenizer_round_trip(loaded, small_model):
+    """What vLLM loads from the folder (transformers' AutoTokenizer) agrees with the folder's
+    own files, tokenizer.json, config.json and the build marker, and is lossless."""
+    from tokenizers import Tokenizer
+
+    tok, model = loaded
+    raw = Tokenizer.from_file(str(small_model / "tokenizer.json"))
+    cfg = json.loads((small_model / "config.json").read_text())
+    eos_id = read_marker(small_model)["eos_token_id"]
+    assert cfg["eos_token_id"] == cfg["bos_token_id"] == cfg["pad_token_id"] == eos_id
+    assert raw.token_to_id(EOS_TOKEN) == eos_id
     assert tok.eos_token == tok.bos_token == tok.pad_token == EOS_TOKEN
-    assert len(tok) == PROFILES["small"].vocab_size
-    assert tok.model_max_length == PROFILES["small"].max_position_embeddings
-    text = "def foo(x):\n    return {'a': x ** 2}  # héllo ✓ 漢字\n\t\r\n"
-    ids = tok.encode(text, add_special_tokens=False)
-    assert tok.decode(ids) == text
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (eos_id, eos_id, eos_id)
+    assert len(tok) == raw.get_vocab_size() == cfg["vocab_size"] == PROFILES["small"].vocab_size
+    assert model.get_input_embeddings().num_embeddings == cfg["vocab_size"]
+    assert tok.model_max_length == cfg["max_position_embeddings"] == PROFILES["small"].max_position_embeddings
+    assert tok.get_vocab() == raw.get_vocab()
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert all(0 <= i < cfg["vocab_size"] for i in ids)
+        assert tok.decode(ids) == text
+        assert raw.decode(raw.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
+    assert tok.encode(EOS_TOKEN, add_special_tokens=False) == raw.encode(EOS_TOKEN).ids == [eos_id]
     # Code is compressed well below one token per byte.
-    code = "import os\n\ndef main(argv):\n    for name in sorted(os.listdir('.')):\n        print(name)\n"
-    assert len(tok.encode(code, add_special_tokens=False)) < len(code.encode()) / 2
-    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
-    assert tok.encode(EOS_TOKEN, add_special_tokens=False) == [eos_id]
+    assert len(tok.encode(TEXTS[1], add_special_tokens=False)) < len(TEXTS[1].encode()) / 2
+
+
+def test_the_scheduler_tokenizes_text_like_the_engine(loaded, small_model):
+    """A text prompt becomes the ids vLLM would make of it: the scheduler's tokenizer
+    (``load_validator``) against the one vLLM loads from the same folder (AutoTokenizer)."""
+    from services.scheduler.validation import load_validator
+
+    tok, _ = loaded
+    scheduler = load_validator(str(small_model), PROFILES["small"].max_position_embeddings)
+    assert scheduler.vocab_size == len(tok)
+    assert {text: scheduler.tokenize(text) for text in TEXTS} == {
+        text: tok.encode(text) for text in TEXTS}  # vLLM's default: add_special_tokens=True
 
 
 def test_generation_depends_on_context(loaded):

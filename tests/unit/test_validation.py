@@ -52,15 +52,27 @@ def test_the_longest_prompt_that_leaves_room_to_generate_is_accepted():
 
 BAD = [
     ("not-json", b"{this is not json", BadJson, "bad_json"),
+    ("not-utf8", b'{"prompt": "\xff\xfe"}', BadJson, "bad_json"),
+    ("empty-body", b"", BadJson, "bad_json"),
     ("not-an-object", b"[1, 2, 3]", InvalidField, "invalid_field"),
+    ("a-string", b'"hi"', InvalidField, "invalid_field"),
     ("unknown-field", _body(prompt="hi", max_tokenz=3), InvalidField, "invalid_field"),
     ("wrong-type", _body(prompt="hi", max_tokens="ten"), InvalidField, "invalid_field"),
     ("float-max-tokens", _body(prompt="hi", max_tokens=2.5), InvalidField, "invalid_field"),
     ("both-prompts", _body(prompt="a", prompt_token_ids=[1]), InvalidField, "invalid_field"),
+    ("prompt-number", _body(prompt=5), InvalidField, "invalid_field"),
+    ("token-ids-strings", _body(prompt_token_ids=["a", "b"]), InvalidField, "invalid_field"),
+    ("token-ids-not-a-list", _body(prompt_token_ids=7), InvalidField, "invalid_field"),
     ("out-of-vocab", _body(prompt_token_ids=[1, VOCAB]), InvalidField, "invalid_field"),
+    ("far-out-of-vocab", _body(prompt_token_ids=[1, VOCAB + 5]), InvalidField, "invalid_field"),
     ("negative-token", _body(prompt_token_ids=[-1]), InvalidField, "invalid_field"),
     ("max-tokens-zero", _body(prompt="hi", max_tokens=0), InvalidField, "invalid_field"),
+    ("max-tokens-negative", _body(prompt="hi", max_tokens=-3), InvalidField, "invalid_field"),
     ("negative-temperature", _body(prompt="hi", temperature=-0.1), InvalidField, "invalid_field"),
+    ("temperature-string", _body(prompt="hi", temperature="hot"), InvalidField, "invalid_field"),
+    ("ignore-eos-string", _body(prompt="hi", ignore_eos="yes"), InvalidField, "invalid_field"),
+    ("unknown-transfer-mode", _body(prompt="hi", transfer_mode="teleport"), InvalidField, "invalid_field"),
+    ("request-id-number", _body(prompt="hi", request_id=7), InvalidField, "invalid_field"),
     ("empty-request-id", _body(prompt="hi", request_id=""), InvalidField, "invalid_field"),
     ("long-request-id", _body(prompt="hi", request_id="x" * (MAX_REQUEST_ID_LEN + 1)),
      InvalidField, "invalid_field"),
@@ -68,15 +80,18 @@ BAD = [
     ("empty-prompt", _body(prompt=""), EmptyPrompt, "empty_prompt"),
     ("empty-token-ids", _body(prompt_token_ids=[]), EmptyPrompt, "empty_prompt"),
     ("fills-the-context", _body(prompt_token_ids=[1] * MAX_MODEL_LEN), PromptTooLong, "prompt_too_long"),
+    ("token-ids-past-the-context", _body(prompt_token_ids=[1] * (MAX_MODEL_LEN + 10)), PromptTooLong,
+     "prompt_too_long"),
     ("past-the-context", _body(prompt="x" * (MAX_MODEL_LEN + 5)), PromptTooLong, "prompt_too_long"),
 ]
 
 
 @pytest.mark.parametrize("name,data,error,code", BAD, ids=[b[0] for b in BAD])
 def test_a_bad_request_is_refused_with_its_code_and_a_sentence(name, data, error, code):
+    validator = _validator()
     with pytest.raises(error) as caught:
-        _validator().validate(data)
-    assert isinstance(caught.value, RequestError)
+        validator.validate(data)
+    assert type(caught.value) is error and isinstance(caught.value, RequestError)
     assert caught.value.code == code
     message = caught.value.message
     assert len(message) > 10 and message[0].isalpha() and " " in message, message
@@ -84,8 +99,9 @@ def test_a_bad_request_is_refused_with_its_code_and_a_sentence(name, data, error
 
 def test_a_prompt_with_no_tokens_is_empty():
     validator = RequestValidator(lambda s: [], VOCAB, MAX_MODEL_LEN)
+    body = _body(prompt="   ")
     with pytest.raises(EmptyPrompt) as caught:
-        validator.validate(_body(prompt="   "))
+        validator.validate(body)
     assert caught.value.code == "empty_prompt"
 
 

@@ -1,0 +1,464 @@
+"""The real scheduler over a real nats-server, without vLLM: fake prefill and decode
+workers speak the wire protocol (shared/wire.py) the way services/worker/service.py does
+(heartbeats, job acks, a handoff, progress, token chunks and the final reply), and a
+client sends raw ``kvpush.generate`` requests.
+
+The fakes are protocol peers, not mocks: the scheduler under test is the one that ships.
+Every test starts its own scheduler and workers (unique ids) on this module's own
+nats-server, so no other scheduler in the session (a stack's) shares its queue group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+import msgspec
+import nats
+import pytest
+
+from services.cli.client import generate_all
+from services.launch.natsd import LocalNatsServer
+from services.scheduler import service
+from services.scheduler.service import Scheduler
+from services.scheduler.validation import RequestValidator
+from shared import wire
+
+pytestmark = pytest.mark.timeout(60)
+
+VOCAB = 100
+MAX_MODEL_LEN = 64
+HEARTBEAT_S = 0.2
+WORKER_TIMEOUT_S = 1.0  # five heartbeats: a loaded test machine does not lose a live worker
+REPLY_TOKENS = [11, 12, 13]
+
+
+def tokenize(text: str) -> list[int]:
+    return [ord(c) % VOCAB for c in text]
+
+
+async def until(condition, timeout: float = 5.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` every 10 ms until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+class FakeWorker:
+    """A prefill or decode worker as the scheduler meets it on NATS.
+
+    ``on_job``: ``"answer"`` acks every job and (decode) streams REPLY_TOKENS and a final
+    reply to the client; ``"hold"`` acks and never answers; ``"go_silent"`` acks, then stops
+    heartbeating (a worker that died after taking the job); ``"no_ack"`` takes the job and
+    never replies. ``subscribe=False``: heartbeats only, no job subscription at all.
+    ``ack_after``: hold the ack until this event is set (at most 3 s). ``running``: the load
+    its heartbeats report, to steer the scheduler's choice. A prefill never hands off by
+    itself: the test calls ``handoff()``."""
+
+    def __init__(self, url: str, role: str, on_job: str = "answer", *, subscribe: bool = True,
+                 ack_after: asyncio.Event | None = None, running: int = 0):
+        self.url, self.role, self.on_job = url, role, on_job
+        self.worker_id = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.incarnation = uuid.uuid4().hex
+        self.subscribe, self.ack_after, self.running = subscribe, ack_after, running
+        self.jobs: list[wire.PrefillJob | wire.DecodeJob] = []
+        self.arrived_at: dict[str, float] = {}  # transfer id -> monotonic time its job came
+        self.cancels: list[wire.CancelJob] = []
+        self.job_arrived = asyncio.Event()
+        self.nc: nats.NATS | None = None
+        self._beating: asyncio.Task | None = None
+        self._stop_beating = asyncio.Event()
+
+    async def __aenter__(self) -> "FakeWorker":
+        self.nc = await nats.connect(self.url, name=self.worker_id)
+        if self.subscribe:
+            subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
+            await self.nc.subscribe(subject, cb=self._on_job)
+        await round_trip(self.nc)  # the job subscription is at the server
+        self._beating = asyncio.get_running_loop().create_task(self._heartbeats())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop_heartbeats()
+        await self.nc.close()
+
+    async def stop_heartbeats(self) -> None:
+        """Stop beating; no heartbeat goes out after this returns. Asked by an event, not by
+        cancelling: on Python 3.11, asyncio.wait_for (which nats-py's flush and request use)
+        can swallow a cancellation that arrives as its future completes."""
+        self._stop_beating.set()
+        if self._beating is not None:
+            await asyncio.wait_for(self._beating, 5)
+
+    async def beat(self) -> None:
+        heartbeat = wire.WorkerHeartbeat(
+            worker_id=self.worker_id, role=self.role, free_kv_blocks=1000, total_kv_blocks=1000,
+            running=self.running, waiting=0, block_size=16, max_model_len=MAX_MODEL_LEN,
+            incarnation=self.incarnation)
+        await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(heartbeat))
+
+    async def _heartbeats(self) -> None:
+        while not self._stop_beating.is_set():
+            await self.beat()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop_beating.wait(), HEARTBEAT_S)
+
+    async def _on_job(self, msg) -> None:
+        job = wire.decode(msg.data, wire.PrefillMessage if self.role == "prefill" else wire.DecodeMessage)
+        if isinstance(job, wire.CancelJob):
+            self.cancels.append(job)
+            return
+        self.jobs.append(job)
+        self.arrived_at[job.transfer_id] = time.monotonic()
+        self.job_arrived.set()
+        if self.on_job == "no_ack":
+            return
+        if self.ack_after is not None:
+            await asyncio.wait_for(self.ack_after.wait(), 3)
+        if self.on_job == "go_silent":
+            await self.stop_heartbeats()  # its last heartbeat went out before the ack
+        await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
+        if self.on_job == "answer" and self.role == "decode":
+            await self._answer(job)
+
+    async def _answer(self, job: wire.DecodeJob) -> None:
+        """What services/worker/service.py sends for a finished decode, in its order."""
+        await self._progress(job, "streaming")
+        tokens = REPLY_TOKENS[:job.sampling.max_tokens]
+        for token in tokens:
+            chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26))
+            await self.nc.publish(job.reply_to, wire.encode_json(chunk))
+        await self.nc.publish(job.reply_to, wire.encode_json(self.final_reply(job)))
+        await self._progress(job, "ended", "ok")
+
+    def final_reply(self, job: wire.DecodeJob) -> wire.FinalReply:
+        tokens = REPLY_TOKENS[:job.sampling.max_tokens]
+        return wire.FinalReply(request_id=job.request_id, finish_reason="length",
+                               usage=wire.Usage(len(job.prompt_token_ids), len(tokens)),
+                               timings=wire.Timings(ttft_ms=1.5, tpot_ms=0.5, e2e_ms=2.5))
+
+    async def _progress(self, job: wire.DecodeJob, stage: str, outcome: str = "") -> None:
+        event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
+                                     worker_id=self.worker_id, stage=stage, outcome=outcome)
+        await self.nc.publish(wire.PROGRESS_SUBJECT, wire.encode(event))
+
+    async def handoff(self, job: wire.PrefillJob, kv_transfer_params: dict) -> None:
+        """Prefill finished ``job``: what services/worker/service.py publishes then."""
+        now = time.time()
+        handoff = wire.Handoff(request_id=job.request_id, transfer_id=job.transfer_id,
+                               prefill_engine_id=self.worker_id, first_token_id=REPLY_TOKENS[0],
+                               prefill_started_at=now - 0.01, prefill_finished_at=now,
+                               kv_transfer_params=kv_transfer_params)
+        await self.nc.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+        await self.nc.flush()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LocalNatsServer() as nats_server:
+        yield nats_server
+
+
+@pytest.fixture
+async def client(server):
+    nc = await nats.connect(server.url)
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+async def running(server):
+    """``await running(thing)`` enters an async context manager for the rest of the test."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield stack.enter_async_context
+
+
+def scheduler(server, **kwargs) -> Scheduler:
+    return Scheduler(server.url, RequestValidator(tokenize, VOCAB, MAX_MODEL_LEN),
+                     scheduler_id=f"scheduler-{uuid.uuid4().hex[:8]}", **kwargs)
+
+
+async def round_trip(nc) -> None:
+    """Everything ``nc`` sent so far has reached the server. nats-py 2.16's flush() writes
+    its PING straight to the socket, ahead of commands still queued for the flusher task;
+    the first flush lets the flusher write them, the second PING goes after them."""
+    await nc.flush()
+    await nc.flush()
+
+
+async def workers_seen(client, *workers: FakeWorker, timeout: float = 5.0) -> None:
+    """Poll ``kvpush.scheduler.status`` until the scheduler answers and lists every worker as
+    live. Until its subscriptions reach the server, NATS answers "no responders": right
+    after ``Scheduler.__aenter__`` a request from another connection can meet that."""
+    wanted = {(w.role, w.worker_id) for w in workers}
+    deadline = time.monotonic() + timeout
+    live: set = set()
+    while True:
+        try:
+            reply = await client.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=timeout)
+        except nats.errors.NoRespondersError:
+            pass
+        else:
+            status = wire.decode_json(reply.data, wire.SchedulerStatus)
+            live = {("prefill", w) for w in status.prefill_workers} | {("decode", w) for w in status.decode_workers}
+            if wanted <= live:
+                return
+        assert time.monotonic() < deadline, f"the scheduler lists {live}, not yet {wanted}"
+        await asyncio.sleep(0.01)
+
+
+async def holds(worker: FakeWorker, transfer_id: str) -> None:
+    """Wait until ``worker`` has the job of ``transfer_id``: decode's reply to the client
+    can overtake the scheduler's job to the prefill (they travel different connections)."""
+    await until(lambda: transfer_id in {job.transfer_id for job in worker.jobs},
+                what=f"{worker.worker_id} getting the job of {transfer_id}")
+
+
+async def cancelled(worker: FakeWorker, transfer_ids) -> None:
+    await until(lambda: set(transfer_ids) <= {c.transfer_id for c in worker.cancels},
+                what=f"{worker.worker_id} getting a CancelJob for each of {transfer_ids}")
+
+
+def request_body(request_id: str, **fields) -> dict:
+    return {"prompt": "hello", "max_tokens": 3, "request_id": request_id} | fields
+
+
+async def send(nc, body: dict | bytes):
+    """Publish a request with a fresh reply inbox; returns the inbox's subscription."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(wire.GENERATE_SUBJECT, body if isinstance(body, bytes) else json.dumps(body).encode(),
+                     reply=inbox)
+    return sub
+
+
+async def replies_to_final(sub, timeout: float = 10.0) -> list[dict]:
+    replies = []
+    while not (replies and replies[-1].get("finished")):
+        replies.append(json.loads((await sub.next_msg(timeout=timeout)).data))
+    return replies
+
+
+async def assert_nothing_more(sched: Scheduler, client, sub) -> None:
+    """The request has ended at the scheduler, and nothing more reached the client: after a
+    round trip from the scheduler's and then the client's connection, anything the
+    scheduler had sent would be in the subscription's queue."""
+    await until(lambda: len(sched.flights) == 0, what="the request ending at the scheduler")
+    await round_trip(sched.bus.nc)
+    await client.flush()
+    assert sub.pending_msgs == 0
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+async def test_push_sends_both_jobs_at_once_and_the_client_gets_decodes_reply(server, client, running):
+    sched = await running(scheduler(server, mode="push"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    # Prefill acks only once decode has its job: a scheduler that waited for prefill's ack
+    # before sending decode's job would never get it.
+    prefill = await running(FakeWorker(server.url, "prefill", ack_after=decode.job_arrived))
+    await workers_seen(client, prefill, decode)
+
+    sub = await send(client, request_body("r-push", temperature=0.5, ignore_eos=True))
+    replies = await replies_to_final(sub)
+
+    [decode_job] = decode.jobs
+    await holds(prefill, decode_job.transfer_id)
+    [prefill_job] = prefill.jobs
+    prompt = tokenize("hello")
+    assert prefill_job.transfer_id == decode_job.transfer_id != ""
+    assert (prefill_job.mode, decode_job.mode) == ("push", "push")
+    assert prefill_job.decode_engine_id == decode.worker_id
+    assert decode_job.prefill_engine_id == prefill.worker_id
+    assert prefill_job.request_id == decode_job.request_id == "r-push"
+    assert prefill_job.prompt_token_ids == decode_job.prompt_token_ids == prompt
+    assert decode_job.sampling == wire.SamplingSpec(max_tokens=3, temperature=0.5, ignore_eos=True)
+    assert decode_job.reply_to == sub.subject
+    assert abs(prefill.arrived_at[prefill_job.transfer_id] - decode.arrived_at[decode_job.transfer_id]) < 1.0
+
+    assert [r["token_ids"] for r in replies[:-1]] == [[t] for t in REPLY_TOKENS]
+    assert replies[-1] == msgspec.to_builtins(decode.final_reply(decode_job))
+    await assert_nothing_more(sched, client, sub)
+    assert prefill.cancels == decode.cancels == []
+
+
+async def test_pull_sends_decode_its_job_after_the_handoff_with_the_prefills_kv_params(server, client, running):
+    sched = await running(scheduler(server, mode="push"))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+
+    sub = await send(client, request_body("r-pull", transfer_mode="pull"))
+    await asyncio.wait_for(prefill.job_arrived.wait(), 5)
+    [prefill_job] = prefill.jobs
+    assert prefill_job.mode == "pull" and prefill_job.decode_engine_id == ""  # decode is picked later
+    await round_trip(decode.nc)
+    assert decode.jobs == []  # prefill has its job; decode still has nothing
+
+    kv_params = {"transfer_id": prefill_job.transfer_id, "prefill_engine_id": prefill.worker_id,
+                 "prefill_tp_size": 1, "remote_block_ids": [4, 5, 6]}
+    handed_off_at = time.monotonic()
+    await prefill.handoff(prefill_job, kv_params)
+    replies = await replies_to_final(sub)
+
+    [decode_job] = decode.jobs
+    assert decode.arrived_at[decode_job.transfer_id] >= handed_off_at
+    assert decode_job.transfer_id == prefill_job.transfer_id
+    assert decode_job.mode == "pull"
+    assert decode_job.prefill_engine_id == prefill.worker_id
+    assert decode_job.kv_transfer_params == kv_params
+    assert replies[-1] == msgspec.to_builtins(decode.final_reply(decode_job))
+    await assert_nothing_more(sched, client, sub)
+
+
+# --------------------------------------------------------------------------- retries
+
+
+async def test_a_decode_that_went_silent_after_taking_the_job_is_retried_around(server, client, running):
+    sched = await running(scheduler(server, worker_timeout_s=WORKER_TIMEOUT_S, deadline_s=20))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    silent = await running(FakeWorker(server.url, "decode", "go_silent"))
+    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    await workers_seen(client, prefill, silent, spare)
+
+    sub = await send(client, request_body("r-silent"))
+    replies = await replies_to_final(sub)
+
+    [first] = silent.jobs
+    [second] = spare.jobs
+    await holds(prefill, second.transfer_id)
+    await cancelled(silent, [first.transfer_id])
+    assert second.transfer_id != first.transfer_id
+    assert [job.transfer_id for job in prefill.jobs] == [first.transfer_id, second.transfer_id]
+    assert second.prefill_engine_id == prefill.worker_id
+    assert [c.transfer_id for c in silent.cancels] == [c.transfer_id for c in prefill.cancels] == [first.transfer_id]
+    assert silent.cancels[0].request_id == "r-silent" and silent.worker_id in silent.cancels[0].reason
+    assert "error" not in replies[-1]
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(second))
+    await assert_nothing_more(sched, client, sub)
+    assert spare.cancels == []
+
+
+@pytest.mark.parametrize("how", ["no_subscription", "no_reply"])
+async def test_a_decode_that_does_not_ack_is_retried_around(server, client, running, how):
+    """``no_subscription``: it heartbeats but takes no jobs (NATS answers "no responders" at
+    once). ``no_reply``: it takes the job and never acks (the scheduler's request times out
+    after service.DISPATCH_TIMEOUT_S)."""
+    sched = await running(scheduler(server, deadline_s=4 * service.DISPATCH_TIMEOUT_S))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    mute = await running(FakeWorker(server.url, "decode", "no_ack", subscribe=how == "no_reply"))
+    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    await workers_seen(client, prefill, mute, spare)
+
+    started = time.monotonic()
+    sub = await send(client, request_body(f"r-{how}"))
+    replies = await replies_to_final(sub, timeout=3 * service.DISPATCH_TIMEOUT_S)
+    took = time.monotonic() - started
+
+    [answered] = spare.jobs
+    assert "error" not in replies[-1]
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(answered))
+    await holds(prefill, answered.transfer_id)
+    if how == "no_reply":
+        await cancelled(mute, [job.transfer_id for job in mute.jobs])
+    # Each attempt had its own transfer id, and every failed one was cancelled. The mute
+    # decode heartbeats on, so the next heartbeat may put it back and a later attempt pick
+    # it again; the scheduler may also cancel a failed attempt twice (its liveness watch
+    # can act on it too): both are allowed, and nothing else.
+    attempts = [job.transfer_id for job in prefill.jobs]
+    seen = f"attempts {attempts}, answered {answered.transfer_id}, prefill cancels " \
+           f"{[c.transfer_id for c in prefill.cancels]}, mute jobs {[j.transfer_id for j in mute.jobs]}"
+    failed = attempts[:-1]
+    assert attempts[-1] == answered.transfer_id and len(set(attempts)) == len(attempts), seen
+    assert 1 <= len(failed) <= 2, seen
+    assert {c.transfer_id for c in prefill.cancels} == set(failed), seen
+    if how == "no_reply":
+        assert [job.transfer_id for job in mute.jobs] == failed, seen
+        assert {c.transfer_id for c in mute.cancels} == set(failed), seen
+        assert took >= service.DISPATCH_TIMEOUT_S
+    else:
+        assert mute.jobs == [] and took < service.DISPATCH_TIMEOUT_S, seen
+    await assert_nothing_more(sched, client, sub)
+
+
+# --------------------------------------------------------------------------- ending requests
+
+
+async def test_past_the_deadline_the_client_gets_an_error_and_the_workers_a_cancel(server, client, running):
+    deadline_s = 1.5
+    sched = await running(scheduler(server, deadline_s=deadline_s))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+
+    started = time.monotonic()
+    sub = await send(client, request_body("r-late"))
+    [final] = await replies_to_final(sub, timeout=deadline_s + 5)
+    took = time.monotonic() - started
+
+    assert final["request_id"] == "r-late" and final["finished"] is True
+    assert final["error"]["code"] == "deadline_exceeded", final
+    assert deadline_s <= took < deadline_s + 2 * service.WATCH_INTERVAL_S + 1.0
+    [job] = decode.jobs
+    await until(lambda: prefill.cancels and decode.cancels, what="the workers' CancelJob")
+    for cancels in (prefill.cancels, decode.cancels):
+        assert [(c.request_id, c.transfer_id, c.reason) for c in cancels] == [
+            ("r-late", job.transfer_id, "deadline_exceeded")]
+    await assert_nothing_more(sched, client, sub)
+
+
+async def test_with_no_workers_at_all_the_request_fails_at_once(server, client, running):
+    await running(scheduler(server))
+    await workers_seen(client)
+    started = time.monotonic()
+    token_ids, _, final = await generate_all(client, request_body("r-alone"), timeout=5)
+    assert time.monotonic() - started < 2.0
+    assert token_ids == []
+    assert final["request_id"] == "r-alone"
+    assert final["error"]["code"] == "no_workers", final
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1 not msgpack",
+    wire.encode(wire.JobAck(accepted=True)),  # msgpack, the wrong message
+    msgspec.msgpack.encode({"type": "WorkerHeartbeat", "worker_id": 7, "role": "decode"}),
+], ids=["not-msgpack", "another-message", "wrong-fields"])
+async def test_a_malformed_heartbeat_is_reported_and_the_scheduler_serves_on(server, client, running, data):
+    sched = await running(scheduler(server))
+    await workers_seen(client)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    await client.publish(wire.HEARTBEAT_SUBJECT, data)
+    refusal = wire.decode((await invalid.next_msg(timeout=5)).data, wire.InvalidMessage)
+    await invalid.unsubscribe()
+    assert (refusal.service, refusal.subject, refusal.code) == (sched.scheduler_id, wire.HEARTBEAT_SUBJECT,
+                                                               "bad_message")
+    assert refusal.reason
+
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    token_ids, _, final = await generate_all(client, request_body("r-after-garbage"), timeout=10)
+    assert token_ids == REPLY_TOKENS
+    assert "error" not in final and final["request_id"] == "r-after-garbage"
+
+
+async def test_a_bad_request_is_refused_and_the_next_one_served(server, client, running):
+    """The scheduler's boundary turns a body it cannot use into an error reply, and serves on."""
+    await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    token_ids, _, final = await generate_all(client, b"{not json", timeout=5)
+    assert token_ids == [] and final["finished"] is True
+    assert (final["request_id"], final["error"]["code"]) == ("", "bad_json")
+    assert prefill.jobs == decode.jobs == []
+    token_ids, _, final = await generate_all(client, request_body("r-good"), timeout=10)
+    assert token_ids == REPLY_TOKENS and "error" not in final
+    assert prefill.jobs[0].request_id == decode.jobs[0].request_id == "r-good"

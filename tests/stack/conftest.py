@@ -1,0 +1,59 @@
+"""Session fixtures that need vLLM: one kvpush stack (scheduler, prefill and decode
+workers on real vLLM engines), one plain vLLM reference run, and the OTLP receiver the
+stack exports to; each started once for the whole session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.launch.stack import Stack
+from tests import prompts
+from tools.otlp_receiver import OtlpReceiver
+
+
+@pytest.fixture(scope="session")
+def stack_logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stack-logs")
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    """Every service of the session's stack exports its spans and metrics here."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+async def stack(model_dir, nats_server, stack_logs, otlp):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
+    stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
+                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env)
+    stack.start()
+    try:
+        await stack.wait_ready(timeout=400)
+        yield stack
+    except BaseException:
+        for log in sorted(stack_logs.glob("*.log")):
+            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-4000:]}\n")
+        raise
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir, tmp_path_factory) -> list[list[int]]:
+    """Token ids a single plain vLLM instance generates for prompts.reference_requests()."""
+    folder = tmp_path_factory.mktemp("reference")
+    requests, out = folder / "requests.json", folder / "out.json"
+    requests.write_text(json.dumps(prompts.reference_requests()))
+    subprocess.run(
+        [sys.executable, "-m", "tools.reference", "--model", model_dir, "--requests", str(requests),
+         "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
+        check=True, timeout=400, stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
