@@ -370,7 +370,8 @@ class Scheduler:
                                  worker_id) from None
         ack = wire.decode(reply.data, wire.JobAck)
         if not ack.accepted:
-            raise DispatchFailed(f"worker {worker_id} refused the job: {ack.error.message}", worker_id)
+            reason = ack.error.message if ack.error is not None else "it gave no reason"
+            raise DispatchFailed(f"worker {worker_id} refused the job: {reason}", worker_id)
 
     async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
         body = to_error_body(exc)

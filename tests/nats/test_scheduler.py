@@ -53,7 +53,7 @@ class FakeWorker:
     ``on_job``: ``"answer"`` acks every job and (decode) streams REPLY_TOKENS and a final
     reply to the client; ``"hold"`` acks and never answers; ``"go_silent"`` acks, then stops
     heartbeating (a worker that died after taking the job); ``"no_ack"`` takes the job and
-    never replies. ``subscribe=False``: heartbeats only, no job subscription at all.
+    never replies; ``"refuse_silently"`` refuses it with no error body. ``subscribe=False``: heartbeats only, no job subscription at all.
     ``ack_after``: hold the ack until this event is set (at most 3 s). ``running``: the load
     its heartbeats report, to steer the scheduler's choice. A prefill never hands off by
     itself: the test calls ``handoff()``."""
@@ -115,6 +115,9 @@ class FakeWorker:
         self.arrived_at[job.transfer_id] = time.monotonic()
         self.job_arrived.set()
         if self.on_job == "no_ack":
+            return
+        if self.on_job == "refuse_silently":  # a refusal that gives no reason (error=None)
+            await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=False)))
             return
         if self.ack_after is not None:
             await asyncio.wait_for(self.ack_after.wait(), 3)
@@ -385,6 +388,22 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
         assert took >= service.DISPATCH_TIMEOUT_S
     else:
         assert mute.jobs == [] and took < service.DISPATCH_TIMEOUT_S, seen
+    await assert_nothing_more(sched, client, sub)
+
+
+async def test_a_decode_that_refuses_without_a_reason_is_retried_around(server, client, running):
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    refuser = await running(FakeWorker(server.url, "decode", "refuse_silently"))
+    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    await workers_seen(client, prefill, refuser, spare)
+
+    sub = await send(client, request_body("r-refused"))
+    replies = await replies_to_final(sub, timeout=10)
+
+    assert refuser.jobs, "the refusing decode was tried first"
+    [answered] = spare.jobs
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(answered))
     await assert_nothing_more(sched, client, sub)
 
 
