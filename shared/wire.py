@@ -120,7 +120,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    max_tokens: int = 128
+    max_tokens: int | None = None  # default: 128, or what the context has room for
     temperature: float = 0.0
     ignore_eos: bool = False
     request_id: str | None = None

@@ -7,6 +7,7 @@ reads it, and the limits, from a model folder).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from shared import wire
 from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong
 
 MAX_REQUEST_ID_LEN = 128
+# The characters a NATS KV key allows: an id can name a key, and never a wildcard or a space.
+REQUEST_ID_PATTERN = re.compile(r"[-/_=.a-zA-Z0-9]+")
+DEFAULT_MAX_TOKENS = 128  # when a request does not say, and the context has room
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class RequestValidator:
         request_id = body.request_id if body.request_id is not None else uuid.uuid4().hex
         if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
             raise InvalidField(f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters")
+        if not REQUEST_ID_PATTERN.fullmatch(request_id):
+            raise InvalidField("request_id may hold only letters, digits and - / _ = . (no spaces or wildcards)")
         if body.prompt is not None and body.prompt_token_ids is not None:
             raise InvalidField("give either 'prompt' or 'prompt_token_ids', not both")
         if body.prompt is None and body.prompt_token_ids is None:
@@ -68,14 +74,21 @@ class RequestValidator:
                 f"the prompt has {len(token_ids)} tokens but the model's context is "
                 f"{self.max_model_len} tokens, and at least one must be left to generate"
             )
-        if body.max_tokens < 1:
-            raise InvalidField(f"max_tokens must be at least 1, got {body.max_tokens}")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(DEFAULT_MAX_TOKENS, room) if body.max_tokens is None else body.max_tokens
+        if max_tokens < 1:
+            raise InvalidField(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens > room:
+            raise InvalidField(
+                f"the model's context is {self.max_model_len} tokens, but the request asks for "
+                f"{len(token_ids) + max_tokens} ({len(token_ids)} in the prompt, {max_tokens} to generate); "
+                f"ask for at most {room} tokens")
         if body.temperature < 0:
             raise InvalidField(f"temperature must be 0 or more, got {body.temperature}")
         return ValidRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
-            sampling=wire.SamplingSpec(body.max_tokens, body.temperature, body.ignore_eos),
+            sampling=wire.SamplingSpec(max_tokens, body.temperature, body.ignore_eos),
             transfer_mode=body.transfer_mode,
         )
 

@@ -9,6 +9,7 @@ caller's ``except`` and takes a subscription, a request's task or a thread down.
 from __future__ import annotations
 
 import json
+import string
 import typing
 from types import SimpleNamespace
 
@@ -217,7 +218,8 @@ def _validates_or_rejects(data: bytes) -> None:
     assert 0 < len(request.prompt_token_ids) < MAX_LEN
     assert all(0 <= t < VOCAB for t in request.prompt_token_ids)
     assert 1 <= len(request.request_id) <= MAX_REQUEST_ID_LEN
-    assert request.sampling.max_tokens >= 1 and request.sampling.temperature >= 0
+    assert 1 <= request.sampling.max_tokens <= MAX_LEN - len(request.prompt_token_ids)
+    assert request.sampling.temperature >= 0
 
 
 @FUZZ
@@ -243,14 +245,19 @@ def test_decode_generate_request_only_refuses(value):
     assert isinstance(body, wire.GenerateRequest)
 
 
+REQUEST_ID_CHARS = st.sampled_from("-/_=." + string.ascii_letters + string.digits)
+
+
 @FUZZ
-@given(prompt=st.text(min_size=1, max_size=MAX_LEN - 1), request_id=st.text(min_size=1, max_size=20),
-       max_tokens=st.integers(1, 1000), temperature=st.floats(0, 2))
-def test_a_valid_prompt_request_is_accepted(prompt, request_id, max_tokens, temperature):
+@given(prompt=st.text(min_size=1, max_size=MAX_LEN - 1), request_id=st.text(REQUEST_ID_CHARS, min_size=1, max_size=20),
+       room_used=st.floats(0, 1), temperature=st.floats(0, 2))
+def test_a_valid_prompt_request_is_accepted(prompt, request_id, room_used, temperature):
+    max_tokens = max(1, round((MAX_LEN - len(prompt)) * room_used))  # up to all the context leaves
     body = json.dumps({"prompt": prompt, "request_id": request_id, "max_tokens": max_tokens,
                        "temperature": temperature}).encode()
     request = VALIDATOR.validate(body)
     assert (request.request_id, request.prompt_token_ids) == (request_id, [ord(c) % 100 for c in prompt])
+    assert request.sampling.max_tokens == max_tokens
 
 
 # ------------------------------------------------------------------ kvpush.cancel

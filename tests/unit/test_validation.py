@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, request_id_of
+from services.scheduler.validation import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_LEN, RequestValidator, request_id_of
 from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong, RequestError
 
 VOCAB = 100
@@ -27,7 +27,23 @@ def test_a_prompt_is_tokenized_and_gets_the_default_sampling():
     assert request.request_id == "r-1"
     assert request.prompt_token_ids == [ord("h") % VOCAB, ord("i") % VOCAB]
     sampling = request.sampling
-    assert (sampling.max_tokens, sampling.temperature, sampling.ignore_eos) == (128, 0.0, False)
+    # max_tokens: the room the 32-token context leaves, since that is less than 128
+    assert (sampling.max_tokens, sampling.temperature, sampling.ignore_eos) == (MAX_MODEL_LEN - 2, 0.0, False)
+
+
+def test_the_default_max_tokens_is_128_where_the_context_has_room():
+    roomy = RequestValidator(lambda s: [ord(c) % VOCAB for c in s], VOCAB, 4096)
+    assert roomy.validate(_body(prompt="hi")).sampling.max_tokens == DEFAULT_MAX_TOKENS == 128
+
+
+def test_max_tokens_may_use_all_the_context_the_prompt_leaves():
+    request = _validator().validate(_body(prompt="hi", max_tokens=MAX_MODEL_LEN - 2))
+    assert request.sampling.max_tokens == MAX_MODEL_LEN - 2
+
+
+@pytest.mark.parametrize("request_id", ["r-1", "cli-3f2a", "a/b_c=d.e", "X" * MAX_REQUEST_ID_LEN])
+def test_request_ids_of_the_safe_characters_are_kept(request_id):
+    assert _validator().validate(_body(prompt="hi", request_id=request_id)).request_id == request_id
 
 
 def test_token_ids_and_sampling_are_taken_as_given():
@@ -68,12 +84,19 @@ BAD = [
     ("negative-token", _body(prompt_token_ids=[-1]), InvalidField, "invalid_field"),
     ("max-tokens-zero", _body(prompt="hi", max_tokens=0), InvalidField, "invalid_field"),
     ("max-tokens-negative", _body(prompt="hi", max_tokens=-3), InvalidField, "invalid_field"),
+    ("max-tokens-past-the-context", _body(prompt="hi", max_tokens=MAX_MODEL_LEN - 1), InvalidField,
+     "invalid_field"),
+    ("max-tokens-over-2-to-the-64", _body(prompt="hi", max_tokens=2**64 + 1), InvalidField, "invalid_field"),
     ("negative-temperature", _body(prompt="hi", temperature=-0.1), InvalidField, "invalid_field"),
     ("temperature-string", _body(prompt="hi", temperature="hot"), InvalidField, "invalid_field"),
     ("ignore-eos-string", _body(prompt="hi", ignore_eos="yes"), InvalidField, "invalid_field"),
     ("unknown-transfer-mode", _body(prompt="hi", transfer_mode="teleport"), InvalidField, "invalid_field"),
     ("request-id-number", _body(prompt="hi", request_id=7), InvalidField, "invalid_field"),
     ("empty-request-id", _body(prompt="hi", request_id=""), InvalidField, "invalid_field"),
+    ("request-id-with-a-space", _body(prompt="hi", request_id="my request"), InvalidField, "invalid_field"),
+    ("request-id-wildcard", _body(prompt="hi", request_id="r.>"), InvalidField, "invalid_field"),
+    ("request-id-star", _body(prompt="hi", request_id="*"), InvalidField, "invalid_field"),
+    ("request-id-newline", _body(prompt="hi", request_id="r\n1"), InvalidField, "invalid_field"),
     ("long-request-id", _body(prompt="hi", request_id="x" * (MAX_REQUEST_ID_LEN + 1)),
      InvalidField, "invalid_field"),
     ("no-prompt", _body(max_tokens=3), EmptyPrompt, "empty_prompt"),
