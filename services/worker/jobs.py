@@ -14,6 +14,7 @@ from shared import wire
 class RunningJob:
     job: "wire.PrefillJob | wire.DecodeJob"
     task: asyncio.Task | None = None
+    started: bool = False  # its task has taken its first step (before that, cancel() would skip its body)
     streaming: bool = False
     ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
 

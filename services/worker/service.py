@@ -164,6 +164,12 @@ class Worker:
         running.task = self._requests.spawn(self._serve(running, time.time_ns()))
 
     async def _serve(self, running: RunningJob, received_ns: int) -> None:
+        running.started = True
+        if running.ended_by is not None:
+            # Cancelled before its first step: cancelling the task then would have skipped
+            # its body, and with it the role's cleanup (decode's "ended", the engine's abort).
+            # Cancelled now, the role's first await raises inside its own try.
+            asyncio.current_task().cancel()
         try:
             await self.role.serve(running, received_ns)
         finally:
@@ -178,7 +184,8 @@ class Worker:
             return
         log.info("cancelling", request_id=running.job.request_id, transfer_id=transfer_id, why=why, detail=detail)
         running.ended_by = why
-        running.task.cancel()  # vLLM aborts the request: dropped if queued, discarded if running
+        if running.started:
+            running.task.cancel()  # vLLM aborts the request: dropped if queued, discarded if running
 
     @contextlib.contextmanager
     def request_span(self, name: str, job, received_ns: int):

@@ -181,3 +181,32 @@ async def test_pull_decode_reads_the_kv_prefill_computed(stack, nc, reference):
     assert "error" not in final
     assert tokens == reference[REF_PUSHED]
     assert tokens != reference[REF_TARGET]
+
+
+async def test_a_job_cancelled_right_behind_its_arrival_ends_and_reports_it(stack, nc, reference):
+    """The cancel lands before the job's task has taken its first step (the scheduler does
+    this when a retry follows a missed ack). The job must still end: decode reports
+    'ended', sends the client nothing, and the next request is served."""
+    prefill_id, decode_id = await _workers(nc)
+    transfer_id = uuid.uuid4().hex
+    inbox = nc.new_inbox()
+    _, decode = _jobs(transfer_id, prompts.ORDER_PROMPT, prompts.ORDER_PROMPT, prefill_id, decode_id, inbox)
+    cancel = wire.CancelJob(request_id=decode.request_id, transfer_id=transfer_id, reason="test: cancel behind")
+    subject = wire.decode_job_subject(decode_id)
+    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.PROGRESS_SUBJECT, wire.RequestProgress) as progress:
+        # One write: the worker's subscription has both before it returns to the event loop.
+        ack_inbox = nc.new_inbox()
+        await nc.publish(subject, wire.encode(decode), reply=ack_inbox)
+        await nc.publish(subject, wire.encode(cancel))
+        await nc.flush()
+        ended = await progress.wait_for(lambda p: p.transfer_id == transfer_id and p.stage == "ended", timeout=30)
+        assert ended.outcome == "cancelled"
+        assert not any(p.transfer_id == transfer_id and p.stage == "streaming" for p in progress.items)
+        assert replies.items == []
+
+    from services.cli.client import generate_all
+
+    tokens, _, final = await generate_all(nc, {"prompt_token_ids": prompts.ORDER_PROMPT,
+                                               "max_tokens": prompts.CROSS_MAX_TOKENS, "ignore_eos": True})
+    assert "error" not in final
+    assert tokens == reference[REF_ORDER]
