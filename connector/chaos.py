@@ -97,3 +97,46 @@ class Chaos:
             self.rates = parse(open(self._spec_file).read()) if stamp is not None else {}
         except (OSError, ValueError, TypeError):
             self.rates = {}  # half-written or bad: no faults until it is readable
+
+
+# --------------------------------------------------------------------------- hold points
+# A race test holds a thread at a named point in the connector, does what must happen in
+# between (say, deliver a Revoke), and lets it go: the interleaving is then certain, not
+# a matter of sleeps. Points are in-process; when no test holds one, ``point`` is a dict
+# lookup and returns at once.
+
+class Gate:
+    def __init__(self) -> None:
+        self.reached = threading.Event()  # a thread arrived at the point
+        self.opened = threading.Event()  # ...and may go on
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+_gates: dict[str, Gate] = {}
+_GATE_TIMEOUT_S = 30.0  # a forgotten gate stalls a thread this long at most
+
+
+def point(name: str) -> None:
+    gate = _gates.get(name)
+    if gate is not None:
+        gate.reached.set()
+        gate.opened.wait(_GATE_TIMEOUT_S)
+
+
+class hold:
+    """``with hold("producer.matched") as gate:`` threads stop at that point until
+    ``gate.open()`` (or the block ends)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.gate = Gate()
+
+    def __enter__(self) -> Gate:
+        _gates[self.name] = self.gate
+        return self.gate
+
+    def __exit__(self, *exc) -> None:
+        _gates.pop(self.name, None)
+        self.gate.open()

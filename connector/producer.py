@@ -19,7 +19,7 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from connector import kv_layout
+from connector import chaos, kv_layout
 from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
 from connector.completion import CompletionCounter, notification
@@ -74,7 +74,7 @@ class Producer:
         self._sent: set[str] = set()  # request ids whose blocks may go back (KV left, or given up)
         self._finished: set[str] = set()  # request ids vLLM reported finished
         self._pushing: set[str] = set()  # request ids whose blocks we hold for a transfer
-        self._writing: set[str] = set()  # transfer ids with a WRITE posted and not yet ended
+        self._writing: set[str] = set()  # transfer ids matched, whose WRITE has not ended (or was never posted)
         self._served = ServedReads(lease_s)  # pull: blocks held for decode's READ
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
@@ -98,7 +98,7 @@ class Producer:
                     self._served.hold(ready.transfer_id, ready.request_id, time.monotonic())
                 self.transfer.expect(1)
                 continue
-            self._settle(self._rendezvous.offer_prefill(ready.transfer_id, ready), ready)
+            self._settle(self._offer(lambda: self._rendezvous.offer_prefill(ready.transfer_id, ready)), ready)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose blocks may now be freed (their KV left, or will not)."""
@@ -169,7 +169,18 @@ class Producer:
             self._fail(registration.transfer_id, registration.decode_engine_id,
                        TpMismatch(f"decode has TP {registration.decode_tp_size}, prefill has TP {self.tp_size}"))
             return
-        self._settle(self._rendezvous.offer_registration(registration.transfer_id, registration))
+        self._settle(self._offer(lambda: self._rendezvous.offer_registration(registration.transfer_id, registration)))
+
+    def _offer(self, offer: Callable[[], Match | Refused | None]) -> Match | Refused | None:
+        """Offer a half. A match is marked "writing" in the same critical section that a
+        Revoke reads it in: a Revoke never sees a match without its write, so it is never
+        answered while a WRITE can still be posted."""
+        with self._lock:
+            outcome = offer()
+            if isinstance(outcome, Match):
+                self._writing.add(outcome.transfer_id)
+        chaos.point("producer.matched")
+        return outcome
 
     def _settle(self, outcome: Match | Refused | None, ready: ReadyPrefill | None = None) -> None:
         """Act on what the rendezvous said about a half just offered."""
@@ -185,12 +196,12 @@ class Producer:
             self._give_back(ready.request_id)  # decode gave this transfer up before the prompt was done
 
     def _on_revoke(self, revoke: wire.Revoke) -> None:
-        half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
-        if half is not None and half.prefill is not None:
-            self._give_back(half.prefill.request_id)
-        with self._lock:
+        with self._lock:  # the same critical section as a match and its "writing" mark
+            half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
             writing = revoke.transfer_id in self._writing
             served = self._served.release(revoke.transfer_id)
+        if half is not None and half.prefill is not None:
+            self._give_back(half.prefill.request_id)
         if served is not None:
             self.transfer.expect(-1)
             self._give_back(served)
@@ -223,8 +234,6 @@ class Producer:
         )
         span.end(end_time=now_ns)
         instruments().rendezvous_wait.record(wait_ms, {"second": second})
-        with self._lock:
-            self._writing.add(match.transfer_id)
         self.agents.with_agent(
             match.registration.decode_engine_id,
             lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from connector.producer import Producer
 from connector.scheduler_side import ConnectorScheduler
 from connector.worker_side import ConnectorWorker
 from shared import wire
-from shared.errors import BadMessage, LeaseExpired
+from shared.errors import AgentUnreachable, BadMessage, LeaseExpired
 
 NUM_BLOCKS = 16
 SHAPE = (NUM_BLOCKS, 2, 4, 8)  # per layer: [num_blocks, kv_heads, block_size, 2*head], fp32
@@ -233,3 +234,68 @@ def _refusal_on(refusals: queue.Queue, subject: str) -> wire.InvalidMessage | No
     except queue.Empty:
         return None
     return refusal if refusal.subject == subject else None
+
+
+# ------------------------------------------------------------------ races, held at a point
+
+
+class _Completions:
+    """Every completion event the bridge delivers, kept in arrival order."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self._lock = threading.Lock()
+
+    def put(self, event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of(self, transfer_id: str) -> list:
+        with self._lock:
+            return [e for e in self.events if e.transfer_id == transfer_id]
+
+
+def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_can_land(nats_server):
+    """The prefill thread matches a waiting registration and is held right after the match,
+    before any write is posted; the Revoke arrives then. Answering it at once would let
+    decode free the blocks while the WRITE is still to be posted into them. The answer
+    must wait until the write is given up (here: decode's agent cannot be reached)."""
+    from connector import chaos
+
+    prefill_id, decode_id = _id("prefill"), _id("decode")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    completions = _Completions()
+    bridge.subscribe_typed(wire.completion_subject(decode_id), wire.Completion, completions.put, "test")
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    control = wire.registration_subject(prefill_id)
+    transfer, marker = _id("raced"), _id("marker")
+
+    def registration(transfer_id: str, tp_size: int = 1) -> bytes:
+        return wire.encode(wire.Registration(
+            transfer_id=transfer_id, request_id="raced", decode_engine_id=decode_id, decode_request_id="d",
+            decode_tp_size=tp_size, block_ids=[5, 6], num_tokens=2 * BLOCK_SIZE, registered_at=time.time()))
+
+    try:
+        bridge.publish(control, registration(transfer))
+        _until(lambda: transfer in worker.producer._rendezvous.pending(), "the registration waiting", 10)
+        with chaos.hold("producer.matched") as gate:
+            prefill = threading.Thread(target=worker.wait_for_save, args=(KvpushMetadata(ready_prefills=[
+                ReadyPrefill("prefill-raced", transfer, [0, 1], mode="push", num_tokens=2 * BLOCK_SIZE,
+                             decode_engine_id=decode_id)]),))
+            prefill.start()
+            assert gate.reached.wait(10), "the prefill thread did not reach the match"
+            bridge.publish(control, wire.encode(wire.Revoke(transfer_id=transfer, decode_engine_id=decode_id,
+                                                            reason="test")))
+            # Handled in order on the same subject: once the marker's answer is back, so is the revoke's.
+            bridge.publish(control, registration(marker, tp_size=2))
+            _until(lambda: completions.of(marker), "the marker's answer", 10)
+            assert completions.of(transfer) == [], "answered while a write could still be posted"
+            gate.open()
+            prefill.join(10)
+        [answer] = _until(lambda: completions.of(transfer), "the answer", 10)
+        assert isinstance(answer, wire.TransferFailed) and answer.code == AgentUnreachable.code
+        assert _sent(worker, "prefill-raced") == {"prefill-raced"}
+    finally:
+        worker.shutdown()
+        bridge.close()
