@@ -6,8 +6,9 @@ prefill's blocks is posted as soon as vLLM allocated ours; its completion is the
 arrival. ``get_finished`` reports the requests whose wait ended.
 
 Faults. Decode watches the blocks it registered (``KvWaits``): when it gives them up
-(the request was aborted, the KV is overdue) it revokes the transfer and keeps them
-until prefill answers that no write of its can land. A load that will not come is
+(the request was aborted, the KV is overdue) it revokes the transfer, sends the Revoke
+again until prefill answers that no write of its can land, keeps the blocks until then,
+and has the scheduler side stop renewing prefill's lease. A load that will not come is
 reported to vLLM as failed, and vLLM's ``kv_load_failure_policy`` recomputes the prompt
 locally or fails the request.
 """
@@ -61,8 +62,9 @@ class Consumer:
         self._wake: Callable[[], None] = lambda: None
         self._waits = KvWaits(kv_wait_s=kv_wait_s, quarantine_s=quarantine_s)
         self._counter = CompletionCounter()  # the producers' WRITE notifications
-        self._lock = threading.Lock()  # protects _released
+        self._lock = threading.Lock()  # protects _released and _given_up
         self._released: list[Released] = []  # waits ended on the clock, for the next get_finished
+        self._given_up: set[str] = set()  # requests whose wait we gave up, for the scheduler side
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when a wait ends."""
@@ -113,6 +115,13 @@ class Consumer:
                 failed.add(ended.request_id)
         return receiving, failed
 
+    def take_given_up(self) -> set[str]:
+        """Requests whose wait was given up since the last call: their leases at prefill
+        must not be renewed any more (the Revoke may be lost; the lease then runs out)."""
+        with self._lock:
+            given_up, self._given_up = self._given_up, set()
+        return given_up
+
     def busy(self) -> bool:
         """A request waits for its KV."""
         return bool(self._waits.waiting())
@@ -126,6 +135,7 @@ class Consumer:
             context: _WaitContext = wait.context
             if context.registration:  # prefill refuses a copy it already has; a lost one is replaced
                 self.bridge.publish(wire.registration_subject(context.prefill_engine_id), context.registration)
+        self._send_revokes(self._waits.revokes_due(now, RESEND_S))  # until prefill answers: one may be lost
         if released:
             with self._lock:
                 self._released.extend(released)
@@ -199,6 +209,12 @@ class Consumer:
         self._wake()
 
     def _revoke(self, waits: list[Waiting]) -> None:
+        if waits:
+            with self._lock:
+                self._given_up.update(wait.request_id for wait in waits)
+        self._send_revokes(waits)
+
+    def _send_revokes(self, waits: list[Waiting]) -> None:
         for wait in waits:
             prefill_engine_id = wait.context.prefill_engine_id
             if not prefill_engine_id:

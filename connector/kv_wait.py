@@ -38,7 +38,7 @@ class Waiting:
     given_up: str | None = None  # decode revoked the transfer, and why
     revoked_at: float | None = None
     request_finished: bool = False  # vLLM finished (aborted) the request while it waited
-    last_sent: float = 0.0  # when the registration last went to prefill
+    last_sent: float = 0.0  # when the registration (or, once given up, the Revoke) last went to prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,18 @@ class KvWaits:
                     due.append(wait)
         return due
 
+    def revokes_due(self, now: float, every_s: float) -> list[Waiting]:
+        """Waits given up that prefill has not answered, whose Revoke went out ``every_s``
+        ago or more (it may have been lost); their send time is reset."""
+        due = []
+        with self._lock:
+            for wait in self._waits.values():
+                unanswered = wait.given_up is not None and not wait.arrived and wait.prefill_answered is None
+                if unanswered and now - wait.last_sent >= every_s:
+                    wait.last_sent = now
+                    due.append(wait)
+        return due
+
     def waiting(self) -> int:
         with self._lock:
             return len(self._waits)
@@ -146,6 +158,7 @@ class KvWaits:
         if wait.arrived or wait.prefill_answered is not None or wait.given_up is not None:
             return False
         wait.given_up, wait.revoked_at = why, now
+        wait.last_sent = now  # the Revoke goes out now
         return True
 
     def _end_reason(self, wait: Waiting, now: float) -> str | None:

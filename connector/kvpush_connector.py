@@ -21,7 +21,7 @@ Scheduler side (``ConnectorScheduler``, in vLLM's scheduler; never blocks):
     update_state_after_alloc    decode: publish the registration (push) or plan the READ (pull)
     build_connector_meta        what the workers do this step: prompts finished, KV to expect or READ
     request_finished            prefill: keep the blocks until the KV left; returns ``PrefilledKv``
-    update_connector_output     stop renewing what arrived; forget what was sent
+    update_connector_output     stop renewing what arrived or was given up; forget what was sent
     has_pending_push_work       prefill: blocks are still held for a transfer
 Worker side (``ConnectorWorker``, in each TP rank; its ``Producer`` and/or ``Consumer``):
     register_kv_caches          start the transfer thread (the NIXL agent), subscribe, announce
@@ -30,6 +30,7 @@ Worker side (``ConnectorWorker``, in each TP rank; its ``Producer`` and/or ``Con
     save_kv_layer               no-op: the push starts once the whole forward pass is done
     wait_for_save               prefill: offer finished prompts to the rendezvous (or hold them for a READ)
     get_transfer_results        blocks that may be freed, waits that ended, loads that failed
+    build_connector_worker_meta decode: the waits given up this step (their leases are not renewed)
     shutdown                    stop the transfer thread
 """
 
@@ -54,6 +55,7 @@ from connector.scheduler_side import ConnectorScheduler
 from connector.worker_side import ConnectorWorker
 from otel import setup as otel_setup
 from shared import wire
+from shared.settings import FaultSettings
 
 SIDES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}  # kv role -> service name
 
@@ -68,6 +70,11 @@ class KvpushConnector(KVConnectorBase_V1):
             raise ValueError(f"KvpushConnector's kv_connector_extra_config: {exc}") from None
         if not config.nats_url:
             raise ValueError("KvpushConnector needs kv_connector_extra_config['nats_url']")
+        FaultSettings(lease_s=config.lease_s, kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)  # checks
+        if vllm_config.cache_config.enable_prefix_caching:
+            # A prompt's blocks could be shared with another request: a push would overwrite them.
+            raise ValueError("KvpushConnector does not support prefix caching yet: start the engine with "
+                             "enable_prefix_caching=False (vllm serve --no-enable-prefix-caching)")
         engine_id = transfer_config.engine_id
         otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -150,6 +157,9 @@ class KvpushConnector(KVConnectorBase_V1):
         idle = isinstance(meta, KvpushMetadata) and meta.idle
         sending, receiving, failed = self._worker.get_finished(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(sending, receiving, failed)
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta()
 
     def shutdown(self) -> None:
         if self._worker is not None:

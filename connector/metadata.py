@@ -1,10 +1,10 @@
-"""What the scheduler-side connector hands the worker side each step."""
+"""What the scheduler-side connector hands the worker side each step, and what it hears back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +51,13 @@ class KvpushMetadata(KVConnectorMetadata):
     expected: list[ExpectedKv] = field(default_factory=list)
     reads: list[PullRead] = field(default_factory=list)
     idle: bool = False  # nothing to compute this step: the worker may wait for transfers instead of spinning
+
+
+@dataclass
+class KvpushWorkerMeta(KVConnectorWorkerMetadata):
+    """What the worker side tells the scheduler side after a step."""
+
+    given_up: set[str] = field(default_factory=set)  # decode requests whose KV wait was given up: stop renewing
+
+    def aggregate(self, other: "KvpushWorkerMeta") -> "KvpushWorkerMeta":
+        return KvpushWorkerMeta(self.given_up | other.given_up)

@@ -28,7 +28,7 @@ from opentelemetry import trace
 
 from connector.bridge import NatsBridge
 from connector.leases import Renewals
-from connector.metadata import ExpectedKv, KvpushMetadata, PullRead, ReadyPrefill
+from connector.metadata import ExpectedKv, KvpushMetadata, KvpushWorkerMeta, PullRead, ReadyPrefill
 from otel import attributes as A
 from otel.messaging import context_from_traceparent
 from shared import settings, wire
@@ -197,6 +197,9 @@ class ConnectorScheduler:
 
     def update_connector_output(self, connector_output) -> None:
         self._stop_renewing(connector_output.finished_recving or ())
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KvpushWorkerMeta):
+            self._stop_renewing(worker_meta.given_up)  # decode gave up the wait: let prefill's lease run out
         for request_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(request_id)
 

@@ -19,7 +19,7 @@ from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
 from connector.completion import parse_notification
 from connector.consumer import Consumer
-from connector.metadata import KvpushMetadata
+from connector.metadata import KvpushMetadata, KvpushWorkerMeta
 from connector.producer import Producer
 from connector.transfer_thread import TransferThread
 from shared import wire
@@ -105,6 +105,10 @@ class ConnectorWorker:
         if self.consumer is not None:
             receiving, failed = self.consumer.get_finished(finished_req_ids)
         return sending, receiving, failed
+
+    def build_worker_meta(self) -> KvpushWorkerMeta | None:
+        given_up = self.consumer.take_given_up() if self.consumer is not None else set()
+        return KvpushWorkerMeta(given_up) if given_up else None
 
     # ---------------------------------------------------------------- the transfer thread
 

@@ -30,8 +30,22 @@ class FaultSettings:
 
     lease_s: float = 10.0  # prefill keeps an unclaimed prompt's blocks this long without a renewal
     kv_wait_s: float = 120.0  # decode gives registered blocks up after this long without the KV
-    quarantine_s: float = 10.0  # ...and keeps them this long more unless prefill answers the revoke
+    quarantine_s: float = 15.0  # ...and keeps them this long more unless prefill answers the revoke
     on_kv_failure: str = "recompute"  # or "fail"
+
+    def __post_init__(self) -> None:
+        # Decode gives blocks up, stops renewing, and revokes (again each second). If every
+        # Revoke is lost, prefill drops the registration once its lease runs out: that must
+        # happen before decode's quarantine ends and the blocks go back to vLLM. A renewal
+        # sent just before the give-up, and one step of the engine, come on top of the lease.
+        least = self.lease_s + 2 * HEARTBEAT_INTERVAL_S
+        if self.quarantine_s < least:
+            raise ValueError(
+                f"quarantine_s ({self.quarantine_s:g} s) must be at least lease_s + {2 * HEARTBEAT_INTERVAL_S:g} s "
+                f"({least:g} s): otherwise, with its Revoke lost, decode could free blocks that prefill "
+                "still holds a registration for and may write into")
+        if self.on_kv_failure not in ("recompute", "fail"):
+            raise ValueError(f"on_kv_failure must be recompute or fail, not {self.on_kv_failure!r}")
 
 
 FAULTS = FaultSettings()

@@ -50,8 +50,12 @@ def cmd_scheduler(args) -> int:
 def cmd_worker(args) -> int:
     from services.worker.service import Worker
 
-    faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
-                           on_kv_failure=args.on_kv_failure)
+    try:
+        faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
+                               on_kv_failure=args.on_kv_failure)
+    except ValueError as exc:
+        say(f"refusing to start: {exc}")
+        return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), args.worker_id, args.max_model_len, connector=args.connector,
         faults=faults))

@@ -122,3 +122,28 @@ def test_a_request_whose_kv_does_not_come_from_prefill_is_not_renewed(bridge, sc
     _next(busy_renewals)
     _next(busy_renewals)
     assert quiet_renewals.empty()
+
+
+def test_renewals_stop_as_soon_as_decode_gives_the_wait_up(bridge, scheduler):
+    """The worker side reports a given-up wait in its step's worker metadata, before the
+    blocks come back (they stay quarantined): prefill's lease must run out even if every
+    Revoke is lost."""
+    from connector.metadata import KvpushWorkerMeta
+
+    prefill = _id("prefill")
+    renewals = _listen(bridge, prefill)
+    given_up, waiting = _request(prefill), _request(prefill)
+    scheduler.on_new_request(given_up)
+    scheduler.on_new_request(waiting)
+    _renewals_until(renewals, lambda r: len(r.transfer_ids) == 2)
+
+    scheduler.update_connector_output(SimpleNamespace(
+        finished_recving=None, finished_sending=None, kv_connector_worker_meta=KvpushWorkerMeta({given_up.request_id})))
+    _renewals_until(renewals, lambda r: r.transfer_ids == [_transfer(waiting)])
+    assert _next(renewals).transfer_ids == [_transfer(waiting)]
+
+
+def test_worker_metadata_of_several_ranks_is_merged():
+    from connector.metadata import KvpushWorkerMeta
+
+    assert KvpushWorkerMeta({"a"}).aggregate(KvpushWorkerMeta({"b"})).given_up == {"a", "b"}

@@ -190,3 +190,24 @@ def test_early_answers_are_bounded_by_max_early():
         waits.arrived(tid, at=0.0)
     assert waits.start("r", "a", now=0.0).arrived is False  # forgotten, the oldest
     assert waits.start("r", "c", now=0.0).arrived is True
+
+
+def test_a_revoke_is_sent_again_until_prefill_answers():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    [revoked], _ = waits.tick(120.0)  # sent now
+    assert waits.revokes_due(120.5, every_s=1.0) == []
+    assert [w.transfer_id for w in waits.revokes_due(121.0, every_s=1.0)] == ["t"]  # it may have been lost
+    assert waits.revokes_due(121.5, every_s=1.0) == []
+    assert [w.transfer_id for w in waits.revokes_due(122.0, every_s=1.0)] == ["t"]
+    waits.prefill_gave_up("t", "revoked: decode gave the transfer up")  # the answer
+    assert waits.revokes_due(130.0, every_s=1.0) == []
+
+
+def test_an_open_wait_or_an_arrived_one_is_never_revoked_again():
+    waits = _waits()
+    waits.start("open", "t-open", now=0.0)
+    waits.start("done", "t-done", now=0.0)
+    waits.requests_finished({"done"}, now=1.0)
+    waits.arrived("t-done")  # the write landed during the quarantine
+    assert waits.revokes_due(50.0, every_s=1.0) == []
