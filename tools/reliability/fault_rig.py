@@ -175,9 +175,12 @@ class FaultRig:
 
     async def assert_pushed(self, outcome: "Outcome", timeout: float = 10.0) -> None:
         """The KV of the request's last attempt was pushed by prefill (not recomputed by decode)."""
-        ended = [p for p in self.progress if p.request_id == outcome.request_id and p.stage == "ended"]
-        assert ended, f"no end reported for {outcome.request_id}"
-        await wait_until(lambda: ended[-1].transfer_id in self.pushed, timeout,
+        def ended() -> list:
+            return [p for p in self.progress if p.request_id == outcome.request_id and p.stage == "ended"]
+
+        # Decode reports the end after the final reply, so the client can be first to know.
+        await wait_until(ended, timeout, f"the end of {outcome.request_id} reported")
+        await wait_until(lambda: ended()[-1].transfer_id in self.pushed, timeout,
                          f"the push of {outcome.request_id}'s KV")
 
     # ------------------------------------------------------------------ workers
