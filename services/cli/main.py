@@ -7,7 +7,6 @@ import sys
 
 from services.cli import requests, serve, tools
 from services.cli import settings as cli_settings
-from services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT  # noqa: F401  (compose is checked against them)
 
 
 # ------------------------------------------------------------------ parser

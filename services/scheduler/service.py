@@ -27,7 +27,7 @@ from services.bus import Bus
 from services.scheduler import dispatch
 from services.scheduler.flights import Flight, FlightTable
 from services.scheduler.routing import WorkerPool
-from services.tasks import BackgroundTasks
+from services.lifecycle import BackgroundTasks, Service
 from services.scheduler.validation import RequestValidator, request_id_of
 from shared import settings, wire
 from shared.errors import (
@@ -51,7 +51,7 @@ DISPATCH_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
 
 
-class Scheduler:
+class Scheduler(Service):
     """``async with Scheduler(url, validator):`` serves until closed. ``validator`` turns a
     request body into a ``ValidRequest`` (``validation.load_validator`` makes one from a
     model folder)."""
@@ -74,15 +74,6 @@ class Scheduler:
         self._closed = False
         self.bus: Bus | None = None
 
-    async def __aenter__(self) -> "Scheduler":
-        try:
-            await self._start()
-        except BaseException:
-            await self.close()  # what was opened before the failure
-            raise
-        log.info("scheduler ready", scheduler_id=self.scheduler_id)
-        return self
-
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.scheduler_id)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
@@ -95,9 +86,7 @@ class Scheduler:
         await self.bus.subscribe(wire.GENERATE_SUBJECT, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP)
         await self.bus.nc.flush()
         self._watch = asyncio.get_running_loop().create_task(self._watch_flights())
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+        log.info("scheduler ready", scheduler_id=self.scheduler_id)
 
     async def close(self) -> None:
         if self._closed:

@@ -23,7 +23,7 @@ from otel import attributes as A
 from otel.messaging import TEMPORARY, trace_id_hex
 from otel.metrics import instruments
 from services.bus import Bus
-from services.tasks import BackgroundTasks
+from services.lifecycle import BackgroundTasks, Service
 from services.worker.decode import DecodeRole
 from services.worker.engine import EngineLoad, EngineSettings, engine_args, side_channel
 from services.worker.jobs import RunningJob
@@ -44,7 +44,7 @@ def new_worker_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:10]}"
 
 
-class Worker:
+class Worker(Service):
     def __init__(
         self,
         role: str,
@@ -78,14 +78,6 @@ class Worker:
         self.engine = None
         self.bus: Bus | None = None
 
-    async def __aenter__(self) -> "Worker":
-        try:
-            await self._start()
-        except BaseException:
-            await self.close()  # what was opened before the failure
-            raise
-        return self
-
     async def _start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -102,9 +94,6 @@ class Worker:
         self._job_sub = await self.bus.subscribe(self.role.job_subject(worker_id=self.worker_id), self._on_job)
         await self.role.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
     async def close(self) -> None:
         if self._closed:

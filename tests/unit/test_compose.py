@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import ENVIRONMENT, OTEL_ENVIRONMENT, build_parser
+from services.cli.main import build_parser
+from services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 KVPUSH_SERVICES = {"scheduler", "prefill", "decode"}
