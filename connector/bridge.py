@@ -157,7 +157,7 @@ class NatsBridge:
         except msgspec.MsgspecError as exc:
             _refusals.warning("refused a malformed message on %s: %s", subject, exc)
             instruments().failures.add(1, {"reason": errors.BadMessage.code})
-            refusal = errors.refusal(service, str(subject), exc)  # str(): msgspec does not encode a wire.Subject
+            refusal = errors.refusal(service, subject, exc)
             self.publish(wire.INVALID_SUBJECT, wire.encode(refusal))
             return None
 

@@ -156,4 +156,5 @@ def to_error_body(exc: BaseException) -> ErrorBody:
 
 def refusal(service: str, subject: str, exc: BaseException, kind: type[BadMessage] = BadMessage) -> InvalidMessage:
     """What a service says on ``kvpush.invalid`` about a message it could not decode."""
-    return InvalidMessage(service=service, subject=subject, code=kind.code, reason=str(exc))
+    # str(): a wire.Subject is a str subclass, which msgspec does not encode
+    return InvalidMessage(service=service, subject=str(subject), code=kind.code, reason=str(exc))
