@@ -29,3 +29,6 @@ class _Instruments:
         self.rendezvous_wait = m.create_histogram(
             "kvpush.rendezvous.wait", unit="ms", description="how long the first half of a rendezvous waited")
         self.free_kv_blocks = m.create_gauge("kvpush.worker.free_kv_blocks", description="free KV blocks per worker")
+        self.stuck_holds = m.create_gauge(
+            "kvpush.kv.stuck_holds",
+            description="decode transfers whose blocks are held for a write prefill reported stuck (alert when > 0)")

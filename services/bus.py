@@ -18,7 +18,7 @@ import structlog
 from otel.messaging import TEMPORARY, TracedNats
 from otel.metrics import instruments
 from shared import wire
-from shared.errors import BadMessage, refusal
+from shared.errors import BadMessage, ForgedSender, WrongParty, refusal
 from shared.nats_security import connect_options
 
 log = structlog.get_logger("kvpush.bus")
@@ -34,7 +34,7 @@ class Bus(TracedNats):
 
     @classmethod
     async def connect(cls, url: str, service: str) -> "Bus":
-        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, **connect_options())
+        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, **connect_options(service=service))
         return cls(nc, service)
 
     @property
@@ -44,18 +44,32 @@ class Bus(TracedNats):
     async def decoded(self, msg, kind, decode: Callable = wire.decode, refuse_as: type[BadMessage] = BadMessage,
                       nack: bool = False):
         """``msg`` as ``kind``; or None, once the refusal is said on ``kvpush.invalid`` (and,
-        with ``nack``, to the sender as a refused ``JobAck``)."""
+        with ``nack``, to the sender as a refused ``JobAck``). A message that names a sender
+        other than its subject's is refused as forged (``wire.forged_sender``)."""
         try:
-            return decode(msg.data, kind)
+            message = decode(msg.data, kind)
         except msgspec.MsgspecError as exc:
             invalid = refusal(self.service, msg.subject, exc, refuse_as)
-        log.warning("refused a malformed message", subject=msg.subject, error=invalid.reason)
+        else:
+            forged = wire.forged_sender(msg.subject, message)
+            if forged is None:
+                return message
+            invalid = refusal(self.service, msg.subject, ValueError(forged), ForgedSender)
+        await self.refuse(invalid, msg, nack)
+        return None
+
+    async def refuse(self, invalid: wire.InvalidMessage, msg=None, nack: bool = False) -> None:
+        """Log, count and say on ``kvpush.invalid`` that a message was refused."""
+        log.warning("refused a message", subject=invalid.subject, code=invalid.code, error=invalid.reason)
         instruments().failures.add(1, {"reason": invalid.code})
-        if nack and msg.reply:
+        if nack and msg is not None and msg.reply:
             ack = wire.JobAck(accepted=False, error=wire.ErrorBody(invalid.code, f"malformed job: {invalid.reason}"))
             await self.publish(msg.reply, wire.encode(ack), template=TEMPORARY)
         await self.nc.publish(wire.INVALID_SUBJECT, wire.encode(invalid))
-        return None
+
+    async def wrong_party(self, msg, why: str) -> None:
+        """Refuse a well-formed message from a peer that has no part in what it is about."""
+        await self.refuse(refusal(self.service, msg.subject, ValueError(why), WrongParty))
 
     async def subscribe_plain(self, subject: str, cb: Callable[..., Awaitable[None]]):
         """A subscription without spans: for periodic messages that are part of no request."""

@@ -16,7 +16,10 @@
     ├── DeadlineExceeded        no final answer within the deadline
     ├── WorkerLost              a worker died after tokens went out (a retry would repeat them)
     ├── BadMessage              an internal message that does not decode (said on kvpush.invalid)
-    │   └── BadJob              ...a job, refused to the scheduler that sent it
+    │   ├── BadJob              ...a job, refused to the scheduler that sent it
+    │   ├── InvalidReply        ...a request whose reply subject is not the client's own inbox
+    │   ├── ForgedSender        ...names a sender other than the one its subject proves
+    │   └── WrongParty          ...comes from a peer that has no part in that transfer
     └── TransferError           one transfer's KV will not be written or read (TransferFailed.code)
         ├── LeaseExpired        decode did not renew prefill's lease on the blocks
         ├── TpMismatch          prefill and decode run different tensor-parallel sizes
@@ -25,6 +28,7 @@
         ├── Revoked             decode gave the transfer up
         ├── AgentUnreachable    the peer's NIXL agent could not be had
         ├── WriteFailed         the WRITE failed
+        │   └── WriteStuck      ...never ended: it may still land, so decode keeps the blocks
         └── ReadFailed          pull: the READ failed
 
 ``to_error_body`` is the one boundary that turns any exception into an error reply, and
@@ -112,6 +116,18 @@ class BadJob(BadMessage):
     code = "bad_job"
 
 
+class InvalidReply(BadMessage):
+    code = "invalid_reply"
+
+
+class ForgedSender(BadMessage):
+    code = "forged_sender"
+
+
+class WrongParty(BadMessage):
+    code = "wrong_party"
+
+
 class TransferError(KvpushError):
     code = "transfer_failed"
 
@@ -142,6 +158,10 @@ class AgentUnreachable(TransferError):
 
 class WriteFailed(TransferError):
     code = "write_failed"
+
+
+class WriteStuck(WriteFailed):
+    code = "write_stuck"
 
 
 class ReadFailed(TransferError):

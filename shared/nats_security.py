@@ -18,6 +18,10 @@ process, calls ``nats.connect(url, **connect_options())``.
 
 At most one of the four ways to authenticate may be given. An empty variable counts as
 unset. This module does not import nats, so it can be used (and tested) anywhere.
+
+Inboxes. A service (``service=`` its id) takes replies under ``_KVPUSH_INBOX.<id>``, a
+client logged in as a user under ``_INBOX.<user>``: with per-identity users
+(``shared.permissions``) those are the only inboxes each may read.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import ssl
 from collections.abc import Mapping, MutableMapping
 
+from shared import permissions
 from shared.errors import KvpushError
 
 ENV_VARS: dict[str, str] = {
@@ -61,8 +66,9 @@ class NatsConfigError(KvpushError, ValueError):
     code = "nats_config"
 
 
-def connect_options(env: Mapping[str, str] = os.environ) -> dict:
-    """Keyword arguments for ``nats.connect(url, **connect_options())``; ``{}`` when nothing is set.
+def connect_options(env: Mapping[str, str] = os.environ, service: str | None = None) -> dict:
+    """Keyword arguments for ``nats.connect(url, **connect_options())``; ``{}`` for an
+    anonymous client when nothing is set. ``service``: the id of the service connecting.
 
     Raises NatsConfigError for a contradiction, so a misconfigured process fails at
     start-up with a sentence instead of with an authorization error from the server.
@@ -72,7 +78,18 @@ def connect_options(env: Mapping[str, str] = os.environ) -> dict:
     tls = _tls_context(settings)
     if tls is not None:
         options["tls"] = tls
+    user = settings.get("nats_user")
+    if service is not None:
+        options["inbox_prefix"] = permissions.service_inbox(service)
+    elif user is not None:
+        options["inbox_prefix"] = permissions.client_inbox(user)
     return options
+
+
+def nats_user(env: Mapping[str, str] = os.environ) -> str | None:
+    """The NATS user this process logs in as (``KVPUSH_NATS_USER``), if any: with
+    per-identity users, a service's id."""
+    return env.get(ENV_VARS["nats_user"]) or None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

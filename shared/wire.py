@@ -1,31 +1,51 @@
 """Every message kvpush puts on NATS, and the subject each one travels on.
 
+Identity. Core NATS never says who published a message, but the server can enforce who
+may publish on which subject. So wherever a message says who sent it, the sender's
+identity is also the last token of its subject (``<sender>`` below), and the receiver
+refuses the message if the two differ (``forged_sender``). With one NATS user per worker
+(``shared.permissions``, ``deploy/``), only that worker may publish under its own name,
+and each worker may read only its own jobs. A worker's id is its NATS user; a restart
+keeps the id and gets a new ``incarnation``.
+
 Public (JSON, for clients):
 
-    kvpush.generate                 GenerateRequest  client -> scheduler (queue group)
+    kvpush.generate[.<client>]      GenerateRequest  client -> scheduler (queue group); with
+                                    per-client users, on the client's own subject
     <client reply subject>          TokenChunk* then FinalReply   decode worker -> client
-                                    (or ErrorReply, from whichever service ended it)
-    kvpush.cancel                   CancelRequest    client -> every scheduler
+                                    (or ErrorReply, from whichever service ended it); an inbox
+                                    under ``_INBOX.`` (``_INBOX.<client>.`` for a named client)
+    kvpush.cancel[.<client>]        CancelRequest    client -> every scheduler; a named client
+                                    cancels only its own requests
 
 Internal (msgpack):
 
     kvpush.scheduler.status         SchedulerStatus (JSON reply to any request)
-    kvpush.worker.heartbeat         WorkerHeartbeat   worker -> scheduler, every second
+    kvpush.worker.heartbeat.<sender>  WorkerHeartbeat   worker -> scheduler, every second
     kvpush.prefill.<worker_id>      PrefillJob (request, ack) | CancelJob   scheduler -> prefill
     kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob    scheduler -> decode
-    kvpush.request.progress         RequestProgress   decode worker -> schedulers: streaming, ended
-    kvpush.kv.register.<engine_id>  Registration | LeaseRenewal | Revoke
+    kvpush.request.progress.<sender>  RequestProgress   decode worker -> schedulers: streaming, ended
+    kvpush.kv.register.<engine_id>.<sender>  Registration | LeaseRenewal | Revoke
                                                       decode -> prefill connector: blocks to push
                                                       into; keep my prefill's blocks; give up
     kvpush.kv.agent.<engine_id>.<rank>  AgentInfo     reply to an empty request: a worker
                                                        rank's NIXL agent and KV layout
-    kvpush.kv.agents                AgentInfo         announced once when a rank is ready
-    kvpush.handoff                  Handoff           prefill worker: prefill finished (in pull
+    kvpush.kv.agents.<sender>       AgentInfo         announced once when a rank is ready
+    kvpush.handoff.<sender>         Handoff           prefill worker: prefill finished (in pull
                                                        mode the scheduler then picks decode)
-    kvpush.kv.completion.<decode_engine_id>   TransferDone | TransferFailed
+    kvpush.kv.completion.<decode_engine_id>.<sender>  TransferDone | TransferFailed
                                                       prefill connector -> that decode and the
-                                                      schedulers (``kvpush.kv.completion.*``)
+                                                      schedulers (``kvpush.kv.completion.*.*``)
     kvpush.invalid                  InvalidMessage    any service: a message it refused
+
+Services take replies on inboxes under ``_KVPUSH_INBOX.<identity>``, out of clients' reach;
+clients on inboxes under ``_INBOX.<client>``.
+
+A transfer's ``transfer_key`` is a secret the scheduler gives only the two workers it
+chose (on their private job subjects). Registrations and revokes carry it, and every
+NIXL notification carries a tag made with it over the receiver's block ids
+(``connector.completion``): a completion is accepted only from the chosen peer, for the
+blocks the receiver itself named.
 
 Protocol history:
     1 - first version (push); pull and vLLM's own connectors added with defaulted fields
@@ -36,29 +56,42 @@ Protocol history:
     3 - engine request ids are the worker's business: PrefillJob/DecodeJob lose
         engine_request_id (a version-2 peer's is ignored). Decode renews leases from its
         connector; the LeaseRenewal message is unchanged.
+    4 - identities NATS enforces: the sender's id is the last token of every subject whose
+        message names its sender; per-client request and cancel subjects; transfer keys,
+        tagged notifications, and incarnations on agents and registrations. Not
+        compatible with version 3 peers (their subjects differ).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 GENERATE_SUBJECT = "kvpush.generate"
-SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
-HEARTBEAT_SUBJECT = "kvpush.worker.heartbeat"
-HANDOFF_SUBJECT = "kvpush.handoff"
 CANCEL_SUBJECT = "kvpush.cancel"
-PROGRESS_SUBJECT = "kvpush.request.progress"
+SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
 INVALID_SUBJECT = "kvpush.invalid"
-AGENTS_SUBJECT = "kvpush.kv.agents"
 SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
+
+CLIENT_INBOX_PREFIX = "_INBOX"
+SERVICE_INBOX_PREFIX = "_KVPUSH_INBOX"
 
 Role = Literal["prefill", "decode"]
 TransferMode = Literal["push", "pull"]
+
+IDENTITY_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+"""A worker, scheduler or client name: one NATS subject token, no wildcards, no dots."""
+
+
+def identity_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a kvpush identity (it becomes a subject token), or None."""
+    if re.fullmatch(IDENTITY_PATTERN, name):
+        return None
+    return f"{name!r} is not a valid id: use 1-64 letters, digits, '-' and '_'"
 
 
 class Subject(str):
@@ -84,12 +117,22 @@ class SubjectTemplate(str):
         """The subscription that matches every subject of this template."""
         return re.sub(r"\{[^}]+\}", "*", self)
 
+    def partly(self, **parts: object) -> str:
+        """The subscription for the given parts, every other part a wildcard."""
+        return re.sub(r"\{([^}]+)\}", lambda m: str(parts.get(m.group(1), "*")), self)
 
+
+OWNED_GENERATE = SubjectTemplate("kvpush.generate.{client}")
+OWNED_CANCEL = SubjectTemplate("kvpush.cancel.{client}")
+HEARTBEATS = SubjectTemplate("kvpush.worker.heartbeat.{sender}")
 PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
 DECODE_JOBS = SubjectTemplate("kvpush.decode.{worker_id}")
-KV_CONTROL = SubjectTemplate("kvpush.kv.register.{engine_id}")
-KV_COMPLETIONS = SubjectTemplate("kvpush.kv.completion.{engine_id}")
+PROGRESS = SubjectTemplate("kvpush.request.progress.{sender}")
+HANDOFFS = SubjectTemplate("kvpush.handoff.{sender}")
+KV_CONTROL = SubjectTemplate("kvpush.kv.register.{engine_id}.{sender}")
+KV_COMPLETIONS = SubjectTemplate("kvpush.kv.completion.{engine_id}.{sender}")
 KV_AGENT = SubjectTemplate("kvpush.kv.agent.{engine_id}.{rank}")
+KV_AGENTS = SubjectTemplate("kvpush.kv.agents.{sender}")
 COMPLETION_SUBJECTS = KV_COMPLETIONS.wildcard
 
 
@@ -101,16 +144,58 @@ def decode_job_subject(worker_id: str) -> Subject:
     return DECODE_JOBS(worker_id=worker_id)
 
 
-def registration_subject(prefill_engine_id: str) -> Subject:
-    return KV_CONTROL(engine_id=prefill_engine_id)
+def registration_subject(prefill_engine_id: str, decode_engine_id: str) -> Subject:
+    return KV_CONTROL(engine_id=prefill_engine_id, sender=decode_engine_id)
 
 
-def completion_subject(decode_engine_id: str) -> Subject:
-    return KV_COMPLETIONS(engine_id=decode_engine_id)
+def completion_subject(decode_engine_id: str, sender: str) -> Subject:
+    return KV_COMPLETIONS(engine_id=decode_engine_id, sender=sender)
 
 
 def agent_subject(engine_id: str, rank: int) -> Subject:
     return KV_AGENT(engine_id=engine_id, rank=rank)
+
+
+def sender_of(subject: str) -> str:
+    """The sender token of a subject that ends in one (the templates with ``{sender}``)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def forged_sender(subject: str, message: msgspec.Struct) -> str | None:
+    """Why ``message`` must be refused because it names a sender other than the one its
+    subject (which NATS lets only that sender publish on) proves; None if it is fine.
+    A message kind without ``sender_field`` names nobody and is never forged."""
+    field = getattr(type(message), "sender_field", None)
+    if field is None:
+        return None
+    claimed = getattr(message, field)
+    if claimed == sender_of(subject):
+        return None
+    return f"a {type(message).__name__} that says it is from {claimed!r} came on {subject}"
+
+
+def owner_of(subject: str) -> str:
+    """The client a request or cancel subject names (``kvpush.generate.<client>``), or ""."""
+    for template in (OWNED_GENERATE, OWNED_CANCEL):
+        base = template.split("{")[0]
+        if subject.startswith(base):
+            return subject[len(base):]
+    return ""
+
+
+def is_inbox(reply: str) -> bool:
+    """A reply subject a service may answer on: an inbox, never one of kvpush's subjects
+    (a server lets a responder publish on whatever reply subject it was given)."""
+    return reply.startswith((CLIENT_INBOX_PREFIX + ".", SERVICE_INBOX_PREFIX + "."))
+
+
+def reply_problem(reply: str, owner: str) -> str | None:
+    """Why a client's reply subject is refused (it must be an inbox, the client's own when
+    it is named), or None: output must never be pointed at an internal subject."""
+    prefix = f"{CLIENT_INBOX_PREFIX}.{owner}." if owner else f"{CLIENT_INBOX_PREFIX}."
+    if not reply.startswith(prefix) or "*" in reply or ">" in reply or " " in reply:
+        return f"the reply subject {reply!r} must be an inbox under {prefix}"
+    return None
 
 
 # --------------------------------------------------------------------------- public JSON
@@ -180,6 +265,8 @@ Connector = Literal["kvpush", "vllm-nixl", "vllm-nixl-push"]
 
 
 class WorkerHeartbeat(Internal):
+    sender_field: ClassVar[str] = "worker_id"
+
     worker_id: str
     role: Role
     free_kv_blocks: int
@@ -190,7 +277,7 @@ class WorkerHeartbeat(Internal):
     max_model_len: int
     connector: Connector = "kvpush"
     kv_params: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM connectors: how to reach us
-    incarnation: str = ""  # new on every start: a restarted worker that kept its id is still a new one
+    incarnation: str = ""  # new on every start: a restarted worker keeps its id, not its incarnation
 
 
 class SamplingSpec(msgspec.Struct):
@@ -206,6 +293,7 @@ class PrefillJob(Internal):
     received_at: float
     mode: TransferMode = "push"
     decode_engine_id: str = ""  # push only: pull picks decode after prefill
+    transfer_key: str = ""  # the transfer's secret, shared with its decode only
 
 
 class DecodeJob(Internal):
@@ -221,6 +309,8 @@ class DecodeJob(Internal):
     # vLLM's push, its address); in pull what its engine returned (for kvpush, a
     # PrefilledKv: its block ids). The worker makes the engine's kv_transfer_params from it.
     kv_transfer_params: dict[str, Any] = msgspec.field(default_factory=dict)
+    transfer_key: str = ""  # the transfer's secret, shared with its prefill only
+    prefill_incarnation: str = ""  # the prefill engine's start the scheduler chose
 
 
 class CancelJob(Internal):
@@ -240,6 +330,8 @@ ProgressStage = Literal["streaming", "ended"]
 class RequestProgress(Internal):
     """Decode worker -> schedulers: the first token went out (a retry would now repeat
     tokens), or the request ended (``outcome``: ok, error, cancelled, client_gone)."""
+
+    sender_field: ClassVar[str] = "worker_id"
 
     request_id: str
     transfer_id: str
@@ -263,6 +355,8 @@ class KvRegion(msgspec.Struct, array_like=True):
 
 
 class AgentInfo(Internal):
+    sender_field: ClassVar[str] = "engine_id"
+
     engine_id: str
     rank: int
     agent_name: str
@@ -271,10 +365,15 @@ class AgentInfo(Internal):
     device_id: int
     num_blocks: int
     regions: list[KvRegion]
+    incarnation: str = ""  # the engine's start this agent belongs to
 
 
 class Registration(Internal):
-    """Decode allocated ``block_ids`` for the prompt of ``transfer_id``; push into them."""
+    """Decode allocated ``block_ids`` for the prompt of ``transfer_id``; push into them,
+    through the agent of ``decode_incarnation`` only (an earlier process of the same
+    engine id has other memory)."""
+
+    sender_field: ClassVar[str] = "decode_engine_id"
 
     transfer_id: str
     request_id: str
@@ -284,10 +383,14 @@ class Registration(Internal):
     block_ids: list[int]
     num_tokens: int
     registered_at: float
+    transfer_key: str = ""
+    decode_incarnation: str = ""
 
 
 class LeaseRenewal(Internal):
     """Decode still wants these transfers: prefill keeps their blocks a lease longer."""
+
+    sender_field: ClassVar[str] = "decode_engine_id"
 
     decode_engine_id: str
     transfer_ids: list[str]
@@ -297,15 +400,20 @@ class Revoke(Internal):
     """Decode gave the blocks of ``transfer_id`` up: start no write into them, and answer
     (a completion event) once no write of ours can still land in them."""
 
+    sender_field: ClassVar[str] = "decode_engine_id"
+
     transfer_id: str
     decode_engine_id: str
     reason: str
+    transfer_key: str = ""
 
 
 KvControl = Registration | LeaseRenewal | Revoke
 
 
 class Handoff(Internal):
+    sender_field: ClassVar[str] = "prefill_engine_id"
+
     request_id: str
     transfer_id: str
     prefill_engine_id: str
@@ -320,6 +428,8 @@ RendezvousOrder = Literal["registration_first", "prefill_first"]
 
 
 class TransferDone(Internal):
+    sender_field: ClassVar[str] = "prefill_engine_id"
+
     transfer_id: str
     prefill_engine_id: str
     decode_engine_id: str
@@ -333,6 +443,10 @@ class TransferDone(Internal):
 
 
 class TransferFailed(Internal):
+    """``prefill_engine_id`` is whoever reports it: the prefill, or decode for its own READ."""
+
+    sender_field: ClassVar[str] = "prefill_engine_id"
+
     transfer_id: str
     prefill_engine_id: str
     decode_engine_id: str
@@ -375,6 +489,7 @@ class PrefillKvParams(_KvParams, kw_only=True):
     mode: TransferMode = "push"
     decode_engine_id: str = ""  # push: the only decode whose registration may be written to
     traceparent: str = ""
+    transfer_key: str = ""
 
 
 class PrefilledKv(_KvParams, kw_only=True):
@@ -385,6 +500,7 @@ class PrefilledKv(_KvParams, kw_only=True):
     prefill_engine_id: str
     prefill_tp_size: int
     remote_block_ids: list[int]
+    prefill_incarnation: str = ""  # read through this start's agents only
 
 
 class DecodeKvParams(_KvParams, kw_only=True):
@@ -398,7 +514,9 @@ class DecodeKvParams(_KvParams, kw_only=True):
     prefill_tp_size: int = 1
     mode: TransferMode = "push"
     remote_block_ids: list[int] = msgspec.field(default_factory=list)
+    prefill_incarnation: str = ""
     traceparent: str = ""
+    transfer_key: str = ""
 
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):
@@ -409,6 +527,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     lease_s: float
     kv_wait_s: float
     quarantine_s: float
+    incarnation: str = ""  # the worker's start: carried by this engine's agents and registrations
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,4 +1,8 @@
-"""Client side of ``kvpush.generate``: publish with a reply inbox, read the stream."""
+"""Client side of ``kvpush.generate``: publish with a reply inbox, read the stream.
+
+A connection logged in as a named client (its inbox prefix ``_INBOX.<client>``, which
+``shared.nats_security.connect_options`` sets) sends on that client's own subjects,
+``kvpush.generate.<client>`` and ``kvpush.cancel.<client>``."""
 
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncItera
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     finished = False
+    owner = client_of(nc)
     try:
-        await nc.publish(wire.GENERATE_SUBJECT, data, reply=inbox)
+        await nc.publish(wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT, data, reply=inbox)
         while True:
             msg = await sub.next_msg(timeout=timeout)
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
@@ -47,7 +52,18 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncItera
 
 async def cancel(nc, request_id: str) -> None:
     """Ask the schedulers to stop ``request_id`` wherever it is."""
-    await nc.publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(request_id)))
+    owner = client_of(nc)
+    subject = wire.OWNED_CANCEL(client=owner) if owner else wire.CANCEL_SUBJECT
+    await nc.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
+
+
+def client_of(nc) -> str:
+    """The client a connection is logged in as, read from its inbox prefix
+    (``_INBOX.<client>``); "" for an anonymous one. nats-py keeps the prefix in
+    ``_inbox_prefix``, with no public accessor."""
+    prefix = bytes(getattr(nc, "_inbox_prefix", b"")).decode()
+    head, _, name = prefix.partition(".")
+    return name if head == wire.CLIENT_INBOX_PREFIX else ""
 
 
 async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[list[int], str, dict]:

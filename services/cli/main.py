@@ -52,12 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
     cli_settings.add(scheduler, "--mode", "--log-level", "--deadline-s", "--worker-timeout-s")
+    scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=serve.cmd_scheduler)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker")
     engine_options(worker)
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
-    worker.add_argument("--worker-id", help="default: <role>-<random>; a restart gets a new identity")
+    worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
+                                            "keeps the id and gets a new incarnation")
     cli_settings.add(worker, "--connector", "--log-level", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=serve.cmd_worker)
@@ -110,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--min-decode", type=int, default=0)
     status.add_argument("--timeout", type=float, default=2.0)
     status.set_defaults(func=requests.cmd_status)
+
+    nats_config = sub.add_parser("nats-config", help="write a nats-server config with one NATS user per worker, "
+                                                     "scheduler and client, each allowed only its own subjects")
+    for flag, default in (("--schedulers", "scheduler-0"), ("--prefill", "prefill-0"), ("--decode", "decode-0"),
+                          ("--clients", "client-0")):
+        nats_config.add_argument(flag, default=default, help=f"comma-separated names (default {default})")
+    nats_config.add_argument("--passwords", choices=["env", "random"], default="env",
+                             help="env: the server reads $NATS_PASSWORD_<NAME> from its environment; random: "
+                                  "new passwords written into the config (and to --passwords-out)")
+    nats_config.add_argument("--passwords-out", help="with --passwords random: write NAME=PASSWORD lines here")
+    nats_config.add_argument("--tls-dir", help="a folder with server.pem, server-key.pem, ca.pem: mutual TLS")
+    nats_config.add_argument("--port", type=int, default=4222)
+    nats_config.add_argument("--out", help="the config file (default: standard output)")
+    nats_config.add_argument("--sample", action="store_true", help="print deploy/nats-server.conf and stop")
+    nats_config.set_defaults(func=tools.cmd_nats_config)
 
     trace = sub.add_parser("trace", help="show where a request's time went, from the local span files")
     trace.add_argument("request_id", nargs="?")

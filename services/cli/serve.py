@@ -43,21 +43,23 @@ def cmd_scheduler(args) -> int:
 
     validator = load_validator(model_path(args), args.max_model_len)
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
-        args.nats_url, validator, mode=args.mode, deadline_s=args.deadline_s,
+        args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
         worker_timeout_s=args.worker_timeout_s))
 
 
 def cmd_worker(args) -> int:
-    from services.worker.service import Worker
+    from services.worker.service import Worker, worker_id_for
+    from shared.nats_security import nats_user
 
     try:
         faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
                                on_kv_failure=args.on_kv_failure)
+        worker_id = worker_id_for(args.role, args.worker_id, nats_user())
     except ValueError as exc:
         say(f"refusing to start: {exc}")
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
-        args.role, args.nats_url, model_path(args), args.worker_id, args.max_model_len, connector=args.connector,
+        args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
         faults=faults))
 
 

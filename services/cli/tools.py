@@ -10,6 +10,47 @@ from pathlib import Path
 
 from services.cli.common import model_path, say
 
+def cmd_nats_config(args) -> int:
+    import os
+
+    from shared import permissions
+
+    if args.sample:
+        sys.stdout.write(permissions.sample_config())
+        return 0
+    roles = {"scheduler": args.schedulers, "prefill": args.prefill, "decode": args.decode, "client": args.clients}
+    try:
+        identities = [
+            permissions.Identity(role, name.strip(), permissions.new_password() if args.passwords == "random" else "")
+            for role, names in roles.items() for name in names.split(",") if name.strip()
+        ]
+        password = permissions.literal_password if args.passwords == "random" else permissions.env_password
+        tls = None
+        if args.tls_dir:
+            folder = Path(args.tls_dir).resolve()
+            tls = {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
+                   "ca_file": str(folder / "ca.pem")}
+        config = permissions.render_config(identities, password, tls=tls, port=args.port)
+    except ValueError as exc:
+        print(f"kvpush nats-config: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).write_text(config)
+        os.chmod(args.out, 0o600)
+        say(f"wrote {args.out}: {len(identities)} users")
+    else:
+        sys.stdout.write(config)
+    if args.passwords == "random" and args.passwords_out:
+        fd = os.open(args.passwords_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.writelines(f"{identity.name}={identity.password}\n" for identity in identities)
+        say(f"wrote the passwords to {args.passwords_out}")
+    elif args.passwords == "env":
+        say("the server reads each password from its environment: "
+            + ", ".join(permissions.password_variable(identity.name) for identity in identities))
+    return 0
+
+
 def cmd_model_build(args) -> int:
     from tools.model_build import build_model, default_model_dir
 

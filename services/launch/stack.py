@@ -52,7 +52,8 @@ class Stack:
         self.connector = connector
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
-        self.role_env = role_env or {}  # per role (scheduler, prefill, decode, client): e.g. its NATS user
+        # Per worker name (prefill-0, ...), else per role (scheduler, prefill, decode, client): e.g. its NATS user.
+        self.role_env = role_env or {}
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
 
@@ -72,13 +73,18 @@ class Stack:
     def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one more worker (a replacement after a crash, say); it joins on its own."""
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        return self._spawn(role, name, ["worker", "--role", role, *common, "--connector", self.connector], env)
+        args = ["worker", "--role", role, *common, "--connector", self.connector]
+        if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
+            # Our own NATS: nobody else's workers can share these names. (With per-worker
+            # NATS users the user is the id; on a shared server without, each gets a new one.)
+            args += ["--worker-id", name]
+        return self._spawn(role, name, args, env)
 
-    def _env(self, role: str) -> dict[str, str]:
-        return {**os.environ, **self.extra_env, **self.role_env.get(role, {})}
+    def _env(self, role: str, name: str = "") -> dict[str, str]:
+        return {**os.environ, **self.extra_env, **self.role_env.get(name, self.role_env.get(role, {}))}
 
     def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        env = {**self._env(role), **(env or {})}
+        env = {**self._env(role, name), **(env or {})}
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

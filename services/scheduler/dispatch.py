@@ -39,6 +39,7 @@ def prefill_job(flight: Flight) -> wire.PrefillJob:
         received_at=flight.received_at,
         mode=flight.mode,
         decode_engine_id=flight.decode_id if flight.mode == "push" else "",
+        transfer_key=flight.transfer_key,
     )
 
 
@@ -56,4 +57,6 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None) -> wire.Decode
         received_at=flight.received_at,
         mode=flight.mode,
         kv_transfer_params=dict(prefill_kv or {}),
+        transfer_key=flight.transfer_key,
+        prefill_incarnation=flight.prefill_incarnation,
     )

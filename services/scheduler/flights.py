@@ -13,6 +13,7 @@ pushed or, in pull mode, once decode took the job.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -28,8 +29,10 @@ class Flight:
     received_at: float  # wall clock, seconds
     deadline: float  # monotonic
     mode: str = "push"
+    owner: str = ""  # the client that sent it ("" for an anonymous one): only it may cancel it
     attempt: int = 0
     transfer_id: str = ""
+    transfer_key: str = ""  # this attempt's secret, for its two workers only
     prefill_id: str = ""  # "" until chosen
     decode_id: str = ""  # "" until chosen (pull: after prefill)
     prefill_incarnation: str = ""  # which start of that worker got the job
@@ -47,6 +50,7 @@ class Flight:
     def new_attempt(self, transfer_id: str) -> None:
         self.attempt += 1
         self.transfer_id = transfer_id
+        self.transfer_key = secrets.token_hex(16)
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
         self.streaming = self.kv_pushed = self.decode_took_job = False
 

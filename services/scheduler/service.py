@@ -30,17 +30,20 @@ from services.scheduler.routing import WorkerPool
 from services.lifecycle import BackgroundTasks, Service
 from services.scheduler.validation import RequestValidator, request_id_of
 from shared import settings, wire
+from shared.nats_security import nats_user
 from shared.errors import (
     Cancelled,
     DeadlineExceeded,
     DispatchFailed,
     EngineFailed,
     InvalidField,
+    InvalidReply,
     KvpushError,
     NoWorkers,
     PayloadTooLarge,
     RequestError,
     WorkerLost,
+    refusal,
     to_error_body,
 )
 
@@ -65,7 +68,9 @@ class Scheduler(Service):
         self.deadline_s = deadline_s
         self._handoffs: dict[str, asyncio.Future] = {}  # pull: transfer id -> its prefill's handoff
         self.nats_url = nats_url
-        self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:10]}"
+        self.scheduler_id = scheduler_id or nats_user() or f"scheduler-{uuid.uuid4().hex[:10]}"
+        if (problem := wire.identity_problem(self.scheduler_id)) is not None:
+            raise ValueError(f"scheduler id: {problem}")
         self.validator = validator
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
         self.flights = FlightTable(max_attempts=max_attempts)
@@ -77,13 +82,16 @@ class Scheduler(Service):
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.scheduler_id)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
-        await self.bus.subscribe_plain(wire.HEARTBEAT_SUBJECT, self._on_heartbeat)
+        await self.bus.subscribe_plain(wire.HEARTBEATS.wildcard, self._on_heartbeat)
         await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
-        await self.bus.subscribe(wire.HANDOFF_SUBJECT, self._on_handoff)
+        await self.bus.subscribe(wire.HANDOFFS.wildcard, self._on_handoff, template=wire.HANDOFFS)
         await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template=wire.KV_COMPLETIONS)
-        await self.bus.subscribe(wire.PROGRESS_SUBJECT, self._on_progress)
-        await self.bus.subscribe(wire.CANCEL_SUBJECT, self._on_cancel)
-        await self.bus.subscribe(wire.GENERATE_SUBJECT, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP)
+        await self.bus.subscribe(wire.PROGRESS.wildcard, self._on_progress, template=wire.PROGRESS)
+        for cancel in (wire.CANCEL_SUBJECT, wire.OWNED_CANCEL.wildcard):
+            await self.bus.subscribe(cancel, self._on_cancel, template=wire.CANCEL_SUBJECT)
+        for generate in (wire.GENERATE_SUBJECT, wire.OWNED_GENERATE.wildcard):
+            await self.bus.subscribe(generate, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP,
+                                     template=wire.GENERATE_SUBJECT)
         await self.bus.nc.flush()
         self._watch = asyncio.get_running_loop().create_task(self._watch_flights())
         log.info("scheduler ready", scheduler_id=self.scheduler_id)
@@ -114,17 +122,24 @@ class Scheduler(Service):
             prefill_workers=[b.worker_id for b in self.pool.live("prefill", now)],
             decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
         )
-        if msg.reply:
+        if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.nc.publish(msg.reply, wire.encode_json(status))
 
     async def _on_handoff(self, msg) -> None:
         handoff = await self.bus.decoded(msg, wire.Handoff)
         if handoff is None:
             return
+        flight = self.flights.by_transfer(handoff.transfer_id)
+        if flight is None:
+            return  # another scheduler's, or an attempt we already replaced
+        if handoff.prefill_engine_id != flight.prefill_id:
+            await self.bus.wrong_party(msg, f"a Handoff from {handoff.prefill_engine_id} for {handoff.transfer_id}, "
+                                            f"whose prefill is {flight.prefill_id or 'not chosen'}")
+            return
         waiting = self._handoffs.get(handoff.transfer_id)
         if waiting is not None and not waiting.done():
             waiting.set_result(handoff)  # pull: now pick decode
-        elif handoff.error is not None and (flight := self.flights.by_transfer(handoff.transfer_id)):
+        elif handoff.error is not None:
             await self._end(flight, EngineFailed(handoff.error.message))  # push: decode would wait in vain
         log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
                   prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
@@ -133,7 +148,12 @@ class Scheduler(Service):
         event = await self.bus.decoded(msg, wire.Completion)
         match event:
             case wire.TransferDone():
-                if flight := self.flights.by_transfer(event.transfer_id):
+                flight = self.flights.by_transfer(event.transfer_id)
+                if flight is not None and event.prefill_engine_id != flight.prefill_id:
+                    await self.bus.wrong_party(msg, f"a TransferDone from {event.prefill_engine_id} for "
+                                                    f"{event.transfer_id}, whose prefill is {flight.prefill_id}")
+                    return
+                if flight is not None:
                     flight.kv_pushed = True
                 log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
                           bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
@@ -146,6 +166,10 @@ class Scheduler(Service):
         flight = self.flights.by_transfer(event.transfer_id) if event is not None else None
         if flight is None:
             return  # another scheduler's, or an attempt we already replaced
+        if event.worker_id != flight.decode_id:
+            await self.bus.wrong_party(msg, f"progress from {event.worker_id} for {event.transfer_id}, "
+                                            f"whose decode is {flight.decode_id or 'not chosen'}")
+            return
         if event.stage == "streaming":
             flight.streaming = True
             return
@@ -156,6 +180,9 @@ class Scheduler(Service):
     async def _on_cancel(self, msg) -> None:
         cancel = await self.bus.decoded(msg, wire.CancelRequest, wire.decode_json)
         flight = self.flights.by_request(cancel.request_id) if cancel is not None else None
+        if flight is not None and flight.owner != wire.owner_of(msg.subject):
+            await self.bus.wrong_party(msg, f"a cancel of {cancel.request_id}, which another client sent")
+            return
         if flight is not None:  # otherwise another scheduler's, or already ended
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
 
@@ -169,13 +196,18 @@ class Scheduler(Service):
         if not msg.reply:
             log.warning("dropped a request without a reply subject")
             return
+        owner = wire.owner_of(msg.subject)
+        bad_reply = wire.reply_problem(msg.reply, owner)
+        if bad_reply is not None:  # never publish there: it could be another's inbox, or internal
+            await self.bus.refuse(refusal(self.scheduler_id, msg.subject, ValueError(bad_reply), InvalidReply))
+            return
         try:
             request = self.validator.validate(msg.data)
         except RequestError as exc:
             await self._reply_error(msg.reply, request_id_of(msg.data), exc)
             return
         flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
-                        mode=request.transfer_mode or self.mode)
+                        mode=request.transfer_mode or self.mode, owner=owner)
         if not self.flights.add(flight):
             await self._reply_error(msg.reply, request.request_id, InvalidField(
                 f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))

@@ -82,7 +82,7 @@ class DecodeRole:
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
                                      worker_id=self.worker.worker_id, stage=stage, outcome=outcome)
         try:
-            await self.worker.bus.publish(wire.PROGRESS_SUBJECT, wire.encode(event))
+            await self.worker.bus.publish(wire.PROGRESS(sender=self.worker.worker_id), wire.encode(event))
         except Exception as exc:
             log.warning("could not report progress", error=str(exc))
 

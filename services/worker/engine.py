@@ -36,6 +36,7 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     connector: str = settings.CONNECTOR  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
     faults: FaultSettings = settings.FAULTS
+    incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
 
 
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
@@ -58,7 +59,8 @@ def engine_kwargs(engine: EngineSettings) -> dict:
     if engine.role is not None and engine.connector == "kvpush":
         faults = engine.faults
         connector_config = wire.ConnectorConfig(nats_url=engine.nats_url, lease_s=faults.lease_s,
-                                                kv_wait_s=faults.kv_wait_s, quarantine_s=faults.quarantine_s)
+                                                kv_wait_s=faults.kv_wait_s, quarantine_s=faults.quarantine_s,
+                                                incarnation=engine.incarnation)
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvpushConnector",
             "kv_connector_module_path": "connector.kvpush_connector",
@@ -95,7 +97,7 @@ def prefill_request(connector: str, job: wire.PrefillJob, traceparent: str) -> t
     if connector != "kvpush":
         return job.transfer_id, {"do_remote_decode": True}
     params = wire.PrefillKvParams(transfer_id=job.transfer_id, mode=job.mode, decode_engine_id=job.decode_engine_id,
-                                  traceparent=traceparent)
+                                  traceparent=traceparent, transfer_key=job.transfer_key)
     return f"{job.request_id}-p-{job.transfer_id[:8]}", params.as_params()
 
 
@@ -107,11 +109,13 @@ def decode_request(connector: str, job: wire.DecodeJob, traceparent: str) -> tup
     if connector != "kvpush":
         return job.transfer_id, dict(job.kv_transfer_params)
     params = wire.DecodeKvParams(transfer_id=job.transfer_id, request_id=job.request_id,
-                                 prefill_engine_id=job.prefill_engine_id, mode=job.mode, traceparent=traceparent)
+                                 prefill_engine_id=job.prefill_engine_id, mode=job.mode, traceparent=traceparent,
+                                 transfer_key=job.transfer_key, prefill_incarnation=job.prefill_incarnation)
     if job.mode == "pull":
         prefilled = wire.PrefilledKv.of(job.kv_transfer_params)
         params.prefill_tp_size = prefilled.prefill_tp_size
         params.remote_block_ids = prefilled.remote_block_ids
+        params.prefill_incarnation = prefilled.prefill_incarnation
     return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
 
 

@@ -74,5 +74,5 @@ class PrefillRole:
             error=error,
             kv_transfer_params=getattr(last, "kv_transfer_params", None),
         )
-        await self.worker.bus.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+        await self.worker.bus.publish(wire.HANDOFFS(sender=self.worker.worker_id), wire.encode(handoff))
         log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))

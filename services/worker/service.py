@@ -30,6 +30,7 @@ from services.worker.jobs import RunningJob
 from services.worker.prefill import PrefillRole
 from shared import settings, wire
 from shared.errors import BadJob
+from shared.nats_security import nats_user
 from shared.settings import FaultSettings
 
 log = structlog.get_logger("kvpush.worker")
@@ -42,6 +43,19 @@ ROLES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 def new_worker_id(role: str) -> str:
     return f"{role}-{uuid.uuid4().hex[:10]}"
+
+
+def worker_id_for(role: str, given: str | None, user: str | None) -> str:
+    """A worker's id is its NATS identity: ``--worker-id``, else the NATS user it logs in
+    as, else (no login) a new one. With per-worker users the two must agree, since NATS
+    lets a worker publish only under its user's name."""
+    if given and user and given != user:
+        raise ValueError(f"the worker id {given!r} differs from its NATS user {user!r}: with one NATS user per "
+                         "worker the id is the user name (leave --worker-id out)")
+    worker_id = given or user or new_worker_id(role)
+    if (problem := wire.identity_problem(worker_id)) is not None:
+        raise ValueError(f"worker id: {problem}")
+    return worker_id
 
 
 class Worker(Service):
@@ -58,12 +72,12 @@ class Worker(Service):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
         self.nats_url = nats_url
-        self.worker_id = worker_id or new_worker_id(role)
+        self.worker_id = worker_id_for(role, worker_id, nats_user())
+        self.incarnation = uuid.uuid4().hex  # a restart keeps the id, not the incarnation
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len, connector=connector, faults=faults,
+            max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
         )
-        self.incarnation = uuid.uuid4().hex
         self.connector = connector
         self.kv_params = side_channel(self.worker_id, connector)
         self.role = ROLES[role](self)
@@ -131,7 +145,7 @@ class Worker(Service):
             )
             instruments().free_kv_blocks.set(beat.free_kv_blocks, {A.WORKER_ID: self.worker_id})
             try:
-                await self.bus.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(beat))  # periodic: not traced
+                await self.bus.nc.publish(wire.HEARTBEATS(sender=self.worker_id), wire.encode(beat))  # not traced
             except Exception as exc:
                 log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
@@ -143,7 +157,7 @@ class Worker(Service):
         if isinstance(job, wire.CancelJob):
             self.cancel(job.transfer_id, "cancelled", job.reason)
             return
-        if msg.reply:
+        if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
         if job.transfer_id in self._cancelled:
             log.info("dropped a job cancelled before it arrived", request_id=job.request_id,

@@ -43,7 +43,15 @@ def test_nothing_set_means_no_options():
 
 
 def test_user_and_password():
-    assert connect_options({"KVPUSH_NATS_USER": "u", "KVPUSH_NATS_PASSWORD": "p"}) == {"user": "u", "password": "p"}
+    assert connect_options({"KVPUSH_NATS_USER": "u", "KVPUSH_NATS_PASSWORD": "p"}) == {
+        "user": "u", "password": "p", "inbox_prefix": "_INBOX.u"}
+
+
+def test_a_service_takes_replies_on_its_own_inbox_and_a_named_client_on_its_own():
+    env = {"KVPUSH_NATS_USER": "decode-0", "KVPUSH_NATS_PASSWORD": "p"}
+    assert connect_options(env, service="decode-0")["inbox_prefix"] == "_KVPUSH_INBOX.decode-0"
+    assert connect_options(env)["inbox_prefix"] == "_INBOX.decode-0"
+    assert "inbox_prefix" not in connect_options({})  # an anonymous client keeps nats-py's _INBOX
 
 
 def test_token():

@@ -1,0 +1,230 @@
+"""Who may publish and subscribe on which subject: the rules the NATS server enforces, one
+user per worker, scheduler and client. Everything a receiver trusts about a sender rests
+on them (``wire.forged_sender``): a worker may publish only under its own name, read only
+its own jobs, and answer only its own agent requests; a client may read only its own inbox
+and send or cancel only its own requests.
+
+Why static per-identity users, and not JWTs or an auth callout. Permission templates
+(``{{name()}}``) would let one rule serve every worker, but nats-server honours them only
+for JWT users or users an auth callout issues; JWTs need the ``nkeys`` and ``nats-jwt``
+packages and an operator toolchain (no ``nsc`` here), and a callout is one more service on
+the login path of every process. Static users need nothing but the server: each is
+spelled out below, the server checks every publish and subscribe, and adding a worker is
+a config reload (``nats-server --signal reload``, or SIGHUP), which keeps every
+connection. ``render_config`` writes the file; ``kvpush nats-config`` calls it.
+
+Pure: imports no NATS.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from shared import wire
+
+IdentityRole = Literal["scheduler", "prefill", "decode", "client"]
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: list[str]
+    subscribe: list[str]
+    allow_responses: bool = False
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: IdentityRole
+    name: str
+    password: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        problem = wire.identity_problem(self.name)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.role not in ("scheduler", "prefill", "decode", "client"):
+            raise ValueError(f"role must be scheduler, prefill, decode or client, not {self.role!r}")
+
+
+def service_inbox(name: str) -> str:
+    """The inbox prefix of a service (``nats.connect(inbox_prefix=...)``): replies to it
+    land where no client may subscribe."""
+    return f"{wire.SERVICE_INBOX_PREFIX}.{name}"
+
+
+def client_inbox(name: str) -> str:
+    """The inbox prefix of a named client: only it may subscribe there."""
+    return f"{wire.CLIENT_INBOX_PREFIX}.{name}"
+
+
+def permissions(role: IdentityRole, name: str) -> Permissions:
+    """What the NATS user ``name`` of ``role`` may do."""
+    own_inbox = service_inbox(name) + ".>"
+    if role == "scheduler":
+        return Permissions(
+            subscribe=[
+                f"{wire.GENERATE_SUBJECT} {wire.SCHEDULER_QUEUE_GROUP}",
+                f"{wire.OWNED_GENERATE.wildcard} {wire.SCHEDULER_QUEUE_GROUP}",
+                wire.CANCEL_SUBJECT,
+                wire.OWNED_CANCEL.wildcard,
+                wire.SCHEDULER_STATUS_SUBJECT,
+                wire.HEARTBEATS.wildcard,
+                wire.HANDOFFS.wildcard,
+                wire.KV_COMPLETIONS.wildcard,
+                wire.PROGRESS.wildcard,
+                wire.INVALID_SUBJECT,
+                own_inbox,
+            ],
+            publish=[
+                wire.PREFILL_JOBS.wildcard,
+                wire.DECODE_JOBS.wildcard,
+                wire.INVALID_SUBJECT,
+                wire.CLIENT_INBOX_PREFIX + ".>",  # error finals to clients
+            ],
+            allow_responses=True,  # status replies
+        )
+    if role == "prefill":
+        return Permissions(
+            subscribe=[
+                wire.PREFILL_JOBS(worker_id=name),
+                wire.KV_CONTROL.partly(engine_id=name),
+                wire.KV_AGENT.partly(engine_id=name),
+                wire.KV_AGENTS.wildcard,
+                own_inbox,
+            ],
+            publish=[
+                wire.HEARTBEATS(sender=name),
+                wire.HANDOFFS(sender=name),
+                wire.KV_COMPLETIONS.partly(sender=name),
+                wire.KV_AGENTS(sender=name),
+                wire.KV_AGENT.wildcard,  # ask a decode rank for its agent
+                wire.INVALID_SUBJECT,
+            ],
+            allow_responses=True,  # job acks, agent info
+        )
+    if role == "decode":
+        return Permissions(
+            subscribe=[
+                wire.DECODE_JOBS(worker_id=name),
+                wire.KV_COMPLETIONS.partly(engine_id=name),
+                wire.KV_AGENT.partly(engine_id=name),
+                wire.KV_AGENTS.wildcard,
+                own_inbox,
+            ],
+            publish=[
+                wire.HEARTBEATS(sender=name),
+                wire.PROGRESS(sender=name),
+                wire.KV_CONTROL.partly(sender=name),
+                wire.KV_COMPLETIONS(engine_id=name, sender=name),  # its own READ failed
+                wire.KV_AGENTS(sender=name),
+                wire.KV_AGENT.wildcard,  # ask a prefill rank for its agent
+                wire.INVALID_SUBJECT,
+                wire.CLIENT_INBOX_PREFIX + ".>",  # token chunks and finals to clients
+            ],
+            allow_responses=True,  # job acks, agent info
+        )
+    return Permissions(
+        subscribe=[client_inbox(name) + ".>"],
+        publish=[wire.OWNED_GENERATE(client=name), wire.OWNED_CANCEL(client=name), wire.SCHEDULER_STATUS_SUBJECT],
+    )
+
+
+def env_password(identity: Identity) -> str:
+    """A password the server reads from its environment: ``$NATS_PASSWORD_PREFILL_0``."""
+    return "$" + password_variable(identity.name)
+
+
+def password_variable(name: str) -> str:
+    return "NATS_PASSWORD_" + name.upper().replace("-", "_")
+
+
+def literal_password(identity: Identity) -> str:
+    return _quoted(identity.password)
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def render_config(identities: list[Identity], password: Callable[[Identity], str] = env_password,
+                  tls: dict[str, str] | None = None, port: int = 4222, max_payload: str = "8MB",
+                  extra: str = "") -> str:
+    """A nats-server config with one user per identity and its permissions. ``password``
+    writes each user's password (by default a ``$VARIABLE`` the server reads from its
+    environment); ``tls``: ``cert_file``, ``key_file``, ``ca_file`` for mutual TLS."""
+    names = [identity.name for identity in identities]
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ValueError(f"each identity needs its own name; repeated: {', '.join(duplicated)}")
+    lines = [
+        "# Generated by `kvpush nats-config` (shared/permissions.py): one user per identity.",
+        f"port: {port}",
+        f"max_payload: {max_payload}",
+    ]
+    if tls:
+        lines += ["tls {", *(f"  {key}: {_quoted(value)}" for key, value in tls.items()),
+                  "  verify: true", "  timeout: 2", "}"]
+    lines += ["authorization {", "  users = ["]
+    for identity in identities:
+        rules = permissions(identity.role, identity.name)
+        lines += [
+            "    {",
+            f"      # {identity.role}",
+            f"      user: {_quoted(identity.name)}",
+            f"      password: {password(identity)}",
+            "      permissions {",
+            f"        publish {{ allow: [{', '.join(_quoted(s) for s in rules.publish)}] }}",
+            f"        subscribe {{ allow: [{', '.join(_quoted(s) for s in rules.subscribe)}] }}",
+        ]
+        if rules.allow_responses:
+            lines.append("        allow_responses: true")
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}"]
+    if extra:
+        lines.append(extra)
+    return "\n".join(lines) + "\n"
+
+
+SAMPLE_IDENTITIES = [
+    Identity("scheduler", "scheduler-0"), Identity("scheduler", "scheduler-1"),
+    Identity("prefill", "prefill-0"), Identity("prefill", "prefill-1"),
+    Identity("decode", "decode-0"), Identity("decode", "decode-1"),
+    Identity("client", "client-0"),
+]
+SAMPLE_HEADER = """\
+# deploy/nats-server.conf: a sample nats-server configuration for kvpush. Mutual TLS, and
+# one NATS user per worker, scheduler and client, each allowed only its own subjects
+# (shared/permissions.py says why static users, and what each rule protects).
+#
+# Regenerate it, or write one for your own workers, with `kvpush nats-config`
+# (`kvpush nats-config --sample > deploy/nats-server.conf` gives exactly this file).
+# Adding a worker: add its user and reload (`nats-server --signal reload`); nobody is
+# disconnected. Start each worker as its user: its id is its NATS user.
+#
+#   python -m tools.dev_certs                      # dev certificates into deploy/certs/
+#   export NATS_PASSWORD_SCHEDULER_0=... NATS_PASSWORD_PREFILL_0=... (one per user below)
+#   cd deploy && nats-server -c nats-server.conf -js
+#
+# Paths: nats-server opens the certificate files relative to its WORKING DIRECTORY,
+# hence the `cd deploy`. Passwords: `$NAME` is read from the server's environment, and the
+# server refuses to start while one is missing, so no sample password can be left in
+# place. A bcrypt hash (`nats-server --pass`) works too.
+#
+# max_payload: a KV registration or agent announcement carries a NIXL agent blob and the
+# block layout; 8 MB leaves room for large models. kvpush refuses (PayloadTooLarge) what
+# the server would not accept.
+"""
+SAMPLE_TLS = {"cert_file": "certs/server.pem", "key_file": "certs/server-key.pem", "ca_file": "certs/ca.pem"}
+
+
+def sample_config() -> str:
+    """deploy/nats-server.conf, exactly."""
+    return SAMPLE_HEADER + render_config(SAMPLE_IDENTITIES, env_password, tls=SAMPLE_TLS)
+
+
+def _quoted(value: str) -> str:
+    if '"' in value or "\\" in value or "\n" in value:
+        raise ValueError("a NATS config value may not contain quotes, backslashes or newlines")
+    return f'"{value}"'
