@@ -1,6 +1,14 @@
 """The peers' NIXL agents a worker rank copies to or from: learnt from announcements
-(``kvpush.kv.agents``, sent once when a rank is ready), or asked for on first contact
-(``kvpush.kv.agent.<engine_id>.<rank>``). Rank r talks to rank r of its peer engine."""
+(``kvpush.kv.agents.<engine_id>``, sent once when a rank is ready), or asked for on first
+contact (``kvpush.kv.agent.<engine_id>.<rank>``). Rank r talks to rank r of its peer engine.
+
+Only the engine itself may publish its announcements and answer its agent subject (NATS
+permissions, ``shared.permissions``); the bridge refuses an announcement whose engine id
+is not its subject's, and a reply that is not the agent asked for is refused here. An
+engine keeps its id across restarts, so a copy names the incarnation it was set up
+with (a registration's, a prefilled prompt's): an agent of another start has other
+memory and is never used for it.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,11 @@ import threading
 from typing import Callable
 
 from connector.bridge import NatsBridge
-from shared import wire
+from shared import errors, wire
 
 ASK_TIMEOUT_S = 5.0  # a peer rank that does not answer this fast is unreachable
+
+Then = Callable[[wire.AgentInfo | None, str], None]
 
 
 class AgentDirectory:
@@ -25,13 +35,14 @@ class AgentDirectory:
         with self._agents_lock:
             self._agents[(info.engine_id, info.rank)] = info  # a restarted peer replaces its old agent
 
-    def with_agent(self, engine_id: str, then: Callable[[wire.AgentInfo | None, str], None]) -> None:
-        """Call ``then(info, "")`` with the peer rank's agent, asking for it over NATS on
-        first contact; ``then(None, why)`` if it cannot be had."""
+    def with_agent(self, engine_id: str, then: Then, incarnation: str = "", fresh: bool = False) -> None:
+        """Call ``then(info, "")`` with the peer rank's agent (of ``incarnation``, if given),
+        asking for it over NATS unless it is known (and not ``fresh``); ``then(None, why)``
+        if it cannot be had."""
         key = (engine_id, self.rank)
         with self._agents_lock:
             known = self._agents.get(key)
-        if known is not None:
+        if known is not None and not fresh and (not incarnation or known.incarnation == incarnation):
             then(known, "")
             return
         subject = wire.agent_subject(*key)
@@ -44,8 +55,17 @@ class AgentDirectory:
             if info is None:
                 then(None, f"bad agent info on {subject}")
                 return
+            if (info.engine_id, info.rank) != key:
+                why = f"asked {subject}, the answer is the agent of {info.engine_id} rank {info.rank}"
+                self.bridge.refuse(errors.refusal(self.service, subject, ValueError(why), errors.WrongParty))
+                then(None, why)
+                return
             with self._agents_lock:
                 self._agents[key] = info
+            if incarnation and info.incarnation != incarnation:
+                then(None, f"{engine_id} restarted: the copy was set up with its incarnation {incarnation}, "
+                           f"it now runs {info.incarnation}")
+                return
             then(info, "")
 
         self.bridge.request_async(subject, b"", ASK_TIMEOUT_S, on_reply)

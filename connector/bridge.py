@@ -7,7 +7,8 @@ NATS URL (``NatsBridge.shared``), because both connector roles live in the same
 engine-core process on a single-rank engine.
 
 ``decoded`` is the connector's one decode-or-refuse boundary: a message that does not
-decode is logged, counted and said on ``kvpush.invalid``, and the handler never sees it.
+decode, or names a sender other than its subject's (``wire.forged_sender``), is logged,
+counted and said on ``kvpush.invalid``, and the handler never sees it.
 ``every`` sends periodic messages (lease renewals) from the bridge's own loop, so their
 cadence does not depend on vLLM's steps.
 """
@@ -31,7 +32,7 @@ from shared.nats_security import connect_options
 log = logging.getLogger("kvpush.bridge")
 _refusals = logging.getLogger("kvpush.connector")  # a refused message is the connector's to report
 
-Handler = Callable[[bytes], bytes | None]
+Handler = Callable[[bytes, str], bytes | None]  # (data, subject) -> the reply, if any
 Messages = Callable[[], Iterable[tuple[str, bytes]]]
 
 
@@ -40,7 +41,8 @@ class NatsBridge:
     _shared_lock = threading.Lock()  # protects _shared
 
     @classmethod
-    def shared(cls, url: str, name: str = "kvpush-connector") -> "NatsBridge":
+    def shared(cls, url: str, name: str) -> "NatsBridge":
+        """The process's bridge to ``url``; ``name`` (the engine id) names its inbox."""
         with cls._shared_lock:
             bridge = cls._shared.get(url)
             if bridge is None or bridge._closed:
@@ -71,7 +73,8 @@ class NatsBridge:
         asyncio.set_event_loop(self._loop)
         try:
             self._nc = self._loop.run_until_complete(
-                nats.connect(self.url, name=self.name, max_reconnect_attempts=-1, **connect_options())
+                nats.connect(self.url, name=f"{self.name}-connector", max_reconnect_attempts=-1,
+                             **connect_options(service=self.name))
             )
         except BaseException as exc:  # reported to start()
             self._error = exc
@@ -117,18 +120,18 @@ class NatsBridge:
         self._loop.call_soon_threadsafe(lambda: self._periodic.append(self._loop.create_task(tick())))
 
     def subscribe(self, subject: str, handler: Handler, template: str | None = None) -> None:
-        """``handler(data)`` runs on the bridge thread inside a CONSUMER span (named by
-        ``template``, by default the subject's own); bytes it returns are the reply."""
+        """``handler(data, subject)`` runs on the bridge thread inside a CONSUMER span
+        (named by ``template``, by default the subject's own); bytes it returns are the reply."""
         template = template_of(subject, template)
 
         async def on_message(msg) -> None:
             with consumer(msg.subject, template, msg.headers):
                 try:
-                    reply = handler(msg.data)
+                    reply = handler(msg.data, msg.subject)
                 except Exception:
                     log.exception("handler for %s failed", subject)
                     return
-                if reply is not None and msg.reply:
+                if reply is not None and msg.reply and wire.is_inbox(msg.reply):
                     with producer(msg.reply, TEMPORARY) as headers:
                         await self._nc.publish(msg.reply, reply, headers=headers)
 
@@ -142,24 +145,32 @@ class NatsBridge:
         """``handler(message)`` with each message on ``subject`` that decodes as ``kind``
         (a Struct type or a union); the others are refused (``decoded``)."""
 
-        def on_data(data: bytes) -> None:
-            message = self.decoded(data, kind, subject, service)
+        def on_data(data: bytes, on_subject: str) -> None:
+            message = self.decoded(data, kind, on_subject, service)
             if message is not None:
                 handler(message)
 
         self.subscribe(subject, on_data)
 
     def decoded(self, data: bytes, kind, subject: str, service: str):
-        """``data`` as ``kind``; None, said on kvpush.invalid as refused by ``service``, if it
-        is not one."""
+        """``data`` (received on ``subject``) as ``kind``; None, said on kvpush.invalid as
+        refused by ``service``, if it is not one or its sender is forged."""
         try:
-            return wire.decode(data, kind)
+            message = wire.decode(data, kind)
         except msgspec.MsgspecError as exc:
-            _refusals.warning("refused a malformed message on %s: %s", subject, exc)
-            instruments().failures.add(1, {"reason": errors.BadMessage.code})
-            refusal = errors.refusal(service, subject, exc)
-            self.publish(wire.INVALID_SUBJECT, wire.encode(refusal))
+            self.refuse(errors.refusal(service, subject, exc))
             return None
+        forged = wire.forged_sender(subject, message)
+        if forged is not None:
+            self.refuse(errors.refusal(service, subject, ValueError(forged), errors.ForgedSender))
+            return None
+        return message
+
+    def refuse(self, refusal: wire.InvalidMessage) -> None:
+        """Log, count and say on kvpush.invalid that a message was refused (any thread)."""
+        _refusals.warning("refused a message on %s (%s): %s", refusal.subject, refusal.code, refusal.reason)
+        instruments().failures.add(1, {"reason": refusal.code})
+        self.publish(wire.INVALID_SUBJECT, wire.encode(refusal))
 
     def request_async(
         self, subject: str, data: bytes, timeout: float, on_reply: Callable[[bytes | None, str | None], None],

@@ -1,4 +1,10 @@
-"""Count producer notifications per transfer on the decode side.
+"""NIXL notifications, and counting them per transfer.
+
+A notification says one rank's copy of a transfer landed. It carries a tag: a keyed
+hash, with the transfer's secret key, of the block ids the copy went to on the
+receiver's side. The receiver recomputes it over the blocks it named itself, so it
+accepts a notification only from a peer that holds the key (the scheduler gave it to
+the two workers it chose, and no one else) and only for its own blocks.
 
 Pure Python and thread-safe. A transfer is complete when every expected producer
 rank has notified; notifications may arrive before decode says what it expects.
@@ -6,16 +12,43 @@ rank has notified; notifications may arrive before decode says what it expects.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
+from dataclasses import dataclass
 
 
-def notification(transfer_id: str, rank: int, num_ranks: int) -> bytes:
-    return f"{transfer_id}:{rank}:{num_ranks}".encode()
+def block_tag(transfer_key: str, block_ids: list[int]) -> str:
+    """The tag of a copy into ``block_ids`` (the receiver's), made with the transfer's key."""
+    message = ",".join(map(str, block_ids)).encode()
+    return hashlib.blake2b(message, key=transfer_key.encode()[:64], digest_size=16).hexdigest()
 
 
-def parse_notification(message: bytes) -> tuple[str, int, int]:
-    transfer_id, rank, num_ranks = message.decode().rsplit(":", 2)
-    return transfer_id, int(rank), int(num_ranks)
+def tag_matches(tag: str, transfer_key: str, block_ids: list[int]) -> bool:
+    return bool(transfer_key) and keys_match(tag, block_tag(transfer_key, block_ids))
+
+
+def keys_match(given: str, expected: str) -> bool:
+    """Constant-time comparison of two secrets (any text: a peer's may not be ASCII)."""
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Notification:
+    transfer_id: str
+    rank: int
+    num_ranks: int
+    tag: str
+
+
+def notification(transfer_id: str, rank: int, num_ranks: int, tag: str) -> bytes:
+    return f"{transfer_id}:{rank}:{num_ranks}:{tag}".encode()
+
+
+def parse_notification(message: bytes) -> Notification:
+    """Raises ValueError for anything that is not one."""
+    transfer_id, rank, num_ranks, tag = message.decode().rsplit(":", 3)
+    return Notification(transfer_id, int(rank), int(num_ranks), tag)
 
 
 class CompletionCounter:

@@ -78,12 +78,12 @@ class KvpushConnector(KVConnectorBase_V1):
         engine_id = transfer_config.engine_id
         otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        bridge = NatsBridge.shared(config.nats_url, name=f"{engine_id}-connector")
+        bridge = NatsBridge.shared(config.nats_url, name=engine_id)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(
-                engine_id, vllm_config.cache_config.block_size, tp_size, bridge
+                engine_id, vllm_config.cache_config.block_size, tp_size, bridge, incarnation=config.incarnation
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -97,7 +97,8 @@ class KvpushConnector(KVConnectorBase_V1):
             if transfer_config.is_kv_consumer:
                 consumer = Consumer(engine_id, rank, tp_size, bridge, agents,
                                     kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)
-            self._worker = ConnectorWorker(engine_id, rank, bridge, agents, producer=producer, consumer=consumer)
+            self._worker = ConnectorWorker(engine_id, rank, bridge, agents, producer=producer, consumer=consumer,
+                                           incarnation=config.incarnation)
 
     # ---------------------------------------------------------------- scheduler side
 

@@ -19,6 +19,7 @@ class ReadyPrefill:
     mode: str = "push"
     num_tokens: int = 0
     decode_engine_id: str = ""  # push: the only decode whose registration may be written to
+    transfer_key: str = ""  # the transfer's secret: a registration and a revoke must carry it
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,9 @@ class ExpectedKv:
     traceparent: str = ""
     prefill_engine_id: str = ""
     registration: bytes = b""  # as published; sent again while the KV has not come
+    transfer_key: str = ""  # the producers' notifications are tagged with it
+    block_ids: list[int] = field(default_factory=list)  # the blocks registered: the only ones a write may fill
+    prefill_incarnation: str = ""  # the prefill engine's start the scheduler chose
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,8 @@ class PullRead:
     prefill_engine_id: str
     remote_block_ids: list[int]
     traceparent: str = ""
+    transfer_key: str = ""
+    prefill_incarnation: str = ""  # read through that start's agent only
 
 
 @dataclass

@@ -28,7 +28,7 @@ def report_failure(bridge: NatsBridge, engine_id: str, rank: int, transfer_id: s
     log.warning("transfer %s failed (%s): %s", transfer_id, error.code, error.message)
     instruments().failures.add(1, {"reason": error.code})
     bridge.publish(
-        wire.completion_subject(decode_engine_id or "unknown"),
+        wire.completion_subject(decode_engine_id or "unknown", engine_id),
         wire.encode(
             wire.TransferFailed(
                 transfer_id=transfer_id,

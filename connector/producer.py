@@ -8,13 +8,22 @@ blocks are held (``ServedReads``) until decode's READ notification came.
 Faults. A finished prompt's blocks, and a registration waiting for its prompt, are held
 under a lease that decode renews (``LeaseRenewal``); expiry frees the blocks and tells
 decode and the schedulers (``LeaseExpired``). A ``Revoke`` gives the transfer up: no
-write starts, and decode gets its answer once no write of ours can still land.
+write starts, and decode gets its answer once no write of ours can still land. A write
+that does not end is reported stuck (``WriteStuck``) and its blocks stay held, on both
+sides, until it ends; then its end is reported.
+
+Trust. A registration or revoke comes from the decode its subject names (the bridge
+refuses a forged one). It is used only if it carries the transfer's key, which the
+scheduler gave only to us and the decode it chose, and (push) comes from that decode.
+Decode's READ notifications (pull) count only with a tag made with that key over our blocks.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from opentelemetry import trace
@@ -22,7 +31,7 @@ from opentelemetry import trace
 from connector import chaos, kv_layout
 from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
-from connector.completion import CompletionCounter, notification
+from connector.completion import CompletionCounter, Notification, block_tag, keys_match, notification, tag_matches
 from connector.leases import ServedReads
 from connector.metadata import KvpushMetadata, ReadyPrefill
 from connector.outcomes import record_transfer, report_failure
@@ -41,15 +50,22 @@ from shared.errors import (
     TransferClosed,
     TransferError,
     WriteFailed,
+    WriteStuck,
+    WrongParty,
+    refusal,
 )
 
+log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
+MAX_KEYS = 100_000  # transfer keys remembered, for revokes that come after the match
 
 
 def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | None:
     """Why this registration must not receive this prefill's KV, or None."""
     if ready.decode_engine_id and registration.decode_engine_id != ready.decode_engine_id:
         return f"registration from {registration.decode_engine_id}, but the scheduler chose {ready.decode_engine_id}"
+    if not keys_match(registration.transfer_key, ready.transfer_key):
+        return "the registration does not carry the transfer's key"
     if ready.num_tokens and registration.num_tokens != ready.num_tokens:
         return f"registration for {registration.num_tokens} tokens, the prompt has {ready.num_tokens}"
     if len(registration.block_ids) != len(ready.block_ids):
@@ -76,6 +92,9 @@ class Producer:
         self._pushing: set[str] = set()  # request ids whose blocks we hold for a transfer
         self._writing: set[str] = set()  # transfer ids matched, whose WRITE has not ended (or was never posted)
         self._served = ServedReads(lease_s)  # pull: blocks held for decode's READ
+        self._keys: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # transfer id -> (key, our blocks)
+        # Revokes that came before either half, so could not be checked: checked when one comes.
+        self._unchecked_revokes: OrderedDict[str, wire.Revoke] = OrderedDict()
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when blocks may go back."""
@@ -84,7 +103,7 @@ class Producer:
 
     def subscriptions(self):
         """(subject, message kind, handler) for the worker to subscribe."""
-        return [(wire.registration_subject(self.engine_id), wire.KvControl, self.on_kv_control)]
+        return [(wire.KV_CONTROL.partly(engine_id=self.engine_id), wire.KvControl, self.on_kv_control)]
 
     # ---------------------------------------------------------------- vLLM's worker thread
 
@@ -93,6 +112,13 @@ class Producer:
         for ready in meta.ready_prefills:
             with self._lock:
                 self._pushing.add(ready.request_id)
+                self._keys[ready.transfer_id] = (ready.transfer_key, ready.block_ids)
+                while len(self._keys) > MAX_KEYS:
+                    self._keys.popitem(last=False)
+                revoke = self._unchecked_revokes.pop(ready.transfer_id, None)
+            if revoke is not None and (not keys_match(revoke.transfer_key, ready.transfer_key) or (
+                    ready.decode_engine_id and revoke.decode_engine_id != ready.decode_engine_id)):
+                self._forged_early_revoke(revoke)
             if ready.mode == "pull":
                 with self._lock:
                     self._served.hold(ready.transfer_id, ready.request_id, time.monotonic())
@@ -140,9 +166,15 @@ class Producer:
         with self._lock:
             return self._served.holds(transfer_id)
 
-    def read_notified(self, transfer_id: str, rank: int, num_ranks: int) -> None:
+    def read_notified(self, note: Notification) -> None:
         """Decode's READ notification: once every rank's came, the blocks may go back."""
-        if not self._counter.record(transfer_id, rank, num_ranks):
+        transfer_id = note.transfer_id
+        with self._lock:
+            key, block_ids = self._keys.get(transfer_id, ("", []))
+        if not tag_matches(note.tag, key, block_ids):
+            self._refuse(transfer_id, "a READ notification without the transfer's tag over our blocks")
+            return
+        if not self._counter.record(transfer_id, note.rank, note.num_ranks):
             return
         self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
         with self._lock:
@@ -165,6 +197,14 @@ class Producer:
                 self._on_registration(message)
 
     def _on_registration(self, registration: wire.Registration) -> None:
+        with self._lock:
+            revoke = self._unchecked_revokes.get(registration.transfer_id)
+            if revoke is not None and revoke.decode_engine_id != registration.decode_engine_id:
+                del self._unchecked_revokes[registration.transfer_id]
+            else:
+                revoke = None
+        if revoke is not None:
+            self._forged_early_revoke(revoke)
         if registration.decode_tp_size != self.tp_size:
             self._fail(registration.transfer_id, registration.decode_engine_id,
                        TpMismatch(f"decode has TP {registration.decode_tp_size}, prefill has TP {self.tp_size}"))
@@ -195,11 +235,42 @@ class Producer:
         if ready is not None and outcome.code == "closed":
             self._give_back(ready.request_id)  # decode gave this transfer up before the prompt was done
 
+    def _revoke_problem(self, revoke: wire.Revoke) -> str | None:
+        """Why this revoke is not from the transfer's decode, or None. Called under _lock."""
+        known = self._keys.get(revoke.transfer_id)
+        if known is not None:
+            if not keys_match(revoke.transfer_key, known[0]):
+                return "a Revoke without the transfer's key"
+            return None
+        half = self._rendezvous.peek(revoke.transfer_id)
+        if half is not None and half.registration is not None:
+            registration = half.registration
+            if (registration.decode_engine_id != revoke.decode_engine_id
+                    or not keys_match(revoke.transfer_key, registration.transfer_key)):
+                return f"a Revoke from {revoke.decode_engine_id} for a registration of {registration.decode_engine_id}"
+        elif half is None:
+            # Nothing to check it against yet: it closes the transfer (a registration that
+            # comes late must not be written to), and is checked once a half comes.
+            self._unchecked_revokes[revoke.transfer_id] = revoke
+            while len(self._unchecked_revokes) > MAX_KEYS:
+                self._unchecked_revokes.popitem(last=False)
+        return None
+
+    def _forged_early_revoke(self, revoke: wire.Revoke) -> None:
+        """A revoke that came before either half proved forged once one came: undo it."""
+        self._rendezvous.reopen(revoke.transfer_id)
+        self._refuse(revoke.transfer_id, f"a Revoke from {revoke.decode_engine_id} without the transfer's key")
+
     def _on_revoke(self, revoke: wire.Revoke) -> None:
         with self._lock:  # the same critical section as a match and its "writing" mark
-            half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
-            writing = revoke.transfer_id in self._writing
-            served = self._served.release(revoke.transfer_id)
+            problem = self._revoke_problem(revoke)
+            if problem is None:
+                half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
+                writing = revoke.transfer_id in self._writing
+                served = self._served.release(revoke.transfer_id)
+        if problem is not None:
+            self._refuse(revoke.transfer_id, problem)
+            return
         if half is not None and half.prefill is not None:
             self._give_back(half.prefill.request_id)
         if served is not None:
@@ -238,6 +309,7 @@ class Producer:
             match.registration.decode_engine_id,
             lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
                 match, AgentUnreachable(why)),
+            incarnation=match.registration.decode_incarnation,
         )
 
     def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
@@ -249,6 +321,9 @@ class Producer:
         started = time.perf_counter()
 
         def on_done(result: TransferResult) -> None:
+            if result.stuck:  # still posted: our blocks and decode's stay held until it ends
+                self._fail(match.transfer_id, registration.decode_engine_id, WriteStuck(result.error))
+                return
             with self._lock:
                 self._sent.add(ready.request_id)
                 self._writing.discard(match.transfer_id)
@@ -259,7 +334,7 @@ class Producer:
                 return
             record_transfer(result)
             self.bridge.publish(
-                wire.completion_subject(registration.decode_engine_id),
+                wire.completion_subject(registration.decode_engine_id, self.engine_id),
                 wire.encode(
                     wire.TransferDone(
                         transfer_id=match.transfer_id,
@@ -283,7 +358,8 @@ class Producer:
                 remote,
                 ready.block_ids,
                 registration.block_ids,
-                notification(match.transfer_id, self.rank, self.tp_size),
+                notification(match.transfer_id, self.rank, self.tp_size,
+                             block_tag(ready.transfer_key, registration.block_ids)),
                 on_done,
                 parent=context_from_traceparent(ready.traceparent),
             )
@@ -304,3 +380,8 @@ class Producer:
 
     def _fail(self, transfer_id: str, decode_engine_id: str, error: TransferError) -> None:
         report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error)
+
+    def _refuse(self, transfer_id: str, why: str) -> None:
+        """A message about one of our transfers from a peer that has no part in it."""
+        self.bridge.refuse(refusal(self.engine_id, wire.KV_CONTROL.partly(engine_id=self.engine_id),
+                                   ValueError(f"{transfer_id}: {why}"), WrongParty))

@@ -111,6 +111,20 @@ class Rendezvous(Generic[R, P]):
                 now - half.first_at,
             )
 
+    def reopen(self, transfer_id: str) -> bool:
+        """Undo a "revoked" close that turned out forged (no half had arrived to check it
+        against); False if the transfer is not closed that way."""
+        with self._lock:
+            if self._closed.get(transfer_id) != "revoked":
+                return False
+            del self._closed[transfer_id]
+            return True
+
+    def peek(self, transfer_id: str) -> Half[R, P] | None:
+        """The half waiting for ``transfer_id``, if one does (not a copy: do not change it)."""
+        with self._lock:
+            return self._pending.get(transfer_id)
+
     def renew(self, transfer_id: str) -> bool:
         """Extend the lease of the half waiting for ``transfer_id``; False if none waits."""
         with self._lock:

@@ -70,8 +70,9 @@ class _Prefill:
 
 class ConnectorScheduler:
     def __init__(self, engine_id: str, block_size: int, tp_size: int, bridge: NatsBridge,
-                 renew_every_s: float = settings.HEARTBEAT_INTERVAL_S):
+                 renew_every_s: float = settings.HEARTBEAT_INTERVAL_S, incarnation: str = ""):
         self.engine_id = engine_id
+        self.incarnation = incarnation  # the worker's start: registrations are for this process's agents only
         self.block_size = block_size
         self.tp_size = tp_size
         self.bridge = bridge
@@ -127,6 +128,8 @@ class ConnectorScheduler:
                 prefill_engine_id=params.prefill_engine_id,
                 remote_block_ids=list(params.remote_block_ids),  # what prefill's request_finished returned
                 traceparent=params.traceparent,
+                transfer_key=params.transfer_key,
+                prefill_incarnation=params.prefill_incarnation,
             )
         )
 
@@ -141,6 +144,8 @@ class ConnectorScheduler:
             block_ids=list(block_ids[: blocks_for(num_tokens, self.block_size)]),
             num_tokens=num_tokens,
             registered_at=time.time(),
+            transfer_key=params.transfer_key,
+            decode_incarnation=self.incarnation,
         )
         with _tracer.start_as_current_span(
             A.KV_REGISTER,
@@ -153,10 +158,11 @@ class ConnectorScheduler:
             },
         ):
             body = wire.encode(registration)
-            self.bridge.publish(wire.registration_subject(params.prefill_engine_id), body)
+            self.bridge.publish(wire.registration_subject(params.prefill_engine_id, self.engine_id), body)
         self._expected.append(
             ExpectedKv(request.request_id, params.transfer_id, params.prefill_tp_size, params.traceparent,
-                       params.prefill_engine_id, body)
+                       params.prefill_engine_id, body, params.transfer_key, registration.block_ids,
+                       params.prefill_incarnation)
         )
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvpushMetadata:
@@ -177,7 +183,8 @@ class ConnectorScheduler:
             prefill.block_ids = list(block_ids[:needed])
             meta.ready_prefills.append(
                 ReadyPrefill(request_id, prefill.params.transfer_id, prefill.block_ids, prefill.params.traceparent,
-                             prefill.params.mode, request.num_prompt_tokens, prefill.params.decode_engine_id)
+                             prefill.params.mode, request.num_prompt_tokens, prefill.params.decode_engine_id,
+                             prefill.params.transfer_key)
             )
         return meta
 
@@ -193,6 +200,7 @@ class ConnectorScheduler:
             prefill_engine_id=self.engine_id,
             prefill_tp_size=self.tp_size,
             remote_block_ids=prefill.block_ids,
+            prefill_incarnation=self.incarnation,
         ).as_params()
 
     def update_connector_output(self, connector_output) -> None:
@@ -217,7 +225,7 @@ class ConnectorScheduler:
         with self._renewals_lock:
             due = self._renewals.by_prefill()
         return [
-            (wire.registration_subject(prefill_engine_id),
+            (wire.registration_subject(prefill_engine_id, self.engine_id),
              wire.encode(wire.LeaseRenewal(decode_engine_id=self.engine_id, transfer_ids=transfer_ids)))
             for prefill_engine_id, transfer_ids in due.items()
         ]

@@ -36,10 +36,11 @@ CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
 
 class ConnectorWorker:
     def __init__(self, engine_id: str, rank: int, bridge: NatsBridge, agents: AgentDirectory,
-                 producer: Producer | None = None, consumer: Consumer | None = None):
+                 producer: Producer | None = None, consumer: Consumer | None = None, incarnation: str = ""):
         if producer is None and consumer is None:
             raise ValueError("a connector worker needs a producer half, a consumer half, or both")
         self.engine_id = engine_id
+        self.incarnation = incarnation
         self.rank = rank
         self.bridge = bridge
         self.agents = agents
@@ -55,17 +56,18 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches, num_blocks: int) -> None:
         layout = kv_layout.describe(kv_caches, num_blocks)
-        self.transfer = TransferThread(self.engine_id, self.rank, layout, on_notification=self._on_notification)
+        self.transfer = TransferThread(self.engine_id, self.rank, layout, on_notification=self._on_notification,
+                                       incarnation=self.incarnation)
         self.transfer.start()
         for half in self._halves:
             half.attach(self.transfer, self._progress.set)
         info = wire.encode(self.transfer.agent_info())
-        self.bridge.subscribe(wire.agent_subject(self.engine_id, self.rank), lambda _: info)
-        self.bridge.subscribe_typed(wire.AGENTS_SUBJECT, wire.AgentInfo, self.agents.on_announced, self.engine_id)
+        self.bridge.subscribe(wire.agent_subject(self.engine_id, self.rank), lambda data, subject: info)
+        self.bridge.subscribe_typed(wire.KV_AGENTS.wildcard, wire.AgentInfo, self.agents.on_announced, self.engine_id)
         for half in self._halves:
             for subject, kind, handler in half.subscriptions():
                 self.bridge.subscribe_typed(subject, kind, handler, self.engine_id)
-        self.bridge.publish(wire.AGENTS_SUBJECT, info)
+        self.bridge.publish(wire.KV_AGENTS(sender=self.engine_id), info)
         self._clock.start()
 
     def shutdown(self) -> None:
@@ -115,11 +117,11 @@ class ConnectorWorker:
     def _on_notification(self, message: bytes) -> None:
         """A peer's notification: decode's READ of blocks our producer serves, or else a
         producer's WRITE into blocks our consumer waits on."""
-        transfer_id, rank, num_ranks = parse_notification(message)
-        if self.producer is not None and self.producer.serves(transfer_id):
-            self.producer.read_notified(transfer_id, rank, num_ranks)
+        note = parse_notification(message)
+        if self.producer is not None and self.producer.serves(note.transfer_id):
+            self.producer.read_notified(note)
         elif self.consumer is not None:
-            self.consumer.write_notified(transfer_id, rank, num_ranks)
+            self.consumer.write_notified(note)
 
     # ---------------------------------------------------------------- the clock
 

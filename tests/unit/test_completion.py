@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.completion import CompletionCounter, notification, parse_notification
+from connector.completion import CompletionCounter, Notification, block_tag, notification, parse_notification, tag_matches
 
 
 def test_a_single_rank_completes_at_once():
@@ -71,7 +71,24 @@ def test_a_rank_outside_the_producer_group_is_refused(rank, num_ranks):
 
 @pytest.mark.parametrize("transfer_id", ["t-1", "req:abc:7", "a:b", ":", "x:1:2"])
 def test_a_notification_round_trips(transfer_id):
-    assert parse_notification(notification(transfer_id, 3, 4)) == (transfer_id, 3, 4)
+    tag = block_tag("k" * 32, [1, 2, 3])
+    assert parse_notification(notification(transfer_id, 3, 4, tag)) == Notification(transfer_id, 3, 4, tag)
+
+
+def test_a_tag_is_accepted_only_with_the_transfers_key_over_the_receivers_own_blocks():
+    key = "0123456789abcdef0123456789abcdef"
+    tag = block_tag(key, [7, 8, 9])
+    assert tag_matches(tag, key, [7, 8, 9])
+    assert not tag_matches(tag, key, [7, 8, 10])  # a write into other blocks than we registered
+    assert not tag_matches(tag, key, [8, 7, 9])  # the same blocks in another order are other destinations
+    assert not tag_matches(tag, "f" * 32, [7, 8, 9])  # made without this transfer's key
+    assert not tag_matches(block_tag("", [7, 8, 9]), "", [7, 8, 9])  # no key: never accepted
+
+
+@pytest.mark.parametrize("message", [b"", b"t:1:2", b"t:x:2:tag", b"\xff\xfe"])
+def test_a_malformed_notification_raises_value_error(message):
+    with pytest.raises(ValueError):
+        parse_notification(message)
 
 
 def test_a_late_duplicate_after_take_done_is_ignored():

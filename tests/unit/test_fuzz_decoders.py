@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import msgspec
 import msgspec.inspect as mi
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from connector import kv_layout
-from connector.completion import notification, parse_notification
+from connector.completion import Notification, block_tag, notification, parse_notification
 from connector.metadata import ReadyPrefill
 from connector.producer import pair_problem
 from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
@@ -300,20 +300,23 @@ def test_request_id_of_gives_an_id_an_error_reply_can_carry(request_id):
 
 @FUZZ
 @given(message=st.binary(max_size=60) | st.text(max_size=40).map(str.encode))
-@example(message=b"t:1:" + b"9" * 5000)
-@example(message=b"\xff:0:1")
+@example(message=b"t:1:" + b"9" * 5000 + b":tag")
+@example(message=b"\xff:0:1:tag")
 def test_parse_notification_raises_only_value_error(message):
     try:
-        transfer_id, rank, num_ranks = parse_notification(message)
+        note = parse_notification(message)
     except ValueError:  # UnicodeDecodeError is one
         return
-    assert isinstance(transfer_id, str) and isinstance(rank, int) and isinstance(num_ranks, int)
+    assert isinstance(note.transfer_id, str) and isinstance(note.rank, int) and isinstance(note.num_ranks, int)
 
 
 @FUZZ
-@given(transfer_id=st.text(max_size=40), rank=st.integers(0, 1000), num_ranks=st.integers(1, 1000))
-def test_notifications_round_trip(transfer_id, rank, num_ranks):
-    assert parse_notification(notification(transfer_id, rank, num_ranks)) == (transfer_id, rank, num_ranks)
+@given(transfer_id=st.text(max_size=40), rank=st.integers(0, 1000), num_ranks=st.integers(1, 1000),
+       blocks=st.lists(st.integers(0, 10**6), max_size=8))
+def test_notifications_round_trip(transfer_id, rank, num_ranks, blocks):
+    tag = block_tag("key", blocks)
+    assert parse_notification(notification(transfer_id, rank, num_ranks, tag)) == Notification(
+        transfer_id, rank, num_ranks, tag)
 
 
 # ------------------------------------------------------------------ pairing checks
@@ -322,6 +325,7 @@ READY = st.builds(
     ReadyPrefill, request_id=st.text(max_size=10), transfer_id=st.text(max_size=10),
     block_ids=st.lists(MSGPACK_INT, max_size=8), traceparent=st.text(max_size=10),
     mode=st.sampled_from(["push", "pull"]), num_tokens=MSGPACK_INT, decode_engine_id=st.text(max_size=10),
+    transfer_key=st.text(max_size=10),
 )
 
 
@@ -336,8 +340,18 @@ def test_pair_problem_never_raises(registration, ready):
 @given(registration=messages(wire.Registration), ready=READY)
 def test_pair_problem_accepts_a_matching_pair(registration, ready):
     matching = msgspec.structs.replace(registration, decode_engine_id=ready.decode_engine_id or "d",
-                                       num_tokens=ready.num_tokens, block_ids=list(range(len(ready.block_ids))))
+                                       num_tokens=ready.num_tokens, block_ids=list(range(len(ready.block_ids))),
+                                       transfer_key=ready.transfer_key)
     assert pair_problem(matching, ready) is None
+
+
+@FUZZ
+@given(registration=messages(wire.Registration), ready=READY)
+def test_pair_problem_refuses_a_registration_without_the_transfers_key(registration, ready):
+    assume(registration.transfer_key != ready.transfer_key)
+    matching = msgspec.structs.replace(registration, decode_engine_id=ready.decode_engine_id or "d",
+                                       num_tokens=ready.num_tokens, block_ids=list(range(len(ready.block_ids))))
+    assert pair_problem(matching, ready) == "the registration does not carry the transfer's key"
 
 
 REGIONS = st.lists(strategy_for(mi.type_info(wire.KvRegion)), max_size=4)
