@@ -10,11 +10,17 @@ Faults. Decode watches the blocks it registered (``KvWaits``): when it gives the
 again until prefill answers that no write of its can land, keeps the blocks until then,
 and has the scheduler side stop renewing prefill's lease. A load that will not come is
 reported to vLLM as failed, and vLLM's ``kv_load_failure_policy`` recomputes the prompt
-locally or fails the request.
+locally or fails the request. A write prefill reports stuck keeps the blocks with no
+timer until prefill answers again or its engine is proven gone (it no longer answers on
+its agent subject, or another incarnation does); ``kvpush_kv_stuck_holds`` counts them.
+
+Trust. A notification counts only with the transfer's tag over the blocks we registered
+(``connector.completion``), and a ``TransferFailed`` only from the transfer's own prefill.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,28 +32,34 @@ from opentelemetry import trace
 from connector import kv_layout
 from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
-from connector.completion import CompletionCounter, notification
+from connector.completion import CompletionCounter, Notification, block_tag, notification, tag_matches
 from connector.kv_wait import KvWaits, Released, Waiting
 from connector.metadata import KvpushMetadata, PullRead
 from connector.outcomes import record_transfer, report_failure
 from connector.transfer_thread import TransferJob, TransferResult, TransferThread
 from otel import attributes as A
 from otel.messaging import context_from_traceparent
+from otel.metrics import instruments
 from shared import wire
-from shared.errors import ReadFailed
+from shared.errors import ReadFailed, WriteStuck, WrongParty, refusal
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
 
 RESEND_S = 1.0  # a registration goes to prefill again this often until prefill answers (it may be lost)
+PROBE_S = 5.0  # how often the prefill behind a stuck write is asked whether it is still there
+MAX_EARLY_NOTES = 10_000  # notifications kept until their wait starts
 
 
 @dataclass(frozen=True, slots=True)
 class _WaitContext:
-    span: trace.Span
+    span: trace.Span | None
     notified: bool  # push: arrival is the producers' notification (else our own READ)
     prefill_engine_id: str
     registration: bytes  # push: as published, to send again
+    transfer_key: str = ""
+    block_ids: tuple[int, ...] = ()  # push: the blocks we registered, the only ones a notification may name
+    prefill_incarnation: str = ""
 
 
 class Consumer:
@@ -62,9 +74,13 @@ class Consumer:
         self._wake: Callable[[], None] = lambda: None
         self._waits = KvWaits(kv_wait_s=kv_wait_s, quarantine_s=quarantine_s)
         self._counter = CompletionCounter()  # the producers' WRITE notifications
-        self._lock = threading.Lock()  # protects _released and _given_up
+        self._lock = threading.Lock()  # protects _released, _given_up and _early_notes
         self._released: list[Released] = []  # waits ended on the clock, for the next get_finished
         self._given_up: set[str] = set()  # requests whose wait we gave up, for the scheduler side
+        self._early_notes: dict[str, list[Notification]] = {}  # notifications before their wait started
+        self._early_failures: dict[str, wire.TransferFailed] = {}  # the same for prefill's answers
+        self._ended: dict[str, str] = {}  # transfer id -> its prefill engine, for waits that ended
+        self._last_probe = 0.0
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when a wait ends."""
@@ -73,20 +89,24 @@ class Consumer:
 
     def subscriptions(self):
         """(subject, message kind, handler) for the worker to subscribe."""
-        return [(wire.completion_subject(self.engine_id), wire.Completion, self.on_completion)]
+        return [(wire.KV_COMPLETIONS.partly(engine_id=self.engine_id), wire.Completion, self.on_completion)]
 
     # ---------------------------------------------------------------- vLLM's worker thread
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         for expected in meta.expected:
-            self._await_kv(expected.request_id, expected.transfer_id, expected.traceparent, True,
-                           expected.prefill_engine_id, expected.registration)
+            self._await_kv(expected.request_id, expected.traceparent, True, _WaitContext(
+                None, True, expected.prefill_engine_id, expected.registration, expected.transfer_key,
+                tuple(expected.block_ids), expected.prefill_incarnation), expected.transfer_id)
         for read in meta.reads:
-            self._await_kv(read.request_id, read.transfer_id, read.traceparent, False, read.prefill_engine_id, b"")
+            self._await_kv(read.request_id, read.traceparent, False, _WaitContext(
+                None, False, read.prefill_engine_id, b"", read.transfer_key, (), read.prefill_incarnation),
+                read.transfer_id)
             self.agents.with_agent(
                 read.prefill_engine_id,
                 lambda remote, why, read=read: self._submit_read(read, remote) if remote else self._read_failed(
                     read, why),
+                incarnation=read.prefill_incarnation,
             )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -101,6 +121,11 @@ class Consumer:
             self._released = []
         receiving: set[str] = set()
         failed: set[str] = set()
+        with self._lock:
+            for ended in released:
+                self._ended[ended.transfer_id] = ended.context.prefill_engine_id
+            while len(self._ended) > MAX_EARLY_NOTES:
+                del self._ended[next(iter(self._ended))]
         for ended in released:
             span = ended.context.span
             if ended.context.notified:
@@ -122,6 +147,10 @@ class Consumer:
             given_up, self._given_up = self._given_up, set()
         return given_up
 
+    def stuck_holds(self) -> int:
+        """Transfers whose blocks are held for a write prefill reported stuck."""
+        return len(self._waits.stuck())
+
     def busy(self) -> bool:
         """A request waits for its KV."""
         return bool(self._waits.waiting())
@@ -134,8 +163,15 @@ class Consumer:
         for wait in self._waits.due_for_resend(now, RESEND_S):
             context: _WaitContext = wait.context
             if context.registration:  # prefill refuses a copy it already has; a lost one is replaced
-                self.bridge.publish(wire.registration_subject(context.prefill_engine_id), context.registration)
+                self.bridge.publish(wire.registration_subject(context.prefill_engine_id, self.engine_id),
+                                    context.registration)
         self._send_revokes(self._waits.revokes_due(now, RESEND_S))  # until prefill answers: one may be lost
+        stuck = self._waits.stuck()
+        instruments().stuck_holds.set(len(stuck), {A.WORKER_ID: self.engine_id})
+        if stuck and now - self._last_probe >= PROBE_S:
+            self._last_probe = now
+            for wait in stuck:
+                self._probe(wait)
         if released:
             with self._lock:
                 self._released.extend(released)
@@ -143,24 +179,61 @@ class Consumer:
 
     # ---------------------------------------------------------------- the transfer thread
 
-    def write_notified(self, transfer_id: str, rank: int, num_ranks: int) -> None:
-        """A producer rank's WRITE notification: once every rank's came, the KV is here."""
-        if not self._counter.record(transfer_id, rank, num_ranks):
+    def write_notified(self, note: Notification) -> None:
+        """A producer rank's WRITE notification: once every rank's came, the KV is here.
+        It counts only with the transfer's tag over the blocks we registered."""
+        wait = self._waits.get(note.transfer_id)
+        if wait is None:
+            with self._lock:  # our wait starts in this step's start_load_kv: keep it till then
+                self._early_notes.setdefault(note.transfer_id, []).append(note)
+                while len(self._early_notes) > MAX_EARLY_NOTES:
+                    del self._early_notes[next(iter(self._early_notes))]
             return
-        self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
-        self._kv_arrived(transfer_id)
+        self._count_note(wait.context, note)
+
+    def _count_note(self, context: "_WaitContext", note: Notification) -> None:
+        if not tag_matches(note.tag, context.transfer_key, list(context.block_ids)):
+            self._refuse(note.transfer_id, "a WRITE notification without the transfer's tag over our blocks")
+            return
+        if not self._counter.record(note.transfer_id, note.rank, note.num_ranks):
+            return
+        self._counter.take_done([note.transfer_id])  # leaves a tombstone against late duplicates
+        self._kv_arrived(note.transfer_id)
 
     # ---------------------------------------------------------------- NATS
 
     def on_completion(self, event: wire.Completion) -> None:
-        if isinstance(event, wire.TransferFailed) and event.prefill_engine_id != self.engine_id:
-            self._waits.prefill_gave_up(event.transfer_id, f"{event.code}: {event.reason}")
-            self._wake()
+        if not isinstance(event, wire.TransferFailed) or event.prefill_engine_id == self.engine_id:
+            return  # TransferDone is for the schedulers: our KV's arrival is its notification
+        wait = self._waits.get(event.transfer_id)
+        prefill = wait.context.prefill_engine_id if wait is not None else self._ended_prefill(event.transfer_id)
+        if prefill is not None and prefill != event.prefill_engine_id:
+            self._refuse(event.transfer_id, f"a TransferFailed from {event.prefill_engine_id}, "
+                                            f"but the KV comes from {prefill}")
+            return
+        if wait is None:
+            if prefill is None:  # before our wait started (this step's start_load_kv): checked then
+                with self._lock:
+                    self._early_failures[event.transfer_id] = event
+                    while len(self._early_failures) > MAX_EARLY_NOTES:
+                        del self._early_failures[next(iter(self._early_failures))]
+            return
+        reason = f"{event.code}: {event.reason}"
+        if event.code == WriteStuck.code:
+            if self._waits.write_stuck(event.transfer_id, reason, time.monotonic()):
+                log.error("prefill %s reports its write for %s stuck; its blocks stay held until it ends "
+                          "or %s is gone", event.prefill_engine_id, event.transfer_id, event.prefill_engine_id)
+            return
+        if wait.stuck is not None:
+            self._waits.write_ended(event.transfer_id, reason)
+        else:
+            self._waits.prefill_gave_up(event.transfer_id, reason)
+        self._wake()
 
     # ---------------------------------------------------------------- waits and reads
 
-    def _await_kv(self, request_id: str, transfer_id: str, traceparent: str, notified: bool,
-                  prefill_engine_id: str, registration: bytes) -> None:
+    def _await_kv(self, request_id: str, traceparent: str, notified: bool, context: "_WaitContext",
+                  transfer_id: str) -> None:
         span = _tracer.start_span(
             A.KV_WAIT,
             context=context_from_traceparent(traceparent),
@@ -168,8 +241,19 @@ class Consumer:
         )
         if notified:
             self.transfer.expect(1)  # poll eagerly for the producers' notifications
-        self._waits.start(request_id, transfer_id, time.monotonic(),
-                          _WaitContext(span, notified, prefill_engine_id, registration))
+        context = dataclasses.replace(context, span=span)
+        self._waits.start(request_id, transfer_id, time.monotonic(), context)
+        with self._lock:
+            early = self._early_notes.pop(transfer_id, [])
+            failure = self._early_failures.pop(transfer_id, None)
+        for note in early:
+            self._count_note(context, note)
+        if failure is not None:
+            self.on_completion(failure)
+
+    def _ended_prefill(self, transfer_id: str) -> str | None:
+        with self._lock:
+            return self._ended.get(transfer_id)
 
     def _submit_read(self, read: PullRead, remote: wire.AgentInfo) -> None:
         problem = kv_layout.copy_problem(self.transfer.layout, remote, read.local_block_ids, read.remote_block_ids)
@@ -191,7 +275,8 @@ class Consumer:
                 remote,
                 read.local_block_ids,
                 read.remote_block_ids,
-                notification(read.transfer_id, self.rank, self.tp_size),
+                notification(read.transfer_id, self.rank, self.tp_size,
+                             block_tag(read.transfer_key, read.remote_block_ids)),
                 on_done,
                 parent=context_from_traceparent(read.traceparent),
             )
@@ -220,7 +305,29 @@ class Consumer:
             if not prefill_engine_id:
                 continue
             self.bridge.publish(
-                wire.registration_subject(prefill_engine_id),
+                wire.registration_subject(prefill_engine_id, self.engine_id),
                 wire.encode(wire.Revoke(transfer_id=wait.transfer_id, decode_engine_id=self.engine_id,
-                                        reason=wait.given_up or "")),
+                                        reason=wait.given_up or "", transfer_key=wait.context.transfer_key)),
             )
+
+    def _probe(self, wait: Waiting) -> None:
+        """Is the prefill engine that posted a stuck write still there? It is gone once its
+        agent subject has no responder (its process left NATS) or another start answers."""
+        context: _WaitContext = wait.context
+
+        def on_agent(info: wire.AgentInfo | None, why: str) -> None:
+            if info is not None:
+                return  # the same process: the write may still land
+            gone = "no responders" in why.lower() or "restarted" in why
+            if gone:
+                log.warning("prefill %s is gone (%s): releasing the blocks of %s", context.prefill_engine_id, why,
+                            wait.transfer_id)
+                self._waits.prefill_gone(wait.transfer_id, why)
+                self._wake()
+
+        self.agents.with_agent(context.prefill_engine_id, on_agent, incarnation=context.prefill_incarnation,
+                               fresh=True)
+
+    def _refuse(self, transfer_id: str, why: str) -> None:
+        self.bridge.refuse(refusal(self.engine_id, wire.KV_COMPLETIONS.partly(engine_id=self.engine_id),
+                                   ValueError(f"{transfer_id}: {why}"), WrongParty))

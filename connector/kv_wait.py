@@ -14,7 +14,11 @@ A wait ends in one of three ways:
 - decode gave up (the request was aborted, or the KV took longer than ``kv_wait_s``):
   revoke the transfer at prefill and keep the blocks quarantined until prefill
   answers, a write lands, or ``quarantine_s`` passed without a word from prefill
-  (a dead peer writes nothing). Blocks are never released while a write may land.
+  (a dead peer writes nothing). Blocks are never released while a write may land;
+- prefill said its write is stuck (posted, not ended, and NIXL cannot cancel it): no
+  timer frees the blocks then. They stay held until prefill answers again (the write
+  ended) or its process is proven gone (``prefill_gone``); ``stuck()`` lists them, for
+  a metric and an alert.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Waiting:
     given_up: str | None = None  # decode revoked the transfer, and why
     revoked_at: float | None = None
     request_finished: bool = False  # vLLM finished (aborted) the request while it waited
+    stuck: str | None = None  # prefill's write into the blocks is stuck: held until it answers again
     last_sent: float = 0.0  # when the registration (or, once given up, the Revoke) last went to prefill
 
 
@@ -96,6 +101,33 @@ class KvWaits:
             elif wait.prefill_answered is None:
                 wait.prefill_answered = reason
 
+    def write_stuck(self, transfer_id: str, reason: str, now: float) -> bool:
+        """Prefill's write into the blocks is posted and will not end soon: stop waiting
+        for the KV, but keep the blocks until prefill's next answer. False if unknown."""
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is None or wait.arrived or wait.prefill_answered is not None:
+                return False
+            wait.stuck = reason
+            if wait.given_up is None:
+                wait.given_up, wait.revoked_at = f"prefill's write is stuck: {reason}", now
+            return True
+
+    def write_ended(self, transfer_id: str, reason: str) -> None:
+        """Prefill's stuck write ended after all (it answers for the blocks now)."""
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is not None and wait.stuck is not None and wait.prefill_answered is None:
+                wait.prefill_answered = reason
+
+    def prefill_gone(self, transfer_id: str, proof: str) -> None:
+        """The process that posted a stuck write is gone: nothing of it can land any more."""
+        self.write_ended(transfer_id, f"prefill is gone ({proof})")
+
+    def stuck(self) -> list[Waiting]:
+        with self._lock:
+            return [wait for wait in self._waits.values() if wait.stuck is not None and wait.prefill_answered is None]
+
     def requests_finished(self, request_ids: set[str], now: float) -> list[Waiting]:
         """vLLM finished these requests; those still waiting must be revoked (returned)."""
         to_revoke = []
@@ -145,10 +177,14 @@ class KvWaits:
         with self._lock:
             for wait in self._waits.values():
                 unanswered = wait.given_up is not None and not wait.arrived and wait.prefill_answered is None
-                if unanswered and now - wait.last_sent >= every_s:
+                if unanswered and wait.stuck is None and now - wait.last_sent >= every_s:
                     wait.last_sent = now
                     due.append(wait)
         return due
+
+    def get(self, transfer_id: str) -> Waiting | None:
+        with self._lock:
+            return self._waits.get(transfer_id)
 
     def waiting(self) -> int:
         with self._lock:
@@ -165,7 +201,9 @@ class KvWaits:
         if wait.arrived:
             return ""
         if wait.prefill_answered is not None:
-            return wait.given_up or wait.prefill_answered
+            return wait.prefill_answered if wait.stuck else (wait.given_up or wait.prefill_answered)
+        if wait.stuck is not None:
+            return None  # a write may still land: only prefill's answer or its end frees the blocks
         if wait.revoked_at is not None and now >= wait.revoked_at + self.quarantine_s:
             return f"{wait.given_up}; prefill silent for {self.quarantine_s:g} s"
         return None

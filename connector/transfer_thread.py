@@ -34,8 +34,9 @@ _tracer = trace.get_tracer("kvpush.transfer")
 # How long the thread sleeps between polls while something is in flight, and when idle.
 ACTIVE_POLL_S = 0.0005
 IDLE_POLL_S = 0.05
-# A transfer still running after this long has a dead or hung peer: it is given up as
-# failed (its handle released), so its blocks do not stay held forever.
+# A transfer still running after this long has a dead or hung peer. NIXL cannot cancel
+# a posted transfer, so it is reported stuck (``TransferResult.stuck``) and still polled:
+# its blocks stay held on both sides until it ends, and its end is reported again.
 STUCK_AFTER_S = 30.0
 
 os.environ.setdefault("UCX_TCP_NODELAY", "y")
@@ -51,6 +52,7 @@ class TransferResult:
     prepare_ms: float = 0.0
     write_ms: float = 0.0
     error: str = ""
+    stuck: bool = False  # still running after STUCK_AFTER_S; on_done is called again when it ends
 
 
 @dataclass
@@ -78,6 +80,7 @@ class _InFlight:
     posted_at: float
     span: trace.Span
     transfer_span: trace.Span
+    reported_stuck: bool = False
 
 
 _STOP = object()
@@ -90,8 +93,10 @@ class TransferThread:
         rank: int,
         layout: KvLayout,
         on_notification: Callable[[bytes], None] | None = None,
+        incarnation: str = "",
     ):
         self.engine_id = engine_id
+        self.incarnation = incarnation
         self.rank = rank
         self.layout = layout
         self.agent_name = f"{engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
@@ -123,6 +128,7 @@ class TransferThread:
             device_id=self.layout.device_id,
             num_blocks=self.layout.num_blocks,
             regions=self.layout.regions,
+            incarnation=self.incarnation,
         )
 
     def submit(self, job: TransferJob) -> None:
@@ -220,13 +226,21 @@ class TransferThread:
         still: list[_InFlight] = []
         for flight in self._in_flight:
             state = self._agent.check_xfer_state(flight.handle)
-            if state == "PROC" and time.perf_counter() - flight.posted_at > STUCK_AFTER_S:
-                self._finish(flight, ok=False, error=f"{flight.job.op} still running after {STUCK_AFTER_S:g} s")
-            elif state == "PROC":
+            if state == "PROC":
+                if not flight.reported_stuck and time.perf_counter() - flight.posted_at > STUCK_AFTER_S:
+                    flight.reported_stuck = True
+                    self._report_stuck(flight)
                 still.append(flight)
             else:
                 self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else f"{flight.job.op} failed")
         self._in_flight = still
+
+    def _report_stuck(self, flight: _InFlight) -> None:
+        log.error("%s %s still running after %g s; it cannot be cancelled, so its blocks stay held",
+                  flight.job.op, flight.job.transfer_id, STUCK_AFTER_S)
+        with trace.use_span(flight.span, end_on_exit=False):
+            flight.job.on_done(TransferResult(flight.job.transfer_id, ok=False, stuck=True,
+                                              error=f"{flight.job.op} still running after {STUCK_AFTER_S:g} s"))
 
     def _finish(self, flight: _InFlight, ok: bool, error: str) -> None:
         flight.transfer_span.end()

@@ -211,3 +211,45 @@ def test_an_open_wait_or_an_arrived_one_is_never_revoked_again():
     waits.requests_finished({"done"}, now=1.0)
     waits.arrived("t-done")  # the write landed during the quarantine
     assert waits.revokes_due(50.0, every_s=1.0) == []
+
+
+def test_a_stuck_write_keeps_the_blocks_past_every_timer_until_prefill_answers():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    assert waits.write_stuck("t", "WRITE still running after 30 s", now=30.0) is True
+    # Neither the KV wait (120 s) nor the quarantine (10 s) frees blocks a posted write may land in.
+    assert waits.tick(10_000.0) == ([], [])
+    assert [w.transfer_id for w in waits.stuck()] == ["t"]
+    assert waits.revokes_due(10_000.0, 1.0) == []  # prefill knows: its answer is the write's end
+    waits.write_ended("t", "write_failed: it ended after all")
+    [done] = waits.tick(10_001.0)[1]
+    assert (done.arrived, done.failed) == (False, True)
+    assert waits.stuck() == []
+
+
+def test_a_stuck_write_that_lands_after_all_delivers_the_kv():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.write_stuck("t", "slow", now=30.0)
+    waits.arrived("t", at=40.0)
+    [done] = waits.tick(41.0)[1]
+    assert (done.arrived, done.failed) == (True, False)
+
+
+def test_blocks_held_for_a_stuck_write_go_back_once_prefill_is_proven_gone():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.write_stuck("t", "slow", now=30.0)
+    waits.prefill_gone("t", "no responders on its agent subject")
+    [done] = waits.tick(31.0)[1]
+    assert "prefill is gone" in done.reason and done.failed
+
+
+def test_a_stuck_report_for_a_wait_that_already_ended_changes_nothing():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.arrived("t", at=1.0)
+    assert waits.write_stuck("t", "late", now=2.0) is False
+    assert waits.write_stuck("unknown", "late", now=2.0) is False
+    [done] = waits.tick(3.0)[1]
+    assert done.arrived

@@ -8,7 +8,7 @@ import time
 import msgspec
 import torch
 
-from connector.completion import notification, parse_notification
+from connector.completion import Notification, notification, parse_notification
 from connector.kv_layout import describe
 from connector.transfer_thread import TransferJob, TransferThread
 from shared.wire import AgentInfo
@@ -54,14 +54,14 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
         results = []
         src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
         writer.submit(
-            TransferJob("WRITE", "t-1", remote, src, dst, notification("t-1", 0, 1), results.append)
+            TransferJob("WRITE", "t-1", remote, src, dst, notification("t-1", 0, 1, "tag"), results.append)
         )
         notes = parent.recv()
         landed = parent.recv()
         writer.stop()
     finally:
         proc.join(timeout=30)
-    assert [parse_notification(n.encode()) for n in notes] == [("t-1", 0, 1)]
+    assert [parse_notification(n.encode()) for n in notes] == [Notification("t-1", 0, 1, "tag")]
     assert len(results) == 1 and results[0].ok, results
     # 2 layers x 2 runs ([0,1,2]->[5,6,7] and [7]->[12])
     assert results[0].descriptors == 4
@@ -73,3 +73,61 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
             assert torch.all(got[d] == 1000 * layer + s)
         untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
         assert torch.all(got[untouched] == 0)
+
+
+def _stopped_decode_side(conn) -> None:
+    caches = _kv_caches(0.0)
+    notes: list[bytes] = []
+    thread = TransferThread("decode", 0, describe(caches, NUM_BLOCKS), on_notification=notes.append)
+    thread.start()
+    thread.expect(1)
+    conn.send_bytes(msgspec.msgpack.encode(thread.agent_info()))
+    deadline = time.monotonic() + 60
+    while not notes and time.monotonic() < deadline:
+        time.sleep(0.005)
+    conn.send({name: t.clone().numpy().tolist() for name, t in caches.items()})
+    thread.stop()
+
+
+def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_again(monkeypatch):
+    """Over UCX's TCP transport a WRITE needs the peer to progress: a peer stopped with
+    SIGSTOP holds it posted. NIXL cannot cancel it, so the transfer thread reports it stuck
+    (the blocks must stay held) and keeps polling; the bytes land once the peer resumes."""
+    import os
+    import signal
+
+    from connector import transfer_thread
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # no shared memory, no CMA: the peer must take part
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setattr(transfer_thread, "STUCK_AFTER_S", 1.0)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_stopped_decode_side, args=(child,))
+    proc.start()
+    try:
+        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+        caches = _kv_caches(7.0)
+        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
+        writer.start()
+        os.kill(proc.pid, signal.SIGSTOP)
+        results = []
+        writer.submit(TransferJob("WRITE", "t-1", remote, [0, 1], [3, 4], notification("t-1", 0, 1, "tag"),
+                                  results.append))
+        deadline = time.monotonic() + 20
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(r.ok, r.stuck) for r in results] == [(False, True)]  # stuck, not failed: it may still land
+        os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while len(results) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        landed = parent.recv()
+        writer.stop()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.join(timeout=30)
+    assert [(r.ok, r.stuck) for r in results] == [(False, True), (True, False)]
+    for layer in range(2):
+        got = torch.tensor(landed[f"model.layers.{layer}.attn"])
+        assert torch.all(got[[3, 4]] == 7.0)  # the late write did land: freeing these blocks early would be unsafe
