@@ -3,8 +3,8 @@ ends within the deadline, every completed output equals the single-instance refe
 both engines' free KV blocks return to their starting values, and no process dies but
 the one killed.
 
-The scenarios share one stack and run in file order; a killed worker is replaced by a
-fresh one (a new identity) for the scenarios after it.
+The scenarios share one stack and run in file order; a killed worker is started again
+(its identity, a new incarnation) for the scenarios after it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, wait_until
 from tools.reliability.soak import Soak
+from services.cli.client import cancel
 from shared import wire
 from tests import prompts
 
@@ -73,12 +74,12 @@ async def _cancel_when(rig: FaultRig, request: dict, trigger) -> Outcome:
     """Send ``request``; once ``trigger()`` (awaited) returns, cancel it as the client."""
     task = asyncio.create_task(rig.request(request))
     await trigger()
-    await rig.conns["client"].publish(wire.CANCEL_SUBJECT, json.dumps({"request_id": request["request_id"]}).encode())
+    await cancel(rig.conns["client"], request["request_id"])
     return await task
 
 
 async def test_a_cancel_ends_the_request_at_every_stage_and_frees_both_engines_blocks(rig, reference):
-    registrations, sub = await rig.observe("prefill", "kvpush.kv.register.*", wire.KvControl)
+    registrations, sub = await rig.observe("prefill", wire.KV_CONTROL.partly(engine_id="prefill-0"), wire.KvControl)
     try:
         # queued behind other prompts at prefill
         busy = [asyncio.create_task(rig.request(body(LONG))) for _ in range(2)]
@@ -107,8 +108,7 @@ async def test_a_cancel_ends_the_request_at_every_stage_and_frees_both_engines_b
 
         task = asyncio.create_task(rig.request(streaming, on_reply=on_reply))
         await first_chunk.wait()
-        await rig.conns["client"].publish(wire.CANCEL_SUBJECT,
-                                          json.dumps({"request_id": streaming["request_id"]}).encode())
+        await cancel(rig.conns["client"], streaming["request_id"])
         outcome = await task
         assert outcome.code == "cancelled"
         assert 0 < len(outcome.tokens) < 400
@@ -131,7 +131,7 @@ async def test_a_client_that_drops_its_reply_subscription_stops_the_request(rig,
 async def test_malformed_messages_on_every_subject_are_refused_with_an_event(rig, reference):
     rig.invalid.clear()
     subjects = await rig.send_malformed()
-    rejected = await rig.conns["client"].request(wire.GENERATE_SUBJECT, b"\xc1 not json", timeout=10)
+    rejected = await rig.conns["client"].request(wire.OWNED_GENERATE(client="client-0"), b"\xc1 not json", timeout=10)
     assert json.loads(rejected.data)["error"]["code"] == "bad_json"
     await wait_until(lambda: subjects <= {e.subject for e in rig.invalid}, 15, "an invalid-message event per subject")
     assert all(e.code and e.reason for e in rig.invalid)
@@ -142,22 +142,22 @@ async def test_registrations_with_blocks_out_of_range_or_from_the_wrong_decode_a
     _, prompt, _ = prompts.CORRECTNESS[MANY]
     failures, sub = await rig.observe("scheduler", wire.COMPLETION_SUBJECTS, wire.Completion)
     try:
-        # an impostor registers first (right shape, wrong decode), then the chosen decode
-        # registers blocks that do not exist
+        # an impostor (another decode's identity) registers first (right shape, wrong decode),
+        # then the chosen decode registers blocks that do not exist
         transfer_id, prefill_id, decode_id = await rig.forge_registration(
-            prompt, block_ids=list(range(-(-len(prompt) // prompts.BLOCK_SIZE))), engine="impostor")
-        await wait_until(lambda: any(f.decode_engine_id == "impostor" for f in failures), 30, "the impostor refused")
+            prompt, block_ids=list(range(-(-len(prompt) // prompts.BLOCK_SIZE))), engine="decode-9")
+        await wait_until(lambda: any(f.decode_engine_id == "decode-9" for f in failures), 30, "the impostor refused")
         bad = wire.Registration(
             transfer_id=transfer_id, request_id="forged", decode_engine_id=decode_id, decode_request_id="forged",
             decode_tp_size=1, block_ids=[10**9] * -(-len(prompt) // prompts.BLOCK_SIZE), num_tokens=len(prompt),
-            registered_at=time.time())
-        await rig.conns["decode"].publish(wire.registration_subject(prefill_id), wire.encode(bad))
+            registered_at=time.time(), transfer_key="rig-key")
+        await rig.conns["decode"].publish(wire.registration_subject(prefill_id, decode_id), wire.encode(bad))
         await wait_until(lambda: any(f.decode_engine_id == decode_id and f.transfer_id == transfer_id
                                      for f in failures), 30, "the out-of-range registration refused")
     finally:
         await sub.unsubscribe()
     by_engine = {f.decode_engine_id: f for f in failures if isinstance(f, wire.TransferFailed)}
-    assert by_engine["impostor"].code == "bad_registration" and "scheduler chose" in by_engine["impostor"].reason
+    assert by_engine["decode-9"].code == "bad_registration" and "scheduler chose" in by_engine["decode-9"].reason
     assert by_engine[decode_id].code == "bad_registration" and "outside" in by_engine[decode_id].reason
     assert not any(isinstance(f, wire.TransferDone) and f.transfer_id == transfer_id for f in failures)
     await assert_healthy(rig, reference)
@@ -169,7 +169,7 @@ async def _kill_on_first(rig: FaultRig, role: str, subject: str, indexes: list[i
     """Send requests; kill -9 ``role``'s worker as soon as the first message on
     ``subject`` is seen; start a replacement at once."""
     seen, sub = await rig.observe("prefill", subject)
-    old = set(rig.live_workers(role))
+    old = rig.live_incarnations(role)
     tasks = [asyncio.create_task(rig.request(body(i))) for i in indexes]
     try:
         await wait_until(lambda: seen, 60, f"a message on {subject}")
@@ -187,7 +187,7 @@ async def test_kill_9_of_decode_during_the_transfer(rig, reference):
     not streamed are retried (new transfer id) on the replacement, the others fail with
     worker_lost; prefill frees the blocks it could not push."""
     indexes = [LONG, MANY, EIGHT]
-    outcomes = await _kill_on_first(rig, "decode", "kvpush.kv.register.*", indexes)
+    outcomes = await _kill_on_first(rig, "decode", wire.KV_CONTROL.partly(engine_id="prefill-0"), indexes)
     for index, outcome in zip(indexes, outcomes):
         assert outcome.seconds < DEADLINE_S
         if outcome.code is None:
@@ -203,7 +203,7 @@ async def test_kill_9_of_prefill_during_prefill(rig, reference):
     """Prefill dies while computing: every request is retried with a new transfer id on
     the replacement; decode gives up the blocks it had registered for the dead one."""
     indexes = [LONG, MANY, EIGHT]
-    outcomes = await _kill_on_first(rig, "prefill", "kvpush.prefill.*", indexes)
+    outcomes = await _kill_on_first(rig, "prefill", wire.prefill_job_subject("prefill-0"), indexes)
     for index, outcome in zip(indexes, outcomes):
         assert_served(outcome, reference[index])
         await rig.assert_pushed(outcome)

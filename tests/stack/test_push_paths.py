@@ -65,11 +65,12 @@ class _Events:
 def _jobs(transfer_id, decode_prompt, prefill_prompt, prefill_id, decode_id, reply_to):
     now = time.time()
     request_id = f"test-{transfer_id[:8]}"
+    key = uuid.uuid4().hex  # the transfer's secret, as the scheduler gives both workers
     prefill = wire.PrefillJob(request_id=request_id, transfer_id=transfer_id, prompt_token_ids=prefill_prompt,
-                              decode_engine_id=decode_id, received_at=now)
+                              decode_engine_id=decode_id, received_at=now, transfer_key=key)
     decode = wire.DecodeJob(request_id=request_id, transfer_id=transfer_id, prompt_token_ids=decode_prompt,
                             sampling=wire.SamplingSpec(prompts.CROSS_MAX_TOKENS, 0.0, True),
-                            prefill_engine_id=prefill_id, reply_to=reply_to, received_at=now)
+                            prefill_engine_id=prefill_id, reply_to=reply_to, received_at=now, transfer_key=key)
     return prefill, decode
 
 
@@ -119,8 +120,8 @@ async def test_both_rendezvous_orders_deliver_the_right_kv(stack, nc, reference,
     async with (
         _Events(nc, inbox, None) as replies,
         _Events(nc, wire.COMPLETION_SUBJECTS, wire.Completion) as done,
-        _Events(nc, wire.registration_subject(prefill_id), wire.Registration) as registrations,
-        _Events(nc, wire.HANDOFF_SUBJECT, wire.Handoff) as handoffs,
+        _Events(nc, wire.registration_subject(prefill_id, decode_id), wire.Registration) as registrations,
+        _Events(nc, wire.HANDOFFS(sender=prefill_id), wire.Handoff) as handoffs,
     ):
         if order == "registration_first":
             await _send(nc, wire.decode_job_subject(decode_id), decode)
@@ -146,14 +147,15 @@ async def test_malformed_messages_are_refused_and_the_workers_keep_serving(stack
         ack = wire.decode((await nc.request(subject, b"\xc1garbage", timeout=5)).data, wire.JobAck)
         assert ack.accepted is False
         assert ack.error.code == "bad_job" and "malformed" in ack.error.message
-    for subject in (wire.registration_subject(prefill_id), wire.HEARTBEAT_SUBJECT, wire.completion_subject(decode_id),
-                    wire.HANDOFF_SUBJECT, wire.AGENTS_SUBJECT):
+    for subject in (wire.registration_subject(prefill_id, decode_id), wire.HEARTBEATS(sender=prefill_id),
+                    wire.completion_subject(decode_id, prefill_id), wire.HANDOFFS(sender=prefill_id),
+                    wire.KV_AGENTS(sender=prefill_id)):
         await nc.publish(subject, b"\xc1garbage")
     # a registration that parses but names blocks decode never allocated
     bogus = wire.Registration(transfer_id="nobody", request_id="nobody", decode_engine_id=decode_id,
                               decode_request_id="nobody", decode_tp_size=1, block_ids=[10**9], num_tokens=5,
                               registered_at=time.time())
-    await nc.publish(wire.registration_subject(prefill_id), wire.encode(bogus))
+    await nc.publish(wire.registration_subject(prefill_id, decode_id), wire.encode(bogus))
     await nc.flush()
     # and a real request still goes through both workers
     from services.cli.client import generate_all
@@ -171,7 +173,7 @@ async def test_pull_decode_reads_the_kv_prefill_computed(stack, nc, reference):
     inbox = nc.new_inbox()
     prefill, decode = _jobs(transfer_id, prompts.CROSS_TARGET, prompts.CROSS_PUSHED, prefill_id, decode_id, inbox)
     prefill.mode = decode.mode = "pull"
-    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.HANDOFF_SUBJECT, wire.Handoff) as handoffs:
+    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.HANDOFFS.wildcard, wire.Handoff) as handoffs:
         await _send(nc, wire.prefill_job_subject(prefill_id), prefill)
         handoff = await handoffs.wait_for(lambda h: h.transfer_id == transfer_id)
         decode.kv_transfer_params = handoff.kv_transfer_params
@@ -193,7 +195,7 @@ async def test_a_job_cancelled_right_behind_its_arrival_ends_and_reports_it(stac
     _, decode = _jobs(transfer_id, prompts.ORDER_PROMPT, prompts.ORDER_PROMPT, prefill_id, decode_id, inbox)
     cancel = wire.CancelJob(request_id=decode.request_id, transfer_id=transfer_id, reason="test: cancel behind")
     subject = wire.decode_job_subject(decode_id)
-    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.PROGRESS_SUBJECT, wire.RequestProgress) as progress:
+    async with _Events(nc, inbox, None) as replies, _Events(nc, wire.PROGRESS.wildcard, wire.RequestProgress) as progress:
         # One write: the worker's subscription has both before it returns to the event loop.
         ack_inbox = nc.new_inbox()
         await nc.publish(subject, wire.encode(decode), reply=ack_inbox)

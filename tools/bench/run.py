@@ -183,7 +183,7 @@ class Bench:
             beat = wire.decode(msg.data, wire.WorkerHeartbeat)
             beats[beat.role] = beat
 
-        sub = await nc.subscribe(wire.HEARTBEAT_SUBJECT, cb=on_beat)
+        sub = await nc.subscribe(wire.HEARTBEATS.wildcard, cb=on_beat)
         while len(beats) < 2:
             await asyncio.sleep(0.2)
         await sub.unsubscribe()

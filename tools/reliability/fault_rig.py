@@ -1,16 +1,19 @@
-"""A kvpush stack to break on purpose, for the fault-injection suite and ``kvpush soak``:
-real NATS (the sample deploy/nats-server.conf, so with TLS and one user per role), real
-vLLM engines, real NIXL, short leases and deadlines. The rig connects as the role
-allowed to do each thing: the client role sends requests, the scheduler role watches
-heartbeats, progress, completions and refused messages, and other roles inject what
-only they may publish."""
+"""A kvpush stack to break on purpose, for the fault-injection suite, the hostile-peer
+suite and ``kvpush soak``: real NATS with mutual TLS and one NATS user per worker,
+scheduler and client (``shared.permissions``, as ``kvpush nats-config`` writes it), real
+vLLM engines, real NIXL, short leases and deadlines.
+
+The rig connects as the identity allowed to do each thing: ``client`` (client-0) sends
+requests, ``scheduler`` (scheduler-rig, a second scheduler identity) watches heartbeats,
+progress, completions and refused messages and sends jobs, ``prefill`` and ``decode``
+log in as the serving workers' own users to inject what only they may publish. The
+``hostile`` identities (prefill-9, decode-9, client-9) are authenticated peers with no
+part in any request: what they try must change nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import signal
 import time
 import uuid
@@ -27,9 +30,24 @@ from services.launch.natsd import LocalNatsServer
 from services.launch.stack import Stack
 from shared import wire
 from shared.nats_security import connect_options
+from shared.permissions import Identity, literal_password, new_password, render_config
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: deploy/ holds the sample server config
-PASSWORDS = {role: f"{role}-{uuid.uuid4().hex[:12]}" for role in ("scheduler", "prefill", "decode", "client")}
+# (role, NATS user): the stack's own services, the rig's watcher, and the hostile peers.
+IDENTITIES = [
+    Identity("scheduler", "scheduler-0", new_password()),
+    Identity("prefill", "prefill-0", new_password()),
+    Identity("decode", "decode-0", new_password()),
+    Identity("client", "client-0", new_password()),
+    Identity("scheduler", "scheduler-rig", new_password()),
+    Identity("prefill", "prefill-9", new_password()),
+    Identity("decode", "decode-9", new_password()),
+    Identity("client", "client-9", new_password()),
+]
+BY_NAME = {identity.name: identity for identity in IDENTITIES}
+HOSTILE = {"prefill-9", "decode-9", "client-9"}
+# The rig's connections: what each is for -> the identity it logs in as.
+CONNECTIONS = {"scheduler": "scheduler-rig", "client": "client-0", "prefill": "prefill-0", "decode": "decode-0",
+               "prefill-9": "prefill-9", "decode-9": "decode-9", "client-9": "client-9"}
 
 # Short on purpose, so faults resolve within a test; the deadline leaves room for a
 # replacement engine to start (30-60 s here) when a request is retried.
@@ -79,14 +97,16 @@ class FaultRig:
     invalid: list[wire.InvalidMessage] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)  # transfer ids prefill reported written
     killed: set[str] = field(default_factory=set)  # stack child names killed on purpose
+    killed_processes: list = field(default_factory=list)  # the processes killed on purpose
     start_free: dict[str, int] = field(default_factory=dict)  # role -> free blocks when idle
+    incarnations: set[tuple[str, str]] = field(default_factory=set)  # (worker id, incarnation) ever seen
 
     # ------------------------------------------------------------------ setup
 
-    def role_env(self, role: str) -> dict[str, str]:
+    def identity_env(self, name: str) -> dict[str, str]:
         return {
-            "KVPUSH_NATS_USER": role,
-            "KVPUSH_NATS_PASSWORD": PASSWORDS[role],
+            "KVPUSH_NATS_USER": name,
+            "KVPUSH_NATS_PASSWORD": BY_NAME[name].password,
             "KVPUSH_NATS_TLS_CA": str(self.certs / "ca.pem"),
             "KVPUSH_NATS_TLS_CERT": str(self.certs / "client.pem"),
             "KVPUSH_NATS_TLS_KEY": str(self.certs / "client-key.pem"),
@@ -95,22 +115,24 @@ class FaultRig:
     async def start(self, extra_env: dict[str, str] | None = None) -> "FaultRig":
         config_dir = self.folder / "nats"
         config_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / "deploy" / "nats-server.conf", config_dir / "nats-server.conf")
         self.certs = dev_certs.generate(config_dir / "certs")
-        for role, password in PASSWORDS.items():
-            os.environ[f"NATS_{role.upper()}_PASSWORD"] = password  # read by nats-server only
-        self.nats = LocalNatsServer(config=config_dir / "nats-server.conf").start()
+        tls = {"cert_file": "certs/server.pem", "key_file": "certs/server-key.pem", "ca_file": "certs/ca.pem"}
+        config = config_dir / "nats-server.conf"
+        config.write_text(render_config(IDENTITIES, literal_password, tls=tls))
+        config.chmod(0o600)
+        self.nats = LocalNatsServer(config=config).start()
         self.stack = Stack(
             self.model, nats_url=self.nats.url, prefill=1, decode=1, max_model_len=self.max_model_len,
             log_dir=self.folder / "logs", extra_env={**FAULT_ENV, **self.chaos_env(), **(extra_env or {})},
-            role_env={role: self.role_env(role) for role in PASSWORDS},
+            role_env={"scheduler": self.identity_env("scheduler-0"), "prefill-0": self.identity_env("prefill-0"),
+                      "decode-0": self.identity_env("decode-0"), "client": self.identity_env("client-0")},
         )
         self.stack.start()
-        for role in PASSWORDS:
-            self.conns[role] = await self.connect(role)
+        for purpose in CONNECTIONS:
+            self.conns[purpose] = await self.connect(purpose)
         watcher = self.conns["scheduler"]
-        await watcher.subscribe(wire.HEARTBEAT_SUBJECT, cb=self._on_beat)
-        await watcher.subscribe(wire.PROGRESS_SUBJECT, cb=self._on_progress)
+        await watcher.subscribe(wire.HEARTBEATS.wildcard, cb=self._on_beat)
+        await watcher.subscribe(wire.PROGRESS.wildcard, cb=self._on_progress)
         await watcher.subscribe(wire.INVALID_SUBJECT, cb=self._on_invalid)
         await watcher.subscribe(wire.COMPLETION_SUBJECTS, cb=self._on_completion)
         await self.stack.wait_ready(timeout=400)
@@ -118,9 +140,19 @@ class FaultRig:
             self.start_free[role] = await self.idle_free_blocks(role)
         return self
 
-    async def connect(self, role: str):
+    async def connect(self, purpose: str, errors: list[str] | None = None):
+        """A connection for ``purpose`` (a key of CONNECTIONS), logged in as its identity;
+        what the server refuses it (permission violations) is appended to ``errors``."""
+        identity = BY_NAME[CONNECTIONS[purpose]]
+        service = None if identity.role == "client" else identity.name
+
+        async def on_error(exc) -> None:
+            if errors is not None:
+                errors.append(str(exc))
+
         return await nats.connect(self.nats.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                                  **connect_options(self.role_env(role)))
+                                  error_cb=on_error,
+                                  **connect_options(self.identity_env(identity.name), service=service))
 
     async def stop(self) -> None:
         for conn in self.conns.values():
@@ -134,14 +166,15 @@ class FaultRig:
             self.nats.stop()
 
     async def _on_beat(self, msg) -> None:
-        beat = _decoded(msg, wire.WorkerHeartbeat)
+        beat = _trusted(msg, wire.WorkerHeartbeat)
         if beat is None:
             return
         self.beats[beat.worker_id] = Beat(beat.free_kv_blocks, beat.total_kv_blocks, beat.role, beat.incarnation,
                                           time.monotonic())
+        self.incarnations.add((beat.worker_id, beat.incarnation))
 
     async def _on_progress(self, msg) -> None:
-        if (event := _decoded(msg, wire.RequestProgress)) is not None:
+        if (event := _trusted(msg, wire.RequestProgress)) is not None:
             self.progress.append(event)
 
     async def _on_invalid(self, msg) -> None:
@@ -149,7 +182,7 @@ class FaultRig:
             self.invalid.append(event)
 
     async def _on_completion(self, msg) -> None:
-        event = _decoded(msg, wire.Completion)
+        event = _trusted(msg, wire.Completion)
         if isinstance(event, wire.TransferDone):
             self.pushed.add(event.transfer_id)
 
@@ -223,7 +256,7 @@ class FaultRig:
         import psutil
 
         for name, process in self.stack.children:
-            if name.startswith(role) and name not in self.killed and process.poll() is None:
+            if name.startswith(role) and process.poll() is None:
                 tree = psutil.Process(process.pid)
                 for member in [*tree.children(recursive=True), tree]:
                     try:
@@ -232,18 +265,24 @@ class FaultRig:
                         pass
                 process.wait()
                 self.killed.add(name)
+                self.killed_processes.append(process)
                 return name
         raise AssertionError(f"no live {role} process to kill")
 
     def replace(self, role: str) -> str:
-        name = f"{role}-replacement-{len(self.killed)}"
+        """Start the killed worker again: the same identity (its NATS user), a new incarnation."""
+        name = f"{role}-0"
         self.stack.spawn_worker(role, name)
         return name
 
-    async def wait_for_new_worker(self, role: str, old: set[str], timeout: float = 400.0) -> str:
+    def live_incarnations(self, role: str) -> set[tuple[str, str]]:
+        return {(wid, beat.incarnation) for wid, beat in self.live_workers(role).items()}
+
+    async def wait_for_new_worker(self, role: str, old: set[tuple[str, str]], timeout: float = 400.0) -> str:
+        """Wait for a live worker of ``role`` whose (id, incarnation) is not in ``old``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            fresh = [wid for wid in self.live_workers(role) if wid not in old]
+            fresh = [wid for wid, incarnation in self.live_incarnations(role) if (wid, incarnation) not in old]
             if fresh:
                 return fresh[0]
             self.assert_nothing_else_died()
@@ -252,8 +291,8 @@ class FaultRig:
 
     def assert_nothing_else_died(self) -> None:
         for name, process in self.stack.children:
-            if name not in self.killed:
-                assert process.poll() is None, f"{name} died (exit {process.returncode})"
+            if process.poll() is not None and process not in self.killed_processes:
+                raise AssertionError(f"{name} died (exit {process.returncode})")
         assert self.nats.process.poll() is None, "nats-server died"
 
     # ------------------------------------------------------------------ requests
@@ -286,11 +325,11 @@ class FaultRig:
         returns the subjects (each service should report a refusal on kvpush.invalid)."""
         prefill_id, decode_id = await self.workers()
         by_role = {
-            "client": [wire.CANCEL_SUBJECT],
+            "client": [wire.OWNED_CANCEL(client=CONNECTIONS["client"])],
             "scheduler": [wire.prefill_job_subject(prefill_id), wire.decode_job_subject(decode_id)],
-            "prefill": [wire.HANDOFF_SUBJECT, wire.completion_subject(decode_id), wire.HEARTBEAT_SUBJECT,
-                        wire.AGENTS_SUBJECT],
-            "decode": [wire.registration_subject(prefill_id), wire.PROGRESS_SUBJECT],
+            "prefill": [wire.HANDOFFS(sender=prefill_id), wire.completion_subject(decode_id, prefill_id),
+                        wire.HEARTBEATS(sender=prefill_id), wire.KV_AGENTS(sender=prefill_id)],
+            "decode": [wire.registration_subject(prefill_id, decode_id), wire.PROGRESS(sender=decode_id)],
         }
         for role, subjects in by_role.items():
             for subject in subjects:
@@ -299,20 +338,23 @@ class FaultRig:
         return {s for subjects in by_role.values() for s in subjects}
 
     async def forge_registration(self, prompt: list[int], block_ids: list[int] | None = None,
-                                 engine: str | None = None) -> tuple[str, str, str]:
-        """A prefill job (as the scheduler) and a registration for it (as a decode) naming
-        blocks out of range, or coming from ``engine`` instead of the decode the job
-        names. Returns (transfer id, prefill id, decode id)."""
+                                 engine: str | None = None, key: str = "rig-key") -> tuple[str, str, str]:
+        """A prefill job (as the scheduler) and a registration for it naming blocks out of
+        range (as the chosen decode, with the job's key), or from ``engine`` (a hostile
+        decode identity, without the key) instead of the decode the job names. Returns
+        (transfer id, prefill id, decode id)."""
         prefill_id, decode_id = await self.workers()
         transfer_id = uuid.uuid4().hex
         blocks = -(-len(prompt) // 128)
+        sender = engine or decode_id
         registration = wire.Registration(
-            transfer_id=transfer_id, request_id="forged", decode_engine_id=engine or decode_id,
+            transfer_id=transfer_id, request_id="forged", decode_engine_id=sender,
             decode_request_id="forged", decode_tp_size=1, block_ids=block_ids or [10**9] * blocks,
-            num_tokens=len(prompt), registered_at=time.time())
+            num_tokens=len(prompt), registered_at=time.time(), transfer_key="" if engine else key)
         job = wire.PrefillJob(request_id="forged", transfer_id=transfer_id, prompt_token_ids=prompt,
-                              received_at=time.time(), decode_engine_id=decode_id)
-        await self.conns["decode"].publish(wire.registration_subject(prefill_id), wire.encode(registration))
+                              received_at=time.time(), decode_engine_id=decode_id, transfer_key=key)
+        conn = self.conns[engine] if engine else self.conns["decode"]
+        await conn.publish(wire.registration_subject(prefill_id, sender), wire.encode(registration))
         ack = wire.decode((await self.conns["scheduler"].request(
             wire.prefill_job_subject(prefill_id), wire.encode(job), timeout=5)).data, wire.JobAck)
         assert ack.accepted, ack
@@ -325,7 +367,8 @@ class FaultRig:
         inbox = client.new_inbox()
         sub = await client.subscribe(inbox)
         request = {"ignore_eos": True, **body, "request_id": request_id}
-        await client.publish(wire.GENERATE_SUBJECT, json.dumps(request).encode(), reply=inbox)
+        await client.publish(wire.OWNED_GENERATE(client=CONNECTIONS["client"]), json.dumps(request).encode(),
+                             reply=inbox)
         try:
             await sub.next_msg(timeout=DEADLINE_S)  # the first chunk: it streams
         finally:
@@ -333,9 +376,9 @@ class FaultRig:
         return request_id
 
     async def kill_and_replace(self, role: str) -> str:
-        """kill -9 ``role``'s worker and start a replacement (a new identity); returns
-        once the replacement heartbeats."""
-        old = set(self.live_workers(role))
+        """kill -9 ``role``'s worker and start it again (its identity, a new incarnation);
+        returns once the new incarnation heartbeats."""
+        old = self.live_incarnations(role)
         self.kill(role)
         self.replace(role)
         return await self.wait_for_new_worker(role, old)
@@ -350,6 +393,15 @@ class FaultRig:
         sub = await self.conns[role].subscribe(subject, cb=on_msg)
         await self.conns[role].flush()
         return seen, sub
+
+
+def _trusted(msg, kind):
+    """What the stack's own workers said: the rig believes what the services believe, and
+    nothing from the hostile identities."""
+    message = _decoded(msg, kind)
+    if message is None or wire.forged_sender(msg.subject, message) or wire.sender_of(msg.subject) in HOSTILE:
+        return None
+    return message
 
 
 def _decoded(msg, kind):

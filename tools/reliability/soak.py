@@ -19,8 +19,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.cli.client import cancel
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
-from shared import settings, wire
+from shared import settings
 
 # Expected ends of a request under faults: an answer, or one of these codes.
 EXPECTED_CODES = {"cancelled", "worker_lost"}
@@ -167,7 +168,7 @@ class Soak:
         else:
             request_id = self._send()
             await asyncio.sleep(self.rng.uniform(0.0, 0.5))
-        await self.rig.conns["client"].publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(request_id)))
+        await cancel(self.rig.conns["client"], request_id)
 
     async def _fault_client_gone(self) -> None:
         await self.rig.drop_reply_subscription({**self.prompts[5], "max_tokens": 300})
