@@ -51,7 +51,7 @@ class AgentDirectory:
             if error is not None:
                 then(None, error)
                 return
-            info = self.bridge.decoded(data, wire.AgentInfo, subject, self.service)
+            info = self.bridge.decoded(data, wire.AgentInfo, subject, self.service, reply=True)
             if info is None:
                 then(None, f"bad agent info on {subject}")
                 return

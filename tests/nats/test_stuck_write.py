@@ -162,3 +162,26 @@ class AgentAnswer:
             return info
 
         bridge.subscribe(wire.agent_subject(engine_id, 0), answer)
+
+
+def test_blocks_under_a_stuck_write_go_back_once_another_start_of_the_prefill_answers(nats_server):
+    """The prefill engine restarted under its id: the process that posted the write is gone."""
+    decode_id, prefill_id = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
+    bridge = NatsBridge(nats_server.url, name=decode_id)
+    bridge.start()
+    prefill = NatsBridge(nats_server.url, name=prefill_id)
+    prefill.start()
+    restarted = AgentAnswer(prefill, prefill_id, "incarnation-2")
+    worker = _decode(bridge, decode_id)
+    try:
+        request_id, transfer_id = _waiting(worker, prefill_id, "incarnation-1")
+        prefill.publish(wire.completion_subject(decode_id, prefill_id),
+                        _failed(transfer_id, prefill_id, decode_id, "write_stuck"))
+        _until(lambda: worker.consumer.stuck_holds() == 1, "the stuck write held")
+        got = _until(lambda: _some_released(worker), "the blocks back")
+        assert got == ({request_id}, {request_id})
+        assert restarted.asked
+    finally:
+        worker.shutdown()
+        bridge.close()
+        prefill.close()
