@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
+import nats
 import pytest
 
 from services.cli import main as cli
-from services.cli.client import generate
-from shared import wire
+from services.cli.client import cancel, client_of, generate
+from shared import permissions, wire
 from services.launch.natsd import LocalNatsServer
 from shared.errors import NoScheduler, PayloadTooLarge
 
@@ -75,8 +77,6 @@ async def test_the_cancel_command_publishes_the_request_id(nc, nats_server):
 
 
 async def test_a_request_nobody_listens_for_is_refused_with_a_sentence():
-    import nats
-
     with LocalNatsServer() as server:  # its own server: no scheduler of another test can answer
         conn = await nats.connect(server.url)
         try:
@@ -85,3 +85,47 @@ async def test_a_request_nobody_listens_for_is_refused_with_a_sentence():
                     pass
         finally:
             await conn.close()
+
+
+async def test_a_named_client_requests_and_cancels_on_its_own_subjects(nc, nats_server):
+    """A connection logged in as a client has its inboxes under ``_INBOX.<client>``
+    (``connect_options`` sets the prefix); it sends on ``kvpush.generate.<client>``, and
+    leaving the stream early cancels on ``kvpush.cancel.<client>``: the only subjects the
+    scheduler lets cancel its requests."""
+    name = f"app-{uuid.uuid4().hex[:8]}"
+    requests: list[tuple[str, str]] = []
+    cancels: list[tuple[str, bytes]] = []
+
+    async def fake_scheduler(msg):
+        requests.append((msg.subject, msg.reply))
+        await nc.publish(msg.reply, wire.encode_json(wire.TokenChunk(request_id="r-named", token_ids=[1], text="a")))
+
+    async def on_cancel(msg):
+        cancels.append((msg.subject, msg.data))
+
+    subs = [await nc.subscribe(wire.OWNED_GENERATE.wildcard, cb=fake_scheduler),
+            await nc.subscribe(wire.OWNED_CANCEL.wildcard, cb=on_cancel),
+            await nc.subscribe(wire.GENERATE_SUBJECT, cb=fake_scheduler),
+            await nc.subscribe(wire.CANCEL_SUBJECT, cb=on_cancel)]
+    await nc.flush()
+    named = await nats.connect(nats_server.url, inbox_prefix=permissions.client_inbox(name))
+    try:
+        assert (client_of(named), client_of(nc)) == (name, "")
+        async for reply in generate(named, {"prompt": "hi", "request_id": "r-named"}):
+            assert reply["token_ids"] == [1]
+            break
+        await _until(lambda: cancels)
+        await cancel(named, "r-again")
+        await _until(lambda: len(cancels) == 2)
+        await named.flush()
+        await nc.flush()
+    finally:
+        await named.close()
+        for sub in subs:
+            await sub.unsubscribe()
+    [(subject, reply_to)] = requests
+    assert subject == wire.OWNED_GENERATE(client=name)
+    assert reply_to.startswith(f"{wire.CLIENT_INBOX_PREFIX}.{name}.")
+    assert [(s, json.loads(c)) for s, c in cancels] == [
+        (wire.OWNED_CANCEL(client=name), {"request_id": "r-named"}),
+        (wire.OWNED_CANCEL(client=name), {"request_id": "r-again"})]

@@ -35,15 +35,18 @@ def scheduler(bridge) -> ConnectorScheduler:
 
 
 def _listen(bridge: NatsBridge, prefill_engine_id: str) -> queue.Queue:
-    """The LeaseRenewals arriving on a prefill engine's registration subject."""
+    """The LeaseRenewals arriving on a prefill engine's registration subjects, each on the
+    subject of the decode it names (``kvpush.kv.register.<prefill>.<decode>``: the prefill
+    would refuse any other as forged)."""
     seen: queue.Queue = queue.Queue()
 
-    def on_data(data: bytes) -> None:
+    def on_data(data: bytes, subject: str) -> None:
         message = wire.decode(data, wire.KvControl)
-        if isinstance(message, wire.LeaseRenewal):
+        if (isinstance(message, wire.LeaseRenewal)
+                and subject == wire.registration_subject(prefill_engine_id, message.decode_engine_id)):
             seen.put(message)
 
-    bridge.subscribe(wire.registration_subject(prefill_engine_id), on_data)
+    bridge.subscribe(wire.KV_CONTROL.partly(engine_id=prefill_engine_id), on_data)
     return seen
 
 

@@ -2,12 +2,15 @@
 this process, a decode engine in another (driven through its scheduler side, as vLLM
 would; it holds both halves, as vLLM's kv_both, so notifications must find the right one).
 Push and pull move the prompt's blocks and free them at prefill; a pull-held prompt
-stays held while decode renews its lease, and is given up once decode stops."""
+stays held while decode renews its lease, and is given up once decode stops. Only the
+transfer's own parties, with its key, can register for it, revoke it, fail it, or
+notify its arrival."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -18,13 +21,15 @@ import torch
 
 from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
+from connector.completion import block_tag, notification
 from connector.consumer import Consumer
-from connector.metadata import KvpushMetadata, ReadyPrefill
+from connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
 from connector.producer import Producer
 from connector.scheduler_side import ConnectorScheduler
 from connector.worker_side import ConnectorWorker
 from shared import wire
-from shared.errors import AgentUnreachable, BadMessage, LeaseExpired
+from shared.errors import (AgentUnreachable, BadMessage, BadRegistration, LeaseExpired, Revoked, WriteFailed,
+                           WrongParty)
 
 NUM_BLOCKS = 16
 SHAPE = (NUM_BLOCKS, 2, 4, 8)  # per layer: [num_blocks, kv_heads, block_size, 2*head], fp32
@@ -34,6 +39,11 @@ WAIT_S = 30.0
 
 def _id(what: str) -> str:
     return f"{what}-{uuid.uuid4().hex[:8]}"
+
+
+def _key() -> str:
+    """A transfer's secret, as the scheduler makes one for each attempt."""
+    return secrets.token_hex(16)
 
 
 def _kv_caches(fill: float) -> dict[str, torch.Tensor]:
@@ -54,6 +64,15 @@ def _producer(bridge: NatsBridge, engine_id: str, lease_s: float) -> ConnectorWo
     producer = Producer(engine_id, 0, 1, bridge, agents, lease_s=lease_s)
     worker = ConnectorWorker(engine_id, 0, bridge, agents, producer=producer)
     worker.caches = _numbered_caches()  # registered memory: kept alive as long as the worker, as vLLM does
+    worker.register_kv_caches(worker.caches, NUM_BLOCKS)
+    return worker
+
+
+def _consumer(bridge: NatsBridge, engine_id: str) -> ConnectorWorker:
+    agents = AgentDirectory(bridge, 0, engine_id)
+    consumer = Consumer(engine_id, 0, 1, bridge, agents, kv_wait_s=WAIT_S, quarantine_s=5.0)
+    worker = ConnectorWorker(engine_id, 0, bridge, agents, consumer=consumer)
+    worker.caches = _kv_caches(0.0)
     worker.register_kv_caches(worker.caches, NUM_BLOCKS)
     return worker
 
@@ -129,7 +148,17 @@ def decode(nats_server):
 
 def _load(decode, params: wire.DecodeKvParams, block_ids: list[int]):
     """Have decode receive a request with ``params`` into ``block_ids``: (arrived, failed, blocks)."""
+    _start_load(decode, params, block_ids)
+    return _loaded(decode)
+
+
+def _start_load(decode, params: wire.DecodeKvParams, block_ids: list[int]) -> None:
+    """Decode receives the request (push: it registers its blocks) and waits for the KV."""
     decode.conn.send((params.as_params(), block_ids))
+
+
+def _loaded(decode):
+    """How decode's wait for the KV ended: (arrived, failed, blocks)."""
     assert decode.conn.poll(WAIT_S + 10), "decode did not answer"
     return decode.conn.recv()
 
@@ -148,25 +177,26 @@ def test_push_and_pull_move_the_prompt_and_free_prefills_blocks(nats_server, dec
     worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
     try:
         # push: the finished prefill and decode's registration meet, whichever comes first
-        transfer = _id("push")
+        transfer, key = _id("push"), _key()
         src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
         worker.wait_for_save(KvpushMetadata(ready_prefills=[
             ReadyPrefill("prefill-push", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
-                         decode_engine_id=decode.engine_id)]))
+                         decode_engine_id=decode.engine_id, transfer_key=key)]))
         arrived, failed, blocks = _load(decode, wire.DecodeKvParams(
-            transfer_id=transfer, request_id="push", prefill_engine_id=prefill_id), dst)
+            transfer_id=transfer, request_id="push", prefill_engine_id=prefill_id, transfer_key=key), dst)
         assert (arrived, failed) == (True, [])
         _assert_copied(blocks, src)
         assert _sent(worker, "prefill-push") == {"prefill-push"}
 
         # pull: decode READs the blocks prefill holds for it; its notification frees them
-        transfer = _id("pull")
+        transfer, key = _id("pull"), _key()
         src, dst = [3, 4], [9, 10]
         worker.wait_for_save(KvpushMetadata(ready_prefills=[
-            ReadyPrefill("prefill-pull", transfer, src, mode="pull", num_tokens=len(src) * BLOCK_SIZE)]))
+            ReadyPrefill("prefill-pull", transfer, src, mode="pull", num_tokens=len(src) * BLOCK_SIZE,
+                         transfer_key=key)]))
         arrived, failed, blocks = _load(decode, wire.DecodeKvParams(
             transfer_id=transfer, request_id="pull", prefill_engine_id=prefill_id, mode="pull",
-            remote_block_ids=src), dst)
+            remote_block_ids=src, transfer_key=key), dst)
         assert (arrived, failed) == (True, [])
         _assert_copied(blocks, src)
         assert _sent(worker, "prefill-pull") == {"prefill-pull"}
@@ -184,18 +214,18 @@ def test_a_pulled_prompt_is_held_while_decode_renews_and_given_up_when_it_stops(
     bridge.start()
     renewals: queue.Queue = queue.Queue()
     failures: queue.Queue = queue.Queue()
-    bridge.subscribe_typed(wire.registration_subject(prefill_id), wire.KvControl, renewals.put, "test")
-    bridge.subscribe_typed(wire.completion_subject("unknown"), wire.Completion, failures.put, "test")
+    bridge.subscribe_typed(wire.registration_subject(prefill_id, decode_id), wire.KvControl, renewals.put, "test")
+    bridge.subscribe_typed(wire.completion_subject("unknown", prefill_id), wire.Completion, failures.put, "test")
     worker = _producer(bridge, prefill_id, lease_s=1.0)
     scheduler = ConnectorScheduler(decode_id, BLOCK_SIZE, 1, bridge, renew_every_s=0.2)
     try:
-        transfer = _id("pull")
+        transfer, key = _id("pull"), _key()
         worker.wait_for_save(KvpushMetadata(ready_prefills=[
-            ReadyPrefill("prefill-held", transfer, [0], mode="pull", num_tokens=BLOCK_SIZE)]))
+            ReadyPrefill("prefill-held", transfer, [0], mode="pull", num_tokens=BLOCK_SIZE, transfer_key=key)]))
         request = SimpleNamespace(request_id=_id("decode"), prompt_token_ids=[1] * BLOCK_SIZE,
                                   kv_transfer_params=wire.DecodeKvParams(
                                       transfer_id=transfer, request_id="held", prefill_engine_id=prefill_id,
-                                      mode="pull", remote_block_ids=[0]).as_params())
+                                      mode="pull", remote_block_ids=[0], transfer_key=key).as_params())
         scheduler.on_new_request(request)
         for _ in range(10):  # two seconds of renewals: twice the lease
             assert renewals.get(timeout=2).transfer_ids == [transfer]
@@ -219,8 +249,9 @@ def test_a_bad_message_on_the_producers_subject_is_refused_on_kvpush_invalid(nat
     bridge.subscribe_typed(wire.INVALID_SUBJECT, wire.InvalidMessage, refusals.put, "test")
     worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
     try:
-        bridge.publish(wire.registration_subject(prefill_id), b"\xc1 not msgpack")
-        refusal = _until(lambda: _refusal_on(refusals, wire.registration_subject(prefill_id)), "refusal", 5)
+        subject = wire.registration_subject(prefill_id, _id("decode"))
+        bridge.publish(subject, b"\xc1 not msgpack")
+        refusal = _until(lambda: _refusal_on(refusals, subject), "refusal", 5)
         assert (refusal.service, refusal.code) == (prefill_id, BadMessage.code)
         assert refusal.reason
     finally:
@@ -237,6 +268,23 @@ def _refusal_on(refusals: queue.Queue, subject: str) -> wire.InvalidMessage | No
 
 
 # ------------------------------------------------------------------ races, held at a point
+
+
+class _Refusals:
+    """Every InvalidMessage said on kvpush.invalid, kept in arrival order."""
+
+    def __init__(self, bridge: NatsBridge) -> None:
+        self.events: list[wire.InvalidMessage] = []
+        self._lock = threading.Lock()
+        bridge.subscribe_typed(wire.INVALID_SUBJECT, wire.InvalidMessage, self.put, "test")
+
+    def put(self, refusal: wire.InvalidMessage) -> None:
+        with self._lock:
+            self.events.append(refusal)
+
+    def by(self, service: str) -> list[wire.InvalidMessage]:
+        with self._lock:
+            return [r for r in self.events if r.service == service]
 
 
 class _Completions:
@@ -266,15 +314,16 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
     bridge = NatsBridge(nats_server.url, name=prefill_id)
     bridge.start()
     completions = _Completions()
-    bridge.subscribe_typed(wire.completion_subject(decode_id), wire.Completion, completions.put, "test")
+    bridge.subscribe_typed(wire.completion_subject(decode_id, prefill_id), wire.Completion, completions.put, "test")
     worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
-    control = wire.registration_subject(prefill_id)
-    transfer, marker = _id("raced"), _id("marker")
+    control = wire.registration_subject(prefill_id, decode_id)
+    transfer, marker, key = _id("raced"), _id("marker"), _key()
 
     def registration(transfer_id: str, tp_size: int = 1) -> bytes:
         return wire.encode(wire.Registration(
             transfer_id=transfer_id, request_id="raced", decode_engine_id=decode_id, decode_request_id="d",
-            decode_tp_size=tp_size, block_ids=[5, 6], num_tokens=2 * BLOCK_SIZE, registered_at=time.time()))
+            decode_tp_size=tp_size, block_ids=[5, 6], num_tokens=2 * BLOCK_SIZE, registered_at=time.time(),
+            transfer_key=key))
 
     try:
         bridge.publish(control, registration(transfer))
@@ -282,11 +331,11 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
         with chaos.hold("producer.matched") as gate:
             prefill = threading.Thread(target=worker.wait_for_save, args=(KvpushMetadata(ready_prefills=[
                 ReadyPrefill("prefill-raced", transfer, [0, 1], mode="push", num_tokens=2 * BLOCK_SIZE,
-                             decode_engine_id=decode_id)]),))
+                             decode_engine_id=decode_id, transfer_key=key)]),))
             prefill.start()
             assert gate.reached.wait(10), "the prefill thread did not reach the match"
             bridge.publish(control, wire.encode(wire.Revoke(transfer_id=transfer, decode_engine_id=decode_id,
-                                                            reason="test")))
+                                                            reason="test", transfer_key=key)))
             # Handled in order on the same subject: once the marker's answer is back, so is the revoke's.
             bridge.publish(control, registration(marker, tp_size=2))
             _until(lambda: completions.of(marker), "the marker's answer", 10)
@@ -296,6 +345,225 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
         [answer] = _until(lambda: completions.of(transfer), "the answer", 10)
         assert isinstance(answer, wire.TransferFailed) and answer.code == AgentUnreachable.code
         assert _sent(worker, "prefill-raced") == {"prefill-raced"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+# ------------------------------------------------------------------ trust: the transfer's key and its parties
+
+
+def _revoke(transfer_id: str, decode_engine_id: str, transfer_key: str) -> bytes:
+    return wire.encode(wire.Revoke(transfer_id=transfer_id, decode_engine_id=decode_engine_id, reason="test",
+                                   transfer_key=transfer_key))
+
+
+def test_a_revoke_without_the_transfers_key_is_refused_and_the_write_still_lands(nats_server, decode):
+    """Only the decode the scheduler chose holds the key: a Revoke without it (on the
+    decode's own subject, so not forged) must not close the transfer decode waits for."""
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    refusals = _Refusals(bridge)
+    completions = _Completions()
+    bridge.subscribe_typed(wire.completion_subject(decode.engine_id, prefill_id), wire.Completion, completions.put,
+                           "test")
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    control = wire.registration_subject(prefill_id, decode.engine_id)
+    transfer, key = _id("kept"), _key()
+    src, dst = [1, 2], [8, 9]
+    try:
+        _start_load(decode, wire.DecodeKvParams(transfer_id=transfer, request_id="kept", prefill_engine_id=prefill_id,
+                                                transfer_key=key), dst)
+        _until(lambda: transfer in worker.producer._rendezvous.pending(), "decode's registration waiting", 10)
+        for wrong_key in ("", _key()):
+            bridge.publish(control, _revoke(transfer, decode.engine_id, wrong_key))
+        refused = _until(lambda: refusals.by(prefill_id)[1:] and refusals.by(prefill_id), "both refusals", 10)
+        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 2
+        assert transfer in worker.producer._rendezvous.pending()  # not closed
+        assert completions.of(transfer) == []  # and not answered revoked
+
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill("prefill-kept", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
+                         decode_engine_id=decode.engine_id, transfer_key=key)]))
+        arrived, failed, blocks = _loaded(decode)
+        assert (arrived, failed) == (True, [])
+        _assert_copied(blocks, src)
+        assert _sent(worker, "prefill-kept") == {"prefill-kept"}
+        [done] = _until(lambda: completions.of(transfer), "the write's answer", 10)
+        assert isinstance(done, wire.TransferDone)
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def test_a_revoke_without_the_transfers_key_keeps_a_pulled_prompts_blocks_held(nats_server):
+    prefill_id, decode_id = _id("prefill"), _id("decode")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    refusals = _Refusals(bridge)
+    completions = _Completions()
+    bridge.subscribe_typed(wire.completion_subject(decode_id, prefill_id), wire.Completion, completions.put, "test")
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    control = wire.registration_subject(prefill_id, decode_id)
+    transfer, key = _id("pull"), _key()
+    try:
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill("prefill-pulled", transfer, [3, 4], mode="pull", num_tokens=2 * BLOCK_SIZE,
+                         transfer_key=key)]))
+        for wrong_key in ("", _key()):
+            bridge.publish(control, _revoke(transfer, decode_id, wrong_key))
+        refused = _until(lambda: refusals.by(prefill_id)[1:] and refusals.by(prefill_id), "both refusals", 10)
+        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 2
+        assert worker.producer.serves(transfer)  # decode may still READ them
+        assert worker.get_finished({"prefill-pulled"}) == (set(), set(), set())
+        assert completions.of(transfer) == []
+
+        bridge.publish(control, _revoke(transfer, decode_id, key))  # decode's own: it gives the read up
+        [answer] = _until(lambda: completions.of(transfer), "the revoke's answer", 10)
+        assert isinstance(answer, wire.TransferFailed) and answer.code == Revoked.code
+        assert _sent(worker, "prefill-pulled") == {"prefill-pulled"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+@pytest.mark.parametrize("order", ["prefill_first", "registration_first"])
+def test_a_registration_without_the_transfers_key_is_not_matched(nats_server, order):
+    """The prompt waits on for a registration with the key; the one without it is
+    answered as a bad registration, and no write goes into its blocks."""
+    prefill_id, decode_id = _id("prefill"), _id("decode")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    completions = _Completions()
+    bridge.subscribe_typed(wire.completion_subject(decode_id, prefill_id), wire.Completion, completions.put, "test")
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    control = wire.registration_subject(prefill_id, decode_id)
+    transfer, key = _id("keyed"), _key()
+    ready = KvpushMetadata(ready_prefills=[
+        ReadyPrefill("prefill-keyed", transfer, [0, 1], mode="push", num_tokens=2 * BLOCK_SIZE,
+                     decode_engine_id=decode_id, transfer_key=key)])
+
+    def registration(transfer_key: str) -> bytes:
+        return wire.encode(wire.Registration(
+            transfer_id=transfer, request_id="keyed", decode_engine_id=decode_id, decode_request_id="d",
+            decode_tp_size=1, block_ids=[5, 6], num_tokens=2 * BLOCK_SIZE, registered_at=time.time(),
+            transfer_key=transfer_key))
+
+    try:
+        if order == "prefill_first":
+            worker.wait_for_save(ready)
+            bridge.publish(control, registration(_key()))
+        else:
+            bridge.publish(control, registration(_key()))
+            _until(lambda: transfer in worker.producer._rendezvous.pending(), "the registration waiting", 10)
+            worker.wait_for_save(ready)
+        [refused] = _until(lambda: completions.of(transfer), "the answer to the keyless registration", 10)
+        assert isinstance(refused, wire.TransferFailed) and refused.code == BadRegistration.code
+        assert "key" in refused.reason
+        assert transfer in worker.producer._rendezvous.pending()  # the prompt waits on
+        assert worker.get_finished({"prefill-keyed"}) == (set(), set(), set())
+
+        bridge.publish(control, registration(key))
+        answers = _until(lambda: completions.of(transfer)[1:], "the answer to the keyed registration", 10)
+        # Matched: the write was set up (and failed, for this decode has no agent here).
+        assert [a.code for a in answers] == [AgentUnreachable.code]
+        assert _sent(worker, "prefill-keyed") == {"prefill-keyed"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def _failed(transfer_id: str, prefill_engine_id: str, decode_engine_id: str) -> bytes:
+    return wire.encode(wire.TransferFailed(transfer_id=transfer_id, prefill_engine_id=prefill_engine_id,
+                                           decode_engine_id=decode_engine_id, rank=0, code=WriteFailed.code,
+                                           reason="test"))
+
+
+def test_a_transfer_failed_from_a_prefill_that_is_not_the_waits_is_refused_and_the_wait_goes_on(nats_server):
+    decode_id, prefill_id, other_id = _id("decode"), _id("prefill"), _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=decode_id)
+    bridge.start()
+    refusals = _Refusals(bridge)
+    worker = _consumer(bridge, decode_id)
+    transfer, key = _id("waited"), _key()
+    try:
+        worker.start_load_kv(KvpushMetadata(expected=[ExpectedKv(
+            "waiting", transfer, 1, prefill_engine_id=prefill_id, transfer_key=key, block_ids=[5, 6])]))
+        # On the other prefill's own subject (not forged), about a transfer it has no part in.
+        bridge.publish(wire.completion_subject(decode_id, other_id), _failed(transfer, other_id, decode_id))
+        [refusal] = _until(lambda: refusals.by(decode_id), "the refusal", 10)
+        assert refusal.code == WrongParty.code and transfer in refusal.reason and other_id in refusal.reason
+        assert worker.get_finished(set(), idle=True) == (set(), set(), set())  # the blocks wait on
+
+        bridge.publish(wire.completion_subject(decode_id, prefill_id), _failed(transfer, prefill_id, decode_id))
+        _, receiving, failed = _until(lambda: (r := worker.get_finished(set(), idle=True))[1] and r,
+                                      "the wait's own prefill ending it", 10)
+        assert receiving == failed == {"waiting"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def _wrong_notes(transfer_id: str, transfer_key: str, block_ids: list[int]) -> list[bytes]:
+    """Notifications for the transfer that its parties would never send."""
+    return [
+        notification(transfer_id, 0, 1, block_tag(_key(), block_ids)),  # made with another key
+        notification(transfer_id, 0, 1, block_tag(transfer_key, [b + 1 for b in block_ids])),  # other blocks
+        notification(transfer_id, 0, 1, ""),  # untagged
+    ]
+
+
+@pytest.mark.parametrize("when", ["before_the_wait", "during_the_wait"])
+def test_a_write_notification_without_the_transfers_tag_over_our_blocks_is_no_arrival(nats_server, when):
+    """Fed to the worker side as NIXL's notifications are (``before_the_wait``: they came
+    before vLLM's step started the wait, and are kept until then)."""
+    decode_id, prefill_id = _id("decode"), _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=decode_id)
+    bridge.start()
+    refusals = _Refusals(bridge)
+    worker = _consumer(bridge, decode_id)
+    transfer, key, blocks = _id("tagged"), _key(), [5, 6]
+    meta = KvpushMetadata(expected=[ExpectedKv(
+        "tagged", transfer, 1, prefill_engine_id=prefill_id, transfer_key=key, block_ids=blocks)])
+    try:
+        if when == "during_the_wait":
+            worker.start_load_kv(meta)
+        for note in _wrong_notes(transfer, key, blocks):
+            worker._on_notification(note)
+        if when == "before_the_wait":
+            worker.start_load_kv(meta)
+        refused = _until(lambda: refusals.by(decode_id)[2:] and refusals.by(decode_id), "three refusals", 10)
+        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 3
+        assert worker.get_finished(set(), idle=True) == (set(), set(), set())
+
+        worker._on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))
+        _, receiving, failed = _until(lambda: (r := worker.get_finished(set(), idle=True))[1] and r, "the arrival", 10)
+        assert (receiving, failed) == ({"tagged"}, set())
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def test_a_read_notification_without_the_transfers_tag_over_our_blocks_keeps_them_held(nats_server):
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    refusals = _Refusals(bridge)
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    transfer, key, blocks = _id("read"), _key(), [3, 4]
+    try:
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill("prefill-read", transfer, blocks, mode="pull", num_tokens=2 * BLOCK_SIZE, transfer_key=key)]))
+        for note in _wrong_notes(transfer, key, blocks):
+            worker._on_notification(note)
+        refused = _until(lambda: refusals.by(prefill_id)[2:] and refusals.by(prefill_id), "three refusals", 10)
+        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 3
+        assert worker.producer.serves(transfer)
+        assert worker.get_finished({"prefill-read"}) == (set(), set(), set())
+
+        worker._on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))  # decode's READ
+        assert _sent(worker, "prefill-read") == {"prefill-read"}
     finally:
         worker.shutdown()
         bridge.close()

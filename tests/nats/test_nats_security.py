@@ -1,6 +1,8 @@
 """NATS authentication and TLS enforced by a real nats-server running the sample
-deploy/nats-server.conf with the dev certificates: each role reaches the subjects it needs
-and nothing else. The option parsing itself is tested in tests/unit/test_nats_options.py."""
+deploy/nats-server.conf with the dev certificates: one user per worker, scheduler and
+client, and each identity reaches the subjects it needs and nothing else. The option
+parsing itself is tested in tests/unit/test_nats_options.py; per-identity rules between
+peers of one role (another decode's jobs) in tests/nats/test_identities.py."""
 
 from __future__ import annotations
 
@@ -15,12 +17,16 @@ import pytest
 
 from tools import dev_certs
 from services.launch.natsd import LocalNatsServer
+from shared import permissions, wire
 from shared.nats_security import connect_options
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_CONFIG = ROOT / "deploy" / "nats-server.conf"
-PASSWORDS = {"scheduler": "sched-pw", "prefill": "prefill-pw", "decode": "decode-pw", "client": "client-pw"}
-ROLES = tuple(PASSWORDS)
+PASSWORDS = {identity.name: f"{identity.name}-pw" for identity in permissions.SAMPLE_IDENTITIES}
+# One identity of each role, each connected as a kvpush process of that role connects:
+# under its NATS user, which is its id (services take replies on _KVPUSH_INBOX.<id>).
+S, P, D, C = ROLES = ("scheduler-0", "prefill-0", "decode-0", "client-0")
+QUEUE = wire.SCHEDULER_QUEUE_GROUP
 
 
 def tls_env(certs: Path, client_cert: bool = True) -> dict[str, str]:
@@ -42,8 +48,8 @@ def secured_config(folder: Path) -> Path:
 
 
 def start_secured(config: Path, monkeypatch: pytest.MonkeyPatch) -> LocalNatsServer:
-    for role, password in PASSWORDS.items():
-        monkeypatch.setenv(f"NATS_{role.upper()}_PASSWORD", password)
+    for name, password in PASSWORDS.items():  # the sample's $NATS_PASSWORD_<NAME>, for every user in it
+        monkeypatch.setenv(permissions.password_variable(name), password)
     return LocalNatsServer(config=config).start()
 
 
@@ -63,7 +69,7 @@ def role_env(role: str, certs: Path, password: str | None = None) -> dict[str, s
 
 
 class Conn:
-    """A connection as one role, with the asynchronous errors the server sent it."""
+    """A connection as one identity, with the asynchronous errors the server sent it."""
 
     def __init__(self, role: str):
         self.role = role
@@ -81,8 +87,9 @@ async def connect_as(role: str, server: LocalNatsServer, **kwargs) -> Conn:
     conn = Conn(role)
     certs = server.config.parent / "certs"
     options = {"allow_reconnect": False, "connect_timeout": 2} | kwargs
+    service = None if role == C else role  # a service's id is its NATS user's name
     conn.nc = await nats.connect(server.url, name=role, error_cb=conn.on_error,
-                                 **options, **connect_options(role_env(role, certs)))
+                                 **options, **connect_options(role_env(role, certs), service=service))
     return conn
 
 
@@ -103,25 +110,26 @@ async def settle(conns) -> None:
         await conn.nc.flush(timeout=2)
 
 
+# The subjects each identity uses (shared/wire.py).
 ALLOWED_FLOWS = [
     # publisher, subject, [(subscriber, subscription, queue group)]
-    ("client", "kvpush.generate", [("scheduler", "kvpush.generate", "kvpush-schedulers")]),
-    ("client", "kvpush.cancel", [("scheduler", "kvpush.cancel", "")]),
-    ("scheduler", "kvpush.prefill.w1", [("prefill", "kvpush.prefill.*", "")]),
-    ("scheduler", "kvpush.decode.w2", [("decode", "kvpush.decode.*", "")]),
-    ("scheduler", "_INBOX.c1.error", [("client", "_INBOX.>", "")]),
-    ("prefill", "kvpush.worker.heartbeat", [("scheduler", "kvpush.worker.heartbeat", "")]),
-    ("decode", "kvpush.worker.heartbeat", [("scheduler", "kvpush.worker.heartbeat", "")]),
-    ("prefill", "kvpush.handoff", [("scheduler", "kvpush.handoff", "")]),
-    ("prefill", "kvpush.kv.completion.d1",
-     [("scheduler", "kvpush.kv.completion.*", ""), ("decode", "kvpush.kv.completion.*", "")]),
-    ("prefill", "kvpush.kv.agents", [("decode", "kvpush.kv.agents", "")]),
-    ("decode", "kvpush.kv.agents", [("prefill", "kvpush.kv.agents", "")]),
-    ("prefill", "kvpush.kv.agent.p1.0", [("decode", "kvpush.kv.agent.*.*", "")]),
-    ("decode", "kvpush.kv.agent.d1.0", [("prefill", "kvpush.kv.agent.*.*", "")]),
-    ("decode", "kvpush.kv.register.p1", [("prefill", "kvpush.kv.register.*", "")]),
-    ("decode", "kvpush.request.progress", [("scheduler", "kvpush.request.progress", "")]),
-    ("decode", "_INBOX.c1.tokens", [("client", "_INBOX.>", "")]),
+    (C, wire.OWNED_GENERATE(client=C), [(S, wire.OWNED_GENERATE.wildcard, QUEUE)]),
+    (C, wire.OWNED_CANCEL(client=C), [(S, wire.OWNED_CANCEL.wildcard, "")]),
+    (S, wire.prefill_job_subject(P), [(P, wire.prefill_job_subject(P), "")]),
+    (S, wire.decode_job_subject(D), [(D, wire.decode_job_subject(D), "")]),
+    (S, f"{wire.CLIENT_INBOX_PREFIX}.{C}.error", [(C, f"{wire.CLIENT_INBOX_PREFIX}.{C}.>", "")]),
+    (P, wire.HEARTBEATS(sender=P), [(S, wire.HEARTBEATS.wildcard, "")]),
+    (D, wire.HEARTBEATS(sender=D), [(S, wire.HEARTBEATS.wildcard, "")]),
+    (P, wire.HANDOFFS(sender=P), [(S, wire.HANDOFFS.wildcard, "")]),
+    (P, wire.completion_subject(D, P),
+     [(S, wire.COMPLETION_SUBJECTS, ""), (D, wire.KV_COMPLETIONS.partly(engine_id=D), "")]),
+    (D, wire.completion_subject(D, D),  # decode's own READ failed
+     [(S, wire.COMPLETION_SUBJECTS, ""), (D, wire.KV_COMPLETIONS.partly(engine_id=D), "")]),
+    (P, wire.KV_AGENTS(sender=P), [(D, wire.KV_AGENTS.wildcard, "")]),
+    (D, wire.KV_AGENTS(sender=D), [(P, wire.KV_AGENTS.wildcard, "")]),
+    (D, wire.registration_subject(P, D), [(P, wire.KV_CONTROL.partly(engine_id=P), "")]),
+    (D, wire.PROGRESS(sender=D), [(S, wire.PROGRESS.wildcard, "")]),
+    (D, f"{wire.CLIENT_INBOX_PREFIX}.{C}.tokens", [(C, f"{wire.CLIENT_INBOX_PREFIX}.{C}.>", "")]),
 ]
 
 
@@ -139,11 +147,11 @@ async def test_allowed_subjects_deliver(roles, publisher, subject, subscribers):
 
 REQUESTS = [
     # requester, subject, responder, its subscription
-    ("client", "kvpush.scheduler.status", "scheduler", "kvpush.scheduler.status"),
-    ("scheduler", "kvpush.prefill.w1", "prefill", "kvpush.prefill.*"),
-    ("scheduler", "kvpush.decode.w2", "decode", "kvpush.decode.*"),
-    ("decode", "kvpush.kv.agent.p1.0", "prefill", "kvpush.kv.agent.*.*"),
-    ("prefill", "kvpush.kv.agent.d1.0", "decode", "kvpush.kv.agent.*.*"),
+    (C, wire.SCHEDULER_STATUS_SUBJECT, S, wire.SCHEDULER_STATUS_SUBJECT),
+    (S, wire.prefill_job_subject(P), P, wire.prefill_job_subject(P)),
+    (S, wire.decode_job_subject(D), D, wire.decode_job_subject(D)),
+    (D, wire.agent_subject(P, 0), P, wire.KV_AGENT.partly(engine_id=P)),
+    (P, wire.agent_subject(D, 0), D, wire.KV_AGENT.partly(engine_id=D)),
 ]
 
 
@@ -159,26 +167,26 @@ async def test_requests_are_answered(roles, requester, subject, responder, patte
     assert {role: conn.errors for role, conn in roles.items()} == {role: [] for role in ROLES}
 
 
-@pytest.mark.parametrize("role", ["scheduler", "prefill", "decode"])
+@pytest.mark.parametrize("role", [S, P, D])
 async def test_services_may_report_invalid_messages(roles, role):
-    await roles[role].nc.publish("kvpush.invalid", b"{}")
+    await roles[role].nc.publish(wire.INVALID_SUBJECT, b"{}")
     await settle(roles)
     assert roles[role].errors == []
 
 
 FORBIDDEN_PUBLISH = [
     # publisher, subject, a role that would otherwise receive it and its subscription
-    ("client", "kvpush.kv.register.x", "prefill", "kvpush.kv.register.*"),
-    ("client", "kvpush.prefill.w1", "prefill", "kvpush.prefill.*"),
-    ("client", "kvpush.worker.heartbeat", "scheduler", "kvpush.worker.heartbeat"),
-    ("client", "kvpush.kv.completion.d1", "decode", "kvpush.kv.completion.*"),
-    ("prefill", "kvpush.decode.w2", "decode", "kvpush.decode.*"),
-    ("prefill", "kvpush.kv.register.p1", "prefill", "kvpush.kv.register.*"),
-    ("decode", "kvpush.prefill.w1", "prefill", "kvpush.prefill.*"),
-    ("decode", "kvpush.handoff", "scheduler", "kvpush.handoff"),
-    ("decode", "kvpush.kv.completion.d1", "scheduler", "kvpush.kv.completion.*"),
-    ("scheduler", "kvpush.kv.register.p1", "prefill", "kvpush.kv.register.*"),
-    ("scheduler", "kvpush.kv.agents", "decode", "kvpush.kv.agents"),
+    (C, wire.registration_subject(P, D), P, wire.KV_CONTROL.partly(engine_id=P)),
+    (C, wire.prefill_job_subject(P), P, wire.prefill_job_subject(P)),
+    (C, wire.HEARTBEATS(sender=D), S, wire.HEARTBEATS.wildcard),
+    (C, wire.completion_subject(D, P), D, wire.KV_COMPLETIONS.partly(engine_id=D)),
+    (P, wire.decode_job_subject(D), D, wire.decode_job_subject(D)),
+    (P, wire.registration_subject(P, D), P, wire.KV_CONTROL.partly(engine_id=P)),
+    (D, wire.prefill_job_subject(P), P, wire.prefill_job_subject(P)),
+    (D, wire.HANDOFFS(sender=D), S, wire.HANDOFFS.wildcard),
+    (D, wire.completion_subject(D, P), S, wire.COMPLETION_SUBJECTS),  # a TransferFailed in prefill's name
+    (S, wire.registration_subject(P, D), P, wire.KV_CONTROL.partly(engine_id=P)),
+    (S, wire.KV_AGENTS(sender=S), D, wire.KV_AGENTS.wildcard),
 ]
 
 
@@ -195,18 +203,19 @@ async def test_forbidden_publish_is_a_permissions_violation(roles, publisher, su
 
 FORBIDDEN_SUBSCRIBE = [
     # subscriber, subject, queue group
-    ("decode", "kvpush.generate", ""),
-    ("prefill", "kvpush.generate", "kvpush-schedulers"),
-    ("client", "kvpush.generate", ""),
-    ("client", "kvpush.decode.*", ""),
-    ("client", "kvpush.kv.agents", ""),
-    ("prefill", "kvpush.decode.*", ""),
-    ("decode", "kvpush.prefill.*", ""),
-    ("decode", "kvpush.kv.register.*", ""),
-    ("scheduler", "kvpush.kv.register.*", ""),
-    ("scheduler", "kvpush.generate", ""),
-    ("scheduler", "kvpush.generate", "another-group"),
-    ("decode", ">", ""),
+    (D, wire.GENERATE_SUBJECT, ""),
+    (P, wire.GENERATE_SUBJECT, QUEUE),
+    (C, wire.GENERATE_SUBJECT, ""),
+    (C, wire.DECODE_JOBS.wildcard, ""),
+    (C, wire.KV_AGENTS.wildcard, ""),
+    (C, f"{wire.SERVICE_INBOX_PREFIX}.>", ""),  # the services' replies: job acks, agent info
+    (P, wire.DECODE_JOBS.wildcard, ""),
+    (D, wire.PREFILL_JOBS.wildcard, ""),
+    (D, wire.KV_CONTROL.wildcard, ""),
+    (S, wire.KV_CONTROL.wildcard, ""),
+    (S, wire.GENERATE_SUBJECT, ""),
+    (S, wire.GENERATE_SUBJECT, "another-group"),
+    (D, ">", ""),
 ]
 
 
@@ -217,18 +226,18 @@ async def test_forbidden_subscribe_is_a_permissions_violation(roles, role, subje
     expected = f'nats: permissions violation for subscription to "{subject}"'
     if queue:
         expected += f' using queue "{queue}"'
-    assert roles[role].violations() == [expected]
+    assert [v.lower() for v in roles[role].violations()] == [expected.lower()]  # nats-py lowercases -ERR
 
 
 async def test_wrong_password_is_refused(server):
-    env = role_env("client", server.config.parent / "certs", password="wrong")
+    env = role_env(C, server.config.parent / "certs", password="wrong")
     options = connect_options(env)
     with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
         await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **options)
 
 
-async def test_a_role_cannot_log_in_with_another_roles_password(server):
-    env = role_env("scheduler", server.config.parent / "certs", password=PASSWORDS["client"])
+async def test_a_user_cannot_log_in_with_another_users_password(server):
+    env = role_env(S, server.config.parent / "certs", password=PASSWORDS[C])
     options = connect_options(env)
     with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
         await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **options)
@@ -240,7 +249,7 @@ async def test_plaintext_is_refused(server):
     try:
         info = await asyncio.wait_for(reader.readline(), 2)
         assert info.startswith(b"INFO ") and b'"tls_required":true' in info
-        writer.write(b'CONNECT {"user":"client","pass":"client-pw","verbose":false}\r\nPING\r\n')
+        writer.write(f'CONNECT {{"user":"{C}","pass":"{PASSWORDS[C]}","verbose":false}}\r\nPING\r\n'.encode())
         await writer.drain()
         rest = await asyncio.wait_for(reader.read(), 5)
         assert b"PONG" not in rest
@@ -250,7 +259,7 @@ async def test_plaintext_is_refused(server):
 
 async def test_untrusted_server_certificate_is_refused(server):
     """Without the CA, the client's default trust store rejects the dev server certificate."""
-    env = {"KVPUSH_NATS_USER": "client", "KVPUSH_NATS_PASSWORD": PASSWORDS["client"]}
+    env = {"KVPUSH_NATS_USER": C, "KVPUSH_NATS_PASSWORD": PASSWORDS[C]}
     options = connect_options(env)
     with pytest.raises(ssl.SSLCertVerificationError):
         await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, **options)
@@ -260,7 +269,7 @@ async def test_client_certificate_is_required(server):
     """The server ends the TLS session of a client without a certificate before the
     connection's first PONG; the client sees the socket fail (an SSLError, a reset or a
     broken pipe, by timing: all OSErrors)."""
-    env = {"KVPUSH_NATS_USER": "client", "KVPUSH_NATS_PASSWORD": PASSWORDS["client"]} | tls_env(
+    env = {"KVPUSH_NATS_USER": C, "KVPUSH_NATS_PASSWORD": PASSWORDS[C]} | tls_env(
         server.config.parent / "certs", client_cert=False)
     options = connect_options(env)
     with pytest.raises(OSError):
@@ -275,9 +284,9 @@ async def test_restart_keeps_the_url_and_clients_reconnect(tmp_path, monkeypatch
         async def on_reconnect():
             reconnected.set()
 
-        conn = await connect_as("decode", server, allow_reconnect=True, max_reconnect_attempts=-1,
+        conn = await connect_as(D, server, allow_reconnect=True, max_reconnect_attempts=-1,
                                 reconnect_time_wait=0.05, reconnected_cb=on_reconnect)
-        sub = await conn.nc.subscribe("kvpush.kv.agents")
+        sub = await conn.nc.subscribe(wire.KV_AGENTS.wildcard)
         await conn.nc.flush(timeout=2)
         url, store = server.url, server._store
 
@@ -285,7 +294,7 @@ async def test_restart_keeps_the_url_and_clients_reconnect(tmp_path, monkeypatch
         assert (server.url, server._store) == (url, store) and Path(store).is_dir()
 
         await asyncio.wait_for(reconnected.wait(), 10)
-        await conn.nc.publish("kvpush.kv.agents", b"after restart")
+        await conn.nc.publish(wire.KV_AGENTS(sender=D), b"after restart")
         assert (await sub.next_msg(timeout=2)).data == b"after restart"
         await conn.nc.close()
     finally:

@@ -1,7 +1,8 @@
 """The real scheduler over a real nats-server, without vLLM: fake prefill and decode
 workers speak the wire protocol (shared/wire.py) the way services/worker/service.py does
-(heartbeats, job acks, a handoff, progress, token chunks and the final reply), and a
-client sends raw ``kvpush.generate`` requests.
+(heartbeats, job acks, a handoff, progress, token chunks and the final reply), each on
+the subject that names it, and a client sends raw ``kvpush.generate`` requests (a named
+client on ``kvpush.generate.<client>``, with its inboxes under ``_INBOX.<client>``).
 
 The fakes are protocol peers, not mocks: the scheduler under test is the one that ships.
 Every test starts its own scheduler and workers (unique ids) on this module's own
@@ -19,12 +20,12 @@ import msgspec
 import nats
 import pytest
 
-from services.cli.client import generate_all
+from services.cli.client import cancel, generate_all
 from services.launch.natsd import LocalNatsServer
 from services.scheduler import service
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
-from shared import wire
+from shared import permissions, wire
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,7 +99,7 @@ class FakeWorker:
             worker_id=self.worker_id, role=self.role, free_kv_blocks=1000, total_kv_blocks=1000,
             running=self.running, waiting=0, block_size=16, max_model_len=MAX_MODEL_LEN,
             incarnation=self.incarnation)
-        await self.nc.publish(wire.HEARTBEAT_SUBJECT, wire.encode(heartbeat))
+        await self.nc.publish(wire.HEARTBEATS(sender=self.worker_id), wire.encode(heartbeat))
 
     async def _heartbeats(self) -> None:
         while not self._stop_beating.is_set():
@@ -125,17 +126,17 @@ class FakeWorker:
             await self.stop_heartbeats()  # its last heartbeat went out before the ack
         await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
         if self.on_job == "answer" and self.role == "decode":
-            await self._answer(job)
+            await self.answer(job)
 
-    async def _answer(self, job: wire.DecodeJob) -> None:
+    async def answer(self, job: wire.DecodeJob) -> None:
         """What services/worker/service.py sends for a finished decode, in its order."""
-        await self._progress(job, "streaming")
+        await self.progress(job, "streaming")
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
         for token in tokens:
             chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26))
             await self.nc.publish(job.reply_to, wire.encode_json(chunk))
         await self.nc.publish(job.reply_to, wire.encode_json(self.final_reply(job)))
-        await self._progress(job, "ended", "ok")
+        await self.progress(job, "ended", "ok")
 
     def final_reply(self, job: wire.DecodeJob) -> wire.FinalReply:
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
@@ -143,19 +144,22 @@ class FakeWorker:
                                usage=wire.Usage(len(job.prompt_token_ids), len(tokens)),
                                timings=wire.Timings(ttft_ms=1.5, tpot_ms=0.5, e2e_ms=2.5))
 
-    async def _progress(self, job: wire.DecodeJob, stage: str, outcome: str = "") -> None:
+    async def progress(self, job: wire.DecodeJob, stage: str, outcome: str = "") -> None:
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
                                      worker_id=self.worker_id, stage=stage, outcome=outcome)
-        await self.nc.publish(wire.PROGRESS_SUBJECT, wire.encode(event))
+        await self.nc.publish(wire.PROGRESS(sender=self.worker_id), wire.encode(event))
 
-    async def handoff(self, job: wire.PrefillJob, kv_transfer_params: dict) -> None:
-        """Prefill finished ``job``: what services/worker/service.py publishes then."""
+    async def handoff(self, job: wire.PrefillJob, kv_transfer_params: dict | None = None,
+                      error: wire.ErrorBody | None = None) -> None:
+        """Prefill finished ``job`` (or failed it, with ``error``): what
+        services/worker/service.py publishes then."""
         now = time.time()
         handoff = wire.Handoff(request_id=job.request_id, transfer_id=job.transfer_id,
-                               prefill_engine_id=self.worker_id, first_token_id=REPLY_TOKENS[0],
+                               prefill_engine_id=self.worker_id,
+                               first_token_id=REPLY_TOKENS[0] if error is None else None,
                                prefill_started_at=now - 0.01, prefill_finished_at=now,
-                               kv_transfer_params=kv_transfer_params)
-        await self.nc.publish(wire.HANDOFF_SUBJECT, wire.encode(handoff))
+                               error=error, kv_transfer_params=kv_transfer_params)
+        await self.nc.publish(wire.HANDOFFS(sender=self.worker_id), wire.encode(handoff))
         await self.nc.flush()
 
 
@@ -173,6 +177,17 @@ async def client(server):
     nc = await nats.connect(server.url)
     yield nc
     await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def named_client(server, name: str):
+    """A client connection that is ``name``: its inboxes are under ``_INBOX.<name>``, as
+    ``shared.nats_security.connect_options`` sets them for a client logged in as that user."""
+    nc = await nats.connect(server.url, inbox_prefix=permissions.client_inbox(name))
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 @pytest.fixture
@@ -232,13 +247,28 @@ def request_body(request_id: str, **fields) -> dict:
     return {"prompt": "hello", "max_tokens": 3, "request_id": request_id} | fields
 
 
-async def send(nc, body: dict | bytes):
+async def send(nc, body: dict | bytes, subject: str = wire.GENERATE_SUBJECT):
     """Publish a request with a fresh reply inbox; returns the inbox's subscription."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(wire.GENERATE_SUBJECT, body if isinstance(body, bytes) else json.dumps(body).encode(),
-                     reply=inbox)
+    await nc.publish(subject, body if isinstance(body, bytes) else json.dumps(body).encode(), reply=inbox)
     return sub
+
+
+async def refused(invalid, sched: Scheduler, timeout: float = 5.0) -> wire.InvalidMessage:
+    """The next refusal ``sched`` says on ``kvpush.invalid`` (``invalid`` subscribes there);
+    another service's are skipped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{sched.scheduler_id} refused nothing within {timeout} s"
+        try:
+            msg = await invalid.next_msg(timeout=left)
+        except nats.errors.TimeoutError:
+            raise AssertionError(f"{sched.scheduler_id} refused nothing within {timeout} s") from None
+        refusal = wire.decode(msg.data, wire.InvalidMessage)
+        if refusal.service == sched.scheduler_id:
+            return refusal
 
 
 async def replies_to_final(sub, timeout: float = 10.0) -> list[dict]:
@@ -453,11 +483,11 @@ async def test_a_malformed_heartbeat_is_reported_and_the_scheduler_serves_on(ser
     sched = await running(scheduler(server))
     await workers_seen(client)
     invalid = await client.subscribe(wire.INVALID_SUBJECT)
-    await client.publish(wire.HEARTBEAT_SUBJECT, data)
-    refusal = wire.decode((await invalid.next_msg(timeout=5)).data, wire.InvalidMessage)
+    subject = wire.HEARTBEATS(sender="decode-garbled")
+    await client.publish(subject, data)
+    refusal = await refused(invalid, sched)
     await invalid.unsubscribe()
-    assert (refusal.service, refusal.subject, refusal.code) == (sched.scheduler_id, wire.HEARTBEAT_SUBJECT,
-                                                               "bad_message")
+    assert (refusal.subject, refusal.code) == (subject, "bad_message")
     assert refusal.reason
 
     prefill = await running(FakeWorker(server.url, "prefill"))
@@ -481,3 +511,184 @@ async def test_a_bad_request_is_refused_and_the_next_one_served(server, client, 
     token_ids, _, final = await generate_all(client, request_body("r-good"), timeout=10)
     assert token_ids == REPLY_TOKENS and "error" not in final
     assert prefill.jobs[0].request_id == decode.jobs[0].request_id == "r-good"
+
+
+# --------------------------------------------------------------------------- who may say what
+
+
+async def test_a_heartbeat_naming_another_worker_than_its_subject_is_refused_and_leaves_the_pool_alone(
+        server, client, running):
+    """A forged restart of the flight's decode (a new incarnation under its id) would make
+    the scheduler retry the request around a worker that is alive and holds it."""
+    sched = await running(scheduler(server, worker_timeout_s=WORKER_TIMEOUT_S))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+
+    sub = await send(client, request_body("r-forged-beat"))
+    await asyncio.wait_for(decode.job_arrived.wait(), 5)
+    [job] = decode.jobs
+    flight = sched.flights.by_request("r-forged-beat")
+    assert flight.decode_incarnation == decode.incarnation
+
+    subject = wire.HEARTBEATS(sender="decode-intruder")
+    forged = wire.WorkerHeartbeat(
+        worker_id=decode.worker_id, role="decode", free_kv_blocks=0, total_kv_blocks=1000, running=99, waiting=0,
+        block_size=16, max_model_len=MAX_MODEL_LEN, incarnation=uuid.uuid4().hex)
+    await client.publish(subject, wire.encode(forged))
+    refusal = await refused(invalid, sched)
+    assert (refusal.subject, refusal.code) == (subject, "forged_sender")
+    assert decode.worker_id in refusal.reason
+
+    beat = sched.pool.beat(decode.worker_id)
+    assert (beat.incarnation, beat.running) == (decode.incarnation, 0)
+    assert sched.pool.beat("decode-intruder") is None
+    now = time.monotonic()
+    assert sched.flights.check(now, lambda w, i: sched.pool.is_live(w, i, now)) == []  # nothing to retry
+    assert (flight.attempt, flight.transfer_id) == (1, job.transfer_id)
+
+    await decode.answer(job)
+    replies = await replies_to_final(sub)
+    assert replies[-1] == msgspec.to_builtins(decode.final_reply(job))
+    await assert_nothing_more(sched, client, sub)
+    assert [j.transfer_id for j in prefill.jobs] == [job.transfer_id]
+    assert prefill.cancels == decode.cancels == []
+
+
+async def test_progress_from_a_worker_that_is_not_the_flights_decode_is_refused_and_does_not_end_it(
+        server, client, running):
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    other = await running(FakeWorker(server.url, "decode", running=5))  # busier: not picked
+    await workers_seen(client, prefill, decode, other)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+
+    sub = await send(client, request_body("r-other-progress"))
+    await asyncio.wait_for(decode.job_arrived.wait(), 5)
+    [job] = decode.jobs
+    flight = sched.flights.by_request("r-other-progress")
+    for stage, outcome in (("streaming", ""), ("ended", "client_gone")):
+        await other.progress(job, stage, outcome)  # on its own subject: not forged, just not its flight
+        refusal = await refused(invalid, sched)
+        assert (refusal.subject, refusal.code) == (wire.PROGRESS(sender=other.worker_id), "wrong_party")
+
+    assert sched.flights.by_request("r-other-progress") is flight
+    assert not flight.streaming  # a retry is still allowed
+    await round_trip(sched.bus.nc)
+    await client.flush()
+    assert sub.pending_msgs == 0
+    assert prefill.cancels == decode.cancels == []  # "client_gone" would have cancelled the jobs
+
+    await decode.answer(job)  # the flight's own decode still ends it
+    replies = await replies_to_final(sub)
+    assert replies[-1] == msgspec.to_builtins(decode.final_reply(job))
+    await assert_nothing_more(sched, client, sub)
+    assert other.jobs == []
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_a_failed_handoff_from_a_prefill_that_is_not_the_flights_does_not_end_it(
+        server, client, running, mode):
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    other = await running(FakeWorker(server.url, "prefill", running=5))  # busier: not picked
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, other, decode)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+
+    sub = await send(client, request_body(f"r-other-handoff-{mode}", transfer_mode=mode))
+    await asyncio.wait_for(prefill.job_arrived.wait(), 5)
+    [job] = prefill.jobs
+    flight = sched.flights.by_request(f"r-other-handoff-{mode}")
+    await other.handoff(job, error=wire.ErrorBody("engine_failed", "forged failure"))
+    refusal = await refused(invalid, sched)
+    assert (refusal.subject, refusal.code) == (wire.HANDOFFS(sender=other.worker_id), "wrong_party")
+
+    assert sched.flights.by_request(f"r-other-handoff-{mode}") is flight
+    await round_trip(sched.bus.nc)
+    await client.flush()
+    assert sub.pending_msgs == 0
+    assert prefill.cancels == decode.cancels == []
+    if mode == "pull":
+        await round_trip(decode.nc)
+        assert decode.jobs == []  # the forged handoff did not move the flight on either
+
+    await prefill.handoff(job, error=wire.ErrorBody("engine_failed", "out of memory"))  # the flight's own prefill
+    [final] = await replies_to_final(sub)
+    assert final["error"]["code"] == "engine_failed" and "out of memory" in final["error"]["message"], final
+    await cancelled(prefill, [job.transfer_id])
+    await assert_nothing_more(sched, client, sub)
+    assert other.jobs == []
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["named-client", "anonymous-client"])
+async def test_only_the_client_that_sent_a_request_can_cancel_it(server, client, running, owned):
+    """A named client's request arrives on ``kvpush.generate.<client>``; a cancel counts only
+    on the same client's ``kvpush.cancel.<client>`` (an anonymous request: the bare
+    ``kvpush.cancel``). ``services.cli.client.cancel`` picks the subject from the connection."""
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    name, intruder = f"alice-{uuid.uuid4().hex[:6]}", f"mallory-{uuid.uuid4().hex[:6]}"
+    owner = await running(named_client(server, name)) if owned else client
+    request_id = f"r-cancel-{'named' if owned else 'anonymous'}"
+
+    sub = await send(owner, request_body(request_id),
+                     wire.OWNED_GENERATE(client=name) if owned else wire.GENERATE_SUBJECT)
+    await asyncio.wait_for(decode.job_arrived.wait(), 5)
+    [job] = decode.jobs
+    flight = sched.flights.by_request(request_id)
+    assert flight.owner == (name if owned else "")
+
+    others = [wire.OWNED_CANCEL(client=intruder)] + ([wire.CANCEL_SUBJECT] if owned else [])
+    for subject in others:
+        await client.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
+        refusal = await refused(invalid, sched)
+        assert (refusal.subject, refusal.code) == (subject, "wrong_party")
+    assert sched.flights.by_request(request_id) is flight
+    await round_trip(sched.bus.nc)
+    await owner.flush()
+    assert sub.pending_msgs == 0
+    assert prefill.cancels == decode.cancels == []
+
+    await cancel(owner, request_id)
+    [final] = await replies_to_final(sub)
+    assert (final["request_id"], final["error"]["code"]) == (request_id, "cancelled"), final
+    await cancelled(decode, [job.transfer_id])
+    await cancelled(prefill, [job.transfer_id])
+    await assert_nothing_more(sched, owner, sub)
+
+
+@pytest.mark.parametrize("owned,reply", [
+    (False, "kvpush.kv.register.x.y"),  # an internal subject: a prefill's registrations
+    (False, "_KVPUSH_INBOX.scheduler-x.ack"),  # a service's inbox
+    (True, "_INBOX.someone-else.r1"),  # another client's inbox
+], ids=["internal-subject", "a-services-inbox", "another-clients-inbox"])
+async def test_a_request_whose_reply_subject_is_not_its_senders_inbox_is_refused_and_nothing_goes_there(
+        server, client, running, owned, reply):
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    target = await client.subscribe(reply)
+    await round_trip(client)
+
+    subject = wire.OWNED_GENERATE(client=f"alice-{uuid.uuid4().hex[:6]}") if owned else wire.GENERATE_SUBJECT
+    await client.publish(subject, json.dumps(request_body("r-bad-reply")).encode(), reply=reply)
+    refusal = await refused(invalid, sched)
+    assert (refusal.subject, refusal.code) == (subject, "invalid_reply")
+    assert reply in refusal.reason
+
+    assert len(sched.flights) == 0
+    await round_trip(sched.bus.nc)
+    await client.flush()
+    assert target.pending_msgs == 0
+    assert prefill.jobs == decode.jobs == []
+
+    token_ids, _, final = await generate_all(client, request_body("r-good-reply"), timeout=10)  # served on
+    assert token_ids == REPLY_TOKENS and "error" not in final
