@@ -33,8 +33,10 @@ class Bus(TracedNats):
         self.service = service
 
     @classmethod
-    async def connect(cls, url: str, service: str) -> "Bus":
-        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, **connect_options(service=service))
+    async def connect(cls, url: str, service: str, **callbacks) -> "Bus":
+        """``callbacks``: nats-py's ``disconnected_cb``, ``reconnected_cb`` (async callables)."""
+        nc = await nats.connect(url, name=service, max_reconnect_attempts=-1, **callbacks,
+                                **connect_options(service=service))
         return cls(nc, service)
 
     @property

@@ -7,6 +7,7 @@
     │   ├── EmptyPrompt
     │   ├── PromptTooLong       prompt does not fit the model's context
     │   └── PayloadTooLarge     bigger than the NATS server accepts
+    ├── Overloaded              the scheduler holds as many requests as it may (retry later)
     ├── NoWorkers               no live prefill or decode worker to dispatch to
     │   └── NoScheduler         (client side) nobody listens on kvpush.generate
     ├── DispatchFailed          a worker did not accept the job
@@ -70,6 +71,10 @@ class PromptTooLong(RequestError):
 
 class PayloadTooLarge(RequestError):
     code = "payload_too_large"
+
+
+class Overloaded(KvpushError):
+    code = "overloaded"
 
 
 class NoWorkers(KvpushError):

@@ -50,6 +50,8 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "every accepted request gets a final message (an answer or an error) within this", float),
     Setting("--worker-timeout-s", "KVPUSH_WORKER_TIMEOUT_S", defaults.WORKER_TIMEOUT_S,
             "a worker without a heartbeat for this long is lost; its requests are retried", float),
+    Setting("--max-in-flight", "KVPUSH_MAX_IN_FLIGHT", defaults.MAX_IN_FLIGHT,
+            "requests one scheduler holds at once; past it, new requests get `overloaded`", int),
     Setting("--lease-s", "KVPUSH_LEASE_S", _FAULTS.lease_s,
             "prefill: keep a finished prompt's blocks this long unless decode renews the lease", float),
     Setting("--kv-wait-s", "KVPUSH_KV_WAIT_S", _FAULTS.kv_wait_s,

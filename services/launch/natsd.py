@@ -81,6 +81,12 @@ class LocalNatsServer:
         self._terminate()
         return self.start(timeout)
 
+    def restart_after(self, down_s: float, timeout: float = 10.0) -> "LocalNatsServer":
+        """Stop the server, stay down ``down_s`` seconds (an outage), start it again."""
+        self._terminate()
+        time.sleep(down_s)
+        return self.start(timeout)
+
     def stop(self) -> None:
         self._terminate()
         if self._tmp is not None:

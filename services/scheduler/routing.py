@@ -1,6 +1,13 @@
 """The live worker set, from heartbeats, and the choice of workers for a request.
 
 Pure: no NATS. Time is passed in, so tests drive it directly.
+
+Verdicts (``is_live``: is that start of a worker gone?) rest on fresh evidence only. While
+the scheduler cannot hear heartbeats (NATS is down: ``pause_evidence``) no worker is
+declared lost. After an outage or a stall of the scheduler's own loop
+(``resume_evidence``) a worker counts as heard at that moment: it is lost only if a whole
+timeout then passes without its heartbeat. Routing still picks only workers heard
+within the timeout.
 """
 
 from __future__ import annotations
@@ -19,14 +26,39 @@ class _Entry:
 
 
 class WorkerPool:
-    def __init__(self, stale_after_s: float = 5.0):
+    def __init__(self, stale_after_s: float = 5.0, forget_after_s: float = 600.0, max_workers: int = 10_000):
         self.stale_after_s = stale_after_s
+        self.forget_after_s = forget_after_s  # a worker silent this long is dropped from the pool
+        self.max_workers = max_workers
         self._workers: dict[str, _Entry] = {}
         self._roles_seen: set[str] = set()
+        self._evidence_paused = False
+        self._evidence_from = float("-inf")  # heartbeats before this could not be heard
 
     def observe(self, beat: wire.WorkerHeartbeat, now: float) -> None:
+        self._workers.pop(beat.worker_id, None)  # re-inserted last: the dict stays ordered by last heartbeat
         self._workers[beat.worker_id] = _Entry(beat, now)
         self._roles_seen.add(beat.role)
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self._workers:
+            oldest = next(iter(self._workers.values()))
+            if len(self._workers) <= self.max_workers and now - oldest.seen_at <= self.forget_after_s:
+                return
+            del self._workers[oldest.beat.worker_id]
+
+    def pause_evidence(self) -> None:
+        """Heartbeats cannot arrive now (NATS is down): declare no worker lost."""
+        self._evidence_paused = True
+
+    def resume_evidence(self, now: float) -> None:
+        """Heartbeats can be heard again from ``now`` (NATS is back, or our loop stalled)."""
+        self._evidence_paused = False
+        self._evidence_from = now
+
+    def __len__(self) -> int:
+        return len(self._workers)
 
     def has_served(self) -> bool:
         """Workers of both roles have heartbeated at some point: if none is live now, they
@@ -87,11 +119,11 @@ class WorkerPool:
     def is_live(self, worker_id: str, incarnation: str, now: float) -> bool:
         """That start of the worker heartbeats still (a restart under the same id is a new start)."""
         entry = self._workers.get(worker_id)
-        return (
-            entry is not None
-            and entry.beat.incarnation == incarnation
-            and now - entry.seen_at <= self.stale_after_s
-        )
+        if entry is None or entry.beat.incarnation != incarnation:
+            return False  # forgotten, or restarted: that start is gone
+        if self._evidence_paused:
+            return True
+        return now - max(entry.seen_at, self._evidence_from) <= self.stale_after_s
 
     def beat(self, worker_id: str) -> wire.WorkerHeartbeat | None:
         entry = self._workers.get(worker_id)

@@ -11,6 +11,7 @@ retries requests whose worker went silent on other workers."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 import uuid
@@ -40,6 +41,7 @@ from shared.errors import (
     InvalidReply,
     KvpushError,
     NoWorkers,
+    Overloaded,
     PayloadTooLarge,
     RequestError,
     WorkerLost,
@@ -61,7 +63,8 @@ class Scheduler(Service):
 
     def __init__(self, nats_url: str, validator: RequestValidator, scheduler_id: str | None = None,
                  mode: str = settings.TRANSFER_MODE, deadline_s: float = settings.DEADLINE_S,
-                 worker_timeout_s: float = settings.WORKER_TIMEOUT_S, max_attempts: int = settings.MAX_ATTEMPTS):
+                 worker_timeout_s: float = settings.WORKER_TIMEOUT_S, max_attempts: int = settings.MAX_ATTEMPTS,
+                 max_in_flight: int = settings.MAX_IN_FLIGHT):
         if mode not in ("push", "pull"):
             raise ValueError(f"mode must be push or pull, not {mode!r}")
         self.mode = mode
@@ -72,6 +75,11 @@ class Scheduler(Service):
         if (problem := wire.identity_problem(self.scheduler_id)) is not None:
             raise ValueError(f"scheduler id: {problem}")
         self.validator = validator
+        self.max_in_flight = max_in_flight
+        # Tokenizing a long prompt takes a while: off the event loop, one at a time (a
+        # Hugging Face tokenizer must not be used from two threads at once).
+        self._tokenizer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._validating = 0  # requests taken, not yet refused or in flight
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
         self.flights = FlightTable(max_attempts=max_attempts)
         self._requests = BackgroundTasks()
@@ -80,7 +88,8 @@ class Scheduler(Service):
         self.bus: Bus | None = None
 
     async def _start(self) -> None:
-        self.bus = await Bus.connect(self.nats_url, self.scheduler_id)
+        self.bus = await Bus.connect(self.nats_url, self.scheduler_id, disconnected_cb=self._on_disconnected,
+                                     reconnected_cb=self._on_reconnected)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
         await self.bus.subscribe_plain(wire.HEARTBEATS.wildcard, self._on_heartbeat)
         await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
@@ -106,9 +115,18 @@ class Scheduler(Service):
         if self.bus is not None:
             await self.bus.close()  # stop taking requests, finish the callbacks under way
         await self._requests.close(grace_s=DISPATCH_TIMEOUT_S)
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
         log.info("scheduler stopped", scheduler_id=self.scheduler_id)
 
     # ---------------------------------------------------------------- events
+
+    async def _on_disconnected(self) -> None:
+        self.pool.pause_evidence()  # no heartbeat can arrive: silence proves nothing
+        log.warning("lost the NATS connection: no worker is declared lost until it is back")
+
+    async def _on_reconnected(self) -> None:
+        self.pool.resume_evidence(time.monotonic())
+        log.info("NATS connection back: workers get a full timeout to be heard again")
 
     async def _on_heartbeat(self, msg) -> None:
         beat = await self.bus.decoded(msg, wire.WorkerHeartbeat)
@@ -187,31 +205,29 @@ class Scheduler(Service):
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
 
     async def _on_generate(self, msg) -> None:
+        held = len(self.flights) + self._validating
+        if held >= self.max_in_flight:  # admission: refused before any work, the loop stays free
+            self._requests.spawn(self._refuse_overloaded(msg, held))
+            return
+        self._validating += 1
         self._requests.spawn(self._serve(msg, time.time_ns()))
+
+    async def _refuse_overloaded(self, msg, held: int) -> None:
+        if msg.reply and wire.reply_problem(msg.reply, wire.owner_of(msg.subject)) is None:
+            await self._reply_error(msg.reply, request_id_of(msg.data), Overloaded(
+                f"this scheduler holds {held} requests, its limit (--max-in-flight {self.max_in_flight}); "
+                "retry later"))
 
     # ---------------------------------------------------------------- a request's life
 
     async def _serve(self, msg, received_ns: int) -> None:
-        _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
-        if not msg.reply:
-            log.warning("dropped a request without a reply subject")
-            return
-        owner = wire.owner_of(msg.subject)
-        bad_reply = wire.reply_problem(msg.reply, owner)
-        if bad_reply is not None:  # never publish there: it could be another's inbox, or internal
-            await self.bus.refuse(refusal(self.scheduler_id, msg.subject, ValueError(bad_reply), InvalidReply))
-            return
         try:
-            request = self.validator.validate(msg.data)
-        except RequestError as exc:
-            await self._reply_error(msg.reply, request_id_of(msg.data), exc)
+            flight = await self._admit(msg, received_ns)
+        finally:
+            self._validating -= 1
+        if flight is None:
             return
-        flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
-                        mode=request.transfer_mode or self.mode, owner=owner)
-        if not self.flights.add(flight):
-            await self._reply_error(msg.reply, request.request_id, InvalidField(
-                f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))
-            return
+        request = flight.request
         with structlog.contextvars.bound_contextvars(request_id=request.request_id), _tracer.start_as_current_span(
             A.SCHEDULER_DISPATCH,
             attributes={A.REQUEST_ID: request.request_id, A.PROMPT_TOKENS: len(request.prompt_token_ids)},
@@ -219,6 +235,31 @@ class Scheduler(Service):
             flight.context = otel_context.get_current()
             flight.task = asyncio.current_task()
             await self._attempt(flight)
+
+    async def _admit(self, msg, received_ns: int) -> Flight | None:
+        """The request as a flight in the table, or None once it was refused."""
+        _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
+        if not msg.reply:
+            log.warning("dropped a request without a reply subject")
+            return None
+        owner = wire.owner_of(msg.subject)
+        bad_reply = wire.reply_problem(msg.reply, owner)
+        if bad_reply is not None:  # never publish there: it could be another's inbox, or internal
+            await self.bus.refuse(refusal(self.scheduler_id, msg.subject, ValueError(bad_reply), InvalidReply))
+            return None
+        try:
+            request = await asyncio.get_running_loop().run_in_executor(self._tokenizer, self.validator.validate,
+                                                                       msg.data)
+        except RequestError as exc:
+            await self._reply_error(msg.reply, request_id_of(msg.data), exc)
+            return None
+        flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
+                        mode=request.transfer_mode or self.mode, owner=owner)
+        if not self.flights.add(flight):
+            await self._reply_error(msg.reply, request.request_id, InvalidField(
+                f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))
+            return None
+        return flight
 
     async def _attempt(self, flight: Flight) -> None:
         """One try at dispatching the flight; ends it with an error if that fails."""
@@ -280,9 +321,16 @@ class Scheduler(Service):
             await self.bus.publish(wire.decode_job_subject(flight.decode_id), cancel)
 
     async def _watch_flights(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = time.monotonic()
+            if now - last > WATCH_INTERVAL_S + self.pool.stale_after_s / 2:
+                # Our own loop stalled: heartbeats queued behind it have not been read yet.
+                log.warning("the scheduler's loop stalled; liveness waits for fresh heartbeats",
+                            stalled_s=round(now - last, 2))
+                self.pool.resume_evidence(now)
+            last = now
             for flight, verdict, worker in self.flights.check(now, lambda w, i: self.pool.is_live(w, i, now)):
                 try:
                     if verdict == "deadline":

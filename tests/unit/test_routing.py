@@ -122,3 +122,45 @@ def test_has_served_once_both_roles_have_heartbeated_even_after_they_go_stale():
     pool.observe(_beat("d-1", "decode"), now=0.0)
     pool.forget("d-1")
     assert pool.has_served()  # down, not absent: requests wait for them
+
+
+def test_while_heartbeats_cannot_arrive_no_worker_is_declared_lost():
+    pool = _pool(_beat("d", "decode"), now=0.0)
+    pool.pause_evidence()  # NATS went down at 1 s
+    assert pool.is_live("d", "", now=60.0)  # a minute of silence proves nothing
+    pool.resume_evidence(now=60.0)  # back: a full timeout to be heard again
+    assert pool.is_live("d", "", now=64.9)
+    assert not pool.is_live("d", "", now=65.1)  # and no heartbeat came: lost
+
+
+def test_after_a_stall_a_worker_gets_a_full_timeout_from_the_end_of_the_stall():
+    pool = _pool(_beat("d", "decode"), now=0.0)
+    pool.resume_evidence(now=30.0)  # the scheduler's loop stalled until 30 s; beats may be queued
+    assert pool.is_live("d", "", now=34.0)
+    pool.observe(_beat("d", "decode"), now=34.5)  # the queued heartbeat, read at last
+    assert pool.is_live("d", "", now=39.0)
+
+
+def test_fresh_evidence_does_not_revive_a_restarted_or_forgotten_worker():
+    pool = _pool(_beat("d", "decode"), now=0.0)
+    pool.pause_evidence()
+    assert not pool.is_live("d", "an-older-start", now=1.0)
+    assert not pool.is_live("gone", "", now=1.0)
+
+
+def test_routing_still_picks_only_workers_heard_within_the_timeout():
+    pool = _pool(_beat("p", "prefill"), _beat("d", "decode"), now=0.0)
+    pool.resume_evidence(now=30.0)
+    with pytest.raises(NoWorkers):
+        pool.pick(10, now=31.0)
+
+
+def test_the_pool_forgets_workers_silent_for_long_and_stays_bounded():
+    pool = WorkerPool(stale_after_s=5.0, forget_after_s=100.0, max_workers=3)
+    pool.observe(_beat("old", "decode"), now=0.0)
+    pool.observe(_beat("fresh", "decode"), now=150.0)
+    assert pool.beat("old") is None and pool.beat("fresh") is not None
+    for i in range(10):  # a flood of ids
+        pool.observe(_beat(f"w{i}", "decode"), now=151.0 + i)
+    assert len(pool) == 3
+    assert pool.beat("w9") is not None  # the latest heard are kept

@@ -1,0 +1,122 @@
+"""The scheduler under load and outages, over a real nats-server with fake protocol
+workers (tests/nats/test_scheduler.py's): it refuses work past its in-flight limit with
+``overloaded``, and a NATS outage longer than the worker timeout makes no worker lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+
+import nats
+import pytest
+
+from services.cli.client import cancel
+from services.launch.natsd import LocalNatsServer
+from services.scheduler.service import Scheduler
+from services.scheduler.validation import RequestValidator
+from shared import wire
+from tests.nats.test_scheduler import (
+    MAX_MODEL_LEN,
+    VOCAB,
+    WORKER_TIMEOUT_S,
+    FakeWorker,
+    client,  # noqa: F401 (fixtures)
+    running,  # noqa: F401
+    server,  # noqa: F401
+    replies_to_final,
+    request_body,
+    scheduler,
+    send,
+    tokenize,
+    until,
+    workers_seen,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_past_its_in_flight_limit_a_scheduler_refuses_with_overloaded_and_serves_on(server, client,
+                                                                                          running):
+    sched = await running(scheduler(server, max_in_flight=2))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+
+    held = [await send(client, request_body(f"r-held-{i}")) for i in range(2)]
+    await until(lambda: len(decode.jobs) == 2, what="both requests in flight")
+    [final] = await replies_to_final(await send(client, request_body("r-over")))
+    assert final["error"]["code"] == "overloaded", final
+    assert "--max-in-flight 2" in final["error"]["message"]
+
+    await cancel(client, "r-held-0")  # one ends: room again
+    [ended] = await replies_to_final(held[0])
+    assert ended["error"]["code"] == "cancelled"
+    await until(lambda: len(sched.flights) == 1, what="the cancelled flight gone")
+    await send(client, request_body("r-next"))
+    await until(lambda: len(decode.jobs) == 3, what="the next request admitted")
+
+
+async def test_a_nats_outage_longer_than_the_worker_timeout_loses_no_worker():
+    """Heartbeats cannot arrive while NATS is down; the scheduler must not take that
+    silence for dead workers (a false worker_lost, or a retry that repeats tokens)."""
+    with LocalNatsServer() as own:
+        async with contextlib.AsyncExitStack() as stack:
+            nc = await nats.connect(own.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            stack.push_async_callback(nc.close)
+            await stack.enter_async_context(scheduler(own))
+            prefill = await stack.enter_async_context(FakeWorker(own.url, "prefill"))
+            decode = await stack.enter_async_context(FakeWorker(own.url, "decode", "hold"))
+            await workers_seen(nc, prefill, decode)
+            await send(nc, request_body("r-outage"))
+            await until(lambda: decode.jobs and prefill.jobs, what="the request in flight")
+
+            # Down three worker timeouts, from another thread: this loop (the scheduler's) runs on.
+            await asyncio.to_thread(own.restart_after, 3 * WORKER_TIMEOUT_S)
+            await until(lambda: nc.is_connected and decode.nc.is_connected, timeout=15, what="everyone back")
+            await asyncio.sleep(WORKER_TIMEOUT_S / 2)  # the watch runs several times after the outage
+            assert [job.request_id for job in decode.jobs] == ["r-outage"]  # not retried elsewhere
+            assert decode.cancels == [] and prefill.cancels == []  # and not given up
+
+
+async def test_after_the_schedulers_own_loop_stalls_no_worker_is_taken_for_lost(server, client, running):
+    """A stall (a long pause of the event loop) leaves heartbeats unread; the verdicts that
+    run first after it must not take that for silence."""
+    await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    await send(client, request_body("r-stall"))
+    await until(lambda: decode.jobs and prefill.jobs, what="the request in flight")
+    time.sleep(3 * WORKER_TIMEOUT_S)  # the stall itself: this loop is the scheduler's
+    await asyncio.sleep(WORKER_TIMEOUT_S / 2)
+    assert [job.request_id for job in decode.jobs] == ["r-stall"]
+    assert decode.cancels == [] and prefill.cancels == []
+
+
+async def test_a_prompt_being_tokenized_does_not_stop_the_scheduler_answering(server, client, running):
+    """Tokenizing runs off the event loop: while one prompt is held in the tokenizer, the
+    scheduler still answers status requests (and so heartbeats, cancels, other events)."""
+    release = threading.Event()
+
+    def slow_tokenize(text: str) -> list[int]:
+        if text == "the long prompt":
+            assert release.wait(20), "the test did not release the tokenizer"
+        return tokenize(text)
+
+    sched = await running(Scheduler(server.url, RequestValidator(slow_tokenize, VOCAB, MAX_MODEL_LEN),
+                                    scheduler_id=f"scheduler-{uuid.uuid4().hex[:8]}"))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    sub = await send(client, request_body("r-long", prompt="the long prompt"))
+    try:
+        await until(lambda: sched._validating == 1, what="the prompt in the tokenizer")
+        status = await client.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=5)  # answered meanwhile
+        assert decode.worker_id in wire.decode_json(status.data, wire.SchedulerStatus).decode_workers
+    finally:
+        release.set()
+    replies = await replies_to_final(sub)
+    assert "error" not in replies[-1], replies[-1]
