@@ -19,6 +19,7 @@ from connector.bridge import NatsBridge
 from shared import errors, wire
 
 ASK_TIMEOUT_S = 5.0  # a peer rank that does not answer this fast is unreachable
+MAX_AGENTS = 4_096  # peer agents remembered; the least recently learnt go first (asked again if needed)
 
 Then = Callable[[wire.AgentInfo | None, str], None]
 
@@ -32,8 +33,18 @@ class AgentDirectory:
         self._agents_lock = threading.Lock()  # protects _agents
 
     def on_announced(self, info: wire.AgentInfo) -> None:
+        self._remember((info.engine_id, info.rank), info)  # a restarted peer replaces its old agent
+
+    def _remember(self, key: tuple[str, int], info: wire.AgentInfo) -> None:
         with self._agents_lock:
-            self._agents[(info.engine_id, info.rank)] = info  # a restarted peer replaces its old agent
+            self._agents.pop(key, None)
+            self._agents[key] = info
+            while len(self._agents) > MAX_AGENTS:
+                del self._agents[next(iter(self._agents))]
+
+    def __len__(self) -> int:
+        with self._agents_lock:
+            return len(self._agents)
 
     def with_agent(self, engine_id: str, then: Then, incarnation: str = "", fresh: bool = False) -> None:
         """Call ``then(info, "")`` with the peer rank's agent (of ``incarnation``, if given),
@@ -60,8 +71,7 @@ class AgentDirectory:
                 self.bridge.refuse(errors.refusal(self.service, subject, ValueError(why), errors.WrongParty))
                 then(None, why)
                 return
-            with self._agents_lock:
-                self._agents[key] = info
+            self._remember(key, info)
             if incarnation and info.incarnation != incarnation:
                 then(None, f"{engine_id} restarted: the copy was set up with its incarnation {incarnation}, "
                            f"it now runs {info.incarnation}")

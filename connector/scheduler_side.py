@@ -34,6 +34,7 @@ from otel.messaging import context_from_traceparent
 from shared import settings, wire
 
 _tracer = trace.get_tracer("kvpush.connector")
+RENEWAL_BATCH = 2_000  # transfer ids per LeaseRenewal: ~70 kB, far under NATS's 1 MB default payload
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -221,11 +222,14 @@ class ConnectorScheduler:
             self._renewals.stop(request_ids)
 
     def _lease_renewals(self) -> list[tuple[str, bytes]]:
-        """On the bridge's loop, every heartbeat: one renewal per prefill engine."""
+        """On the bridge's loop, every heartbeat: renewals for each prefill engine, at most
+        RENEWAL_BATCH transfer ids in one (a renewal must stay under the payload limit)."""
         with self._renewals_lock:
             due = self._renewals.by_prefill()
         return [
             (wire.registration_subject(prefill_engine_id, self.engine_id),
-             wire.encode(wire.LeaseRenewal(decode_engine_id=self.engine_id, transfer_ids=transfer_ids)))
+             wire.encode(wire.LeaseRenewal(decode_engine_id=self.engine_id,
+                                           transfer_ids=transfer_ids[start:start + RENEWAL_BATCH])))
             for prefill_engine_id, transfer_ids in due.items()
+            for start in range(0, len(transfer_ids), RENEWAL_BATCH)
         ]

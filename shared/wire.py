@@ -228,6 +228,7 @@ class TokenChunk(msgspec.Struct):
     token_ids: list[int]
     text: str
     finished: bool = False
+    seq: int = 0  # 0, 1, 2, ... per request: a gap is a lost chunk
 
 
 class Usage(msgspec.Struct):
@@ -247,6 +248,7 @@ class FinalReply(msgspec.Struct):
     usage: Usage
     timings: Timings
     finished: bool = True
+    chunks: int = 0  # how many token chunks came before this final
 
 
 class ErrorReply(msgspec.Struct):

@@ -37,6 +37,7 @@ class _Stream:
 
     first_at: float | None = None
     completion_tokens: int = 0
+    chunks: int = 0  # token chunks sent; the next one's seq
     finish_reason: str | None = None
     last: object = None  # vLLM's last RequestOutput
 
@@ -133,7 +134,8 @@ class DecodeRole:
                 # a retry would repeat tokens no later than the client sees one.
                 await self._progress(job, "streaming")
             stream.completion_tokens += len(completion.token_ids)
-            chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text)
+            chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text, seq=stream.chunks)
+            stream.chunks += 1
             # Token chunks are not traced one by one; the final reply is. The reply
             # subject hears "no responders" if the client has gone.
             await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
@@ -174,6 +176,7 @@ class DecodeRole:
             finish_reason=stream.finish_reason,
             usage=wire.Usage(len(job.prompt_token_ids), tokens),
             timings=timings,
+            chunks=stream.chunks,
         )
         await self.worker.bus.publish(job.reply_to, wire.encode_json(final), template=TEMPORARY)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,

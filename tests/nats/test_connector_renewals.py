@@ -150,3 +150,23 @@ def test_worker_metadata_of_several_ranks_is_merged():
     from connector.metadata import KvpushWorkerMeta
 
     assert KvpushWorkerMeta({"a"}).aggregate(KvpushWorkerMeta({"b"})).given_up == {"a", "b"}
+
+
+def test_renewals_for_many_transfers_are_split_to_stay_under_the_payload_limit(bridge, scheduler):
+    from connector.scheduler_side import RENEWAL_BATCH
+
+    prefill = _id("prefill")
+    renewals = _listen(bridge, prefill)
+    requests = [_request(prefill) for _ in range(2 * RENEWAL_BATCH + 5)]
+    for request in requests:
+        scheduler.on_new_request(request)
+    wanted = {_transfer(request) for request in requests}
+    seen: set[str] = set()
+    sizes = []
+    while seen != wanted:  # one heartbeat's renewals; a tick under way may send a partial first round
+        renewal = _next(renewals)
+        sizes.append(len(renewal.transfer_ids))
+        assert len(renewal.transfer_ids) <= RENEWAL_BATCH
+        assert len(wire.encode(renewal)) < bridge._nc.max_payload
+        seen |= set(renewal.transfer_ids)
+    assert max(sizes) == RENEWAL_BATCH

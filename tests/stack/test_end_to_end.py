@@ -36,6 +36,8 @@ async def test_replies_stream_in_chunks_then_one_final_message(stack, nc):
     assert len(chunks) >= 2, "tokens should stream, not arrive all at once"
     assert all(c["finished"] is False and c["token_ids"] for c in chunks)
     assert sum(len(c["token_ids"]) for c in chunks) == 12
+    assert [c["seq"] for c in chunks] == list(range(len(chunks)))  # a gap would be a lost chunk
+    assert final["chunks"] == len(chunks)
     assert final["finished"] is True and final["finish_reason"] == "length"
     assert final["usage"]["completion_tokens"] == 12
     timings = final["timings"]
