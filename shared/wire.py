@@ -100,9 +100,9 @@ class Subject(str):
 
     template: str
 
-    def __new__(cls, template: str, **parts: object) -> "Subject":
-        subject = super().__new__(cls, template.format(**parts))
-        subject.template = template
+    def __new__(cls, pattern: str, template: str | None = None, **parts: object) -> "Subject":
+        subject = super().__new__(cls, pattern.format(**parts))
+        subject.template = template or pattern
         return subject
 
 
@@ -113,13 +113,15 @@ class SubjectTemplate(str):
         return Subject(self, **parts)
 
     @property
-    def wildcard(self) -> str:
+    def wildcard(self) -> "Subject":
         """The subscription that matches every subject of this template."""
-        return re.sub(r"\{[^}]+\}", "*", self)
+        return self.partly()
 
-    def partly(self, **parts: object) -> str:
-        """The subscription for the given parts, every other part a wildcard."""
-        return re.sub(r"\{([^}]+)\}", lambda m: str(parts.get(m.group(1), "*")), self)
+    def partly(self, **parts: object) -> "Subject":
+        """The subscription for the given parts, every other part a wildcard (it carries
+        the template too, so its spans are named by it)."""
+        return Subject(re.sub(r"\{([^}]+)\}", lambda m: "{" + m.group(1) + "}" if m.group(1) in parts else "*",
+                              self), template=self, **parts)
 
 
 OWNED_GENERATE = SubjectTemplate("kvpush.generate.{client}")

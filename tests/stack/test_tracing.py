@@ -22,8 +22,9 @@ EXPECTED = {
     "process kvpush.generate", A.SCHEDULER_QUEUE, A.SCHEDULER_DISPATCH, A.PREFILL, A.PREFILL_QUEUE,
     A.PREFILL_COMPUTE, A.DECODE, A.DECODE_WAIT_KV, A.DECODE_FIRST_TOKEN, A.DECODE_GENERATE, A.KV_REGISTER,
     A.KV_RENDEZVOUS, A.KV_WRITE, A.KV_TRANSFER_PREPARE, A.KV_TRANSFER, A.KV_WAIT,
-    "publish kvpush.kv.register.{engine_id}", "process kvpush.kv.register.{engine_id}",
-    "publish kvpush.kv.completion.{engine_id}", "publish kvpush.prefill.{worker_id}", "process kvpush.prefill.{worker_id}",
+    "publish kvpush.kv.register.{engine_id}.{sender}", "process kvpush.kv.register.{engine_id}.{sender}",
+    "publish kvpush.kv.completion.{engine_id}.{sender}", "publish kvpush.prefill.{worker_id}",
+    "process kvpush.prefill.{worker_id}",
 }
 
 
@@ -79,10 +80,11 @@ async def test_one_request_is_one_trace_across_every_process_and_thread(stack, n
     assert parent(one(A.KV_WRITE))["name"] == A.PREFILL
     assert parent(one(A.KV_REGISTER))["name"] == A.DECODE
     assert parent(one(A.KV_WAIT))["name"] == A.DECODE
-    assert parent(one("process kvpush.kv.register.{engine_id}"))["name"] == "publish kvpush.kv.register.{engine_id}"
+    assert parent(one("process kvpush.kv.register.{engine_id}.{sender}"))["name"] == \
+        "publish kvpush.kv.register.{engine_id}.{sender}"
     # across the thread boundary: the writer thread's spans, and what it published
     assert parent(one(A.KV_TRANSFER))["name"] == A.KV_WRITE
-    assert parent(one("publish kvpush.kv.completion.{engine_id}"))["name"] == A.KV_WRITE
+    assert parent(one("publish kvpush.kv.completion.{engine_id}.{sender}"))["name"] == A.KV_WRITE
     write = one(A.KV_WRITE)
     assert write["attributes"][A.BYTES] > 0 and write["attributes"][A.DESCRIPTORS] >= 1
     rendezvous = one(A.KV_RENDEZVOUS)
