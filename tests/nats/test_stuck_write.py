@@ -5,9 +5,11 @@ worker (its NIXL agent included); prefill is this test, publishing as prefill wo
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -68,84 +70,91 @@ def _some_released(worker: ConnectorWorker):
     return released if released[0] else None
 
 
-def test_blocks_under_a_stuck_write_outlive_every_timer_and_go_back_when_prefill_answers(nats_server):
-    decode_id, prefill_id = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    bridge = NatsBridge(nats_server.url, name=decode_id)
+@dataclass
+class Pair:
+    """A decode connector worker, and a NATS connection that speaks as its prefill engine."""
+
+    worker: ConnectorWorker
+    prefill: NatsBridge
+    decode_id: str
+    prefill_id: str
+
+    def report(self, transfer_id: str, code: str, sender: str | None = None) -> None:
+        sender = sender or self.prefill_id
+        self.prefill.publish(wire.completion_subject(self.decode_id, sender),
+                             _failed(transfer_id, sender, self.decode_id, code))
+
+
+@contextlib.contextmanager
+def decode_with_prefill(url: str, prefill_name: str | None = None):
+    decode_id = f"decode-{uuid.uuid4().hex[:6]}"
+    prefill_id = prefill_name or f"prefill-{uuid.uuid4().hex[:6]}"
+    bridge = NatsBridge(url, name=decode_id)
     bridge.start()
-    prefill = NatsBridge(nats_server.url, name=prefill_id)
+    prefill = NatsBridge(url, name=prefill_id)
     prefill.start()
-    answering = AgentAnswer(prefill, prefill_id, "incarnation-1")
     worker = _decode(bridge, decode_id)
     try:
+        yield Pair(worker, prefill, decode_id, prefill_id)
+    finally:
+        worker.shutdown()
+        bridge.close()
+        prefill.close()
+
+
+def test_blocks_under_a_stuck_write_outlive_every_timer_and_go_back_when_prefill_answers(nats_server):
+    with decode_with_prefill(nats_server.url) as pair:
+        worker = pair.worker
+        answering = AgentAnswer(pair.prefill, pair.prefill_id, "incarnation-1")
         # Control: without a stuck report, the timers give the blocks back (recompute).
-        control_request, _ = _waiting(worker, prefill_id, "incarnation-1")
+        control_request, _ = _waiting(worker, pair.prefill_id, "incarnation-1")
         assert _released(worker, time.monotonic() + FAR) == ({control_request}, {control_request})
 
-        request_id, transfer_id = _waiting(worker, prefill_id, "incarnation-1")
-        prefill.publish(wire.completion_subject(decode_id, prefill_id),
-                        _failed(transfer_id, prefill_id, decode_id, "write_stuck"))
+        request_id, transfer_id = _waiting(worker, pair.prefill_id, "incarnation-1")
+        pair.report(transfer_id, "write_stuck")
         _until(lambda: worker.consumer.stuck_holds() == 1, "the stuck write held")
         assert _released(worker, time.monotonic() + FAR) == (set(), set())  # no timer frees them
         assert _released(worker, time.monotonic() + 100 * FAR) == (set(), set())
         _until(lambda: answering.asked, "decode asking whether prefill is still there")
         assert worker.consumer.stuck_holds() == 1  # it is: the same incarnation answered
 
-        prefill.publish(wire.completion_subject(decode_id, prefill_id),
-                        _failed(transfer_id, prefill_id, decode_id, "write_failed"))  # the write ended after all
-        got = _until(lambda: _some_released(worker), "the blocks back")
-        assert got == ({request_id}, {request_id})
+        pair.report(transfer_id, "write_failed")  # the write ended after all
+        assert _until(lambda: _some_released(worker), "the blocks back") == ({request_id}, {request_id})
         assert worker.consumer.stuck_holds() == 0
-    finally:
-        worker.shutdown()
-        bridge.close()
-        prefill.close()
 
 
 def test_blocks_under_a_stuck_write_go_back_once_the_prefill_engine_is_gone(nats_server):
     """No responder on the prefill's agent subject: its engine left NATS (died); nothing it
     posted can land any more."""
-    decode_id, prefill_id = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    bridge = NatsBridge(nats_server.url, name=decode_id)
-    bridge.start()
-    prefill = NatsBridge(nats_server.url, name=prefill_id)
-    prefill.start()
-    worker = _decode(bridge, decode_id)
-    try:
-        request_id, transfer_id = _waiting(worker, prefill_id, "incarnation-1")
-        prefill.publish(wire.completion_subject(decode_id, prefill_id),
-                        _failed(transfer_id, prefill_id, decode_id, "write_stuck"))
-        _until(lambda: worker.consumer.stuck_holds() == 1, "the stuck write held")
-        got = _until(lambda: _some_released(worker), "the blocks back")
-        assert got == ({request_id}, {request_id})
-    finally:
-        worker.shutdown()
-        bridge.close()
-        prefill.close()
+    with decode_with_prefill(nats_server.url) as pair:
+        request_id, transfer_id = _waiting(pair.worker, pair.prefill_id, "incarnation-1")
+        pair.report(transfer_id, "write_stuck")
+        _until(lambda: pair.worker.consumer.stuck_holds() == 1, "the stuck write held")
+        assert _until(lambda: _some_released(pair.worker), "the blocks back") == ({request_id}, {request_id})
+
+
+def test_blocks_under_a_stuck_write_go_back_once_another_start_of_the_prefill_answers(nats_server):
+    """The prefill engine restarted under its id: the process that posted the write is gone."""
+    with decode_with_prefill(nats_server.url) as pair:
+        restarted = AgentAnswer(pair.prefill, pair.prefill_id, "incarnation-2")
+        request_id, transfer_id = _waiting(pair.worker, pair.prefill_id, "incarnation-1")
+        pair.report(transfer_id, "write_stuck")
+        _until(lambda: pair.worker.consumer.stuck_holds() == 1, "the stuck write held")
+        assert _until(lambda: _some_released(pair.worker), "the blocks back") == ({request_id}, {request_id})
+        assert restarted.asked
 
 
 def test_a_stuck_report_from_another_prefill_holds_nothing(nats_server):
-    decode_id, prefill_id = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    bridge = NatsBridge(nats_server.url, name=decode_id)
-    bridge.start()
-    other = NatsBridge(nats_server.url, name="prefill-other")
-    other.start()
-    refusals: list = []
-    other.subscribe_typed(wire.INVALID_SUBJECT, wire.InvalidMessage, refusals.append, "test")
-    worker = _decode(bridge, decode_id)
-    try:
-        request_id, transfer_id = _waiting(worker, prefill_id)
-        other.publish(wire.completion_subject(decode_id, "prefill-other"),
-                      _failed(transfer_id, "prefill-other", decode_id, "write_stuck"))
-        other.publish(wire.completion_subject(decode_id, "prefill-other"),
-                      _failed(transfer_id, "prefill-other", decode_id, "write_failed"))
-        # Both are refused (the wait's KV comes from prefill_id): their refusals say they arrived.
+    with decode_with_prefill(nats_server.url, "prefill-other") as pair:
+        refusals: list = []
+        pair.prefill.subscribe_typed(wire.INVALID_SUBJECT, wire.InvalidMessage, refusals.append, "test")
+        _, transfer_id = _waiting(pair.worker, f"prefill-{uuid.uuid4().hex[:6]}")  # its KV comes from elsewhere
+        pair.report(transfer_id, "write_stuck")
+        pair.report(transfer_id, "write_failed")
+        # Both are refused (the wait's KV comes from another prefill): their refusals say they arrived.
         _until(lambda: len([r for r in refusals if r.code == "wrong_party"]) == 2, "both refused")
-        assert worker.consumer.stuck_holds() == 0
-        assert worker.get_finished(set())[1] == set()  # the forged failure released nothing
-    finally:
-        worker.shutdown()
-        bridge.close()
-        other.close()
+        assert pair.worker.consumer.stuck_holds() == 0
+        assert pair.worker.get_finished(set())[1] == set()  # the forged failure released nothing
 
 
 class AgentAnswer:
@@ -162,26 +171,3 @@ class AgentAnswer:
             return info
 
         bridge.subscribe(wire.agent_subject(engine_id, 0), answer)
-
-
-def test_blocks_under_a_stuck_write_go_back_once_another_start_of_the_prefill_answers(nats_server):
-    """The prefill engine restarted under its id: the process that posted the write is gone."""
-    decode_id, prefill_id = f"decode-{uuid.uuid4().hex[:6]}", f"prefill-{uuid.uuid4().hex[:6]}"
-    bridge = NatsBridge(nats_server.url, name=decode_id)
-    bridge.start()
-    prefill = NatsBridge(nats_server.url, name=prefill_id)
-    prefill.start()
-    restarted = AgentAnswer(prefill, prefill_id, "incarnation-2")
-    worker = _decode(bridge, decode_id)
-    try:
-        request_id, transfer_id = _waiting(worker, prefill_id, "incarnation-1")
-        prefill.publish(wire.completion_subject(decode_id, prefill_id),
-                        _failed(transfer_id, prefill_id, decode_id, "write_stuck"))
-        _until(lambda: worker.consumer.stuck_holds() == 1, "the stuck write held")
-        got = _until(lambda: _some_released(worker), "the blocks back")
-        assert got == ({request_id}, {request_id})
-        assert restarted.asked
-    finally:
-        worker.shutdown()
-        bridge.close()
-        prefill.close()

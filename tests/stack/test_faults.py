@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, wait_until
+from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, running_rig, wait_until
 from tools.reliability.soak import Soak
 from services.cli.client import cancel
 from shared import wire
@@ -34,19 +34,8 @@ CHAOS = {
 
 @pytest.fixture(scope="module")
 async def rig(model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("faults")
-    rig = FaultRig(folder, model_dir, prompts.MAX_MODEL_LEN)
-    try:
-        await rig.start()
+    async with running_rig(tmp_path_factory.mktemp("faults"), model_dir, prompts.MAX_MODEL_LEN) as rig:
         yield rig
-    except BaseException:
-        import sys
-
-        for log in sorted((folder / "logs").glob("*.log")):
-            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-3000:]}\n")
-        raise
-    finally:
-        await rig.stop()
 
 
 def body(index: int, **extra) -> dict:

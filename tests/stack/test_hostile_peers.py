@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from tools.reliability.fault_rig import FaultRig, wait_until
+from tools.reliability.fault_rig import FaultRig, running_rig, wait_until
 from services.cli.client import generate_all
 from shared import wire
 from tests import prompts
@@ -31,19 +31,8 @@ VICTIMS = [6, 4, 5, 1]  # indexes into prompts.CORRECTNESS (and the reference)
 
 @pytest.fixture(scope="module")
 async def rig(model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hostile")
-    rig = FaultRig(folder, model_dir, prompts.MAX_MODEL_LEN)
-    try:
-        await rig.start()
+    async with running_rig(tmp_path_factory.mktemp("hostile"), model_dir, prompts.MAX_MODEL_LEN) as rig:
         yield rig
-    except BaseException:
-        import sys
-
-        for log in sorted((folder / "logs").glob("*.log")):
-            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-3000:]}\n")
-        raise
-    finally:
-        await rig.stop()
 
 
 class Forgers:

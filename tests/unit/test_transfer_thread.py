@@ -75,20 +75,6 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
         assert torch.all(got[untouched] == 0)
 
 
-def _stopped_decode_side(conn) -> None:
-    caches = _kv_caches(0.0)
-    notes: list[bytes] = []
-    thread = TransferThread("decode", 0, describe(caches, NUM_BLOCKS), on_notification=notes.append)
-    thread.start()
-    thread.expect(1)
-    conn.send_bytes(msgspec.msgpack.encode(thread.agent_info()))
-    deadline = time.monotonic() + 60
-    while not notes and time.monotonic() < deadline:
-        time.sleep(0.005)
-    conn.send({name: t.clone().numpy().tolist() for name, t in caches.items()})
-    thread.stop()
-
-
 def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_again(monkeypatch):
     """Over UCX's TCP transport a WRITE needs the peer to progress: a peer stopped with
     SIGSTOP holds it posted. NIXL cannot cancel it, so the transfer thread reports it stuck
@@ -103,7 +89,7 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
     monkeypatch.setattr(transfer_thread, "STUCK_AFTER_S", 1.0)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_stopped_decode_side, args=(child,))
+    proc = ctx.Process(target=_decode_side, args=(child,))
     proc.start()
     try:
         remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
@@ -122,12 +108,14 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
         deadline = time.monotonic() + 20
         while len(results) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        notes = parent.recv()
         landed = parent.recv()
         writer.stop()
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.join(timeout=30)
     assert [(r.ok, r.stuck) for r in results] == [(False, True), (True, False)]
+    assert notes == ["t-1:0:1:tag"]  # the peer was told, late
     for layer in range(2):
         got = torch.tensor(landed[f"model.layers.{layer}.attn"])
         assert torch.all(got[[3, 4]] == 7.0)  # the late write did land: freeing these blocks early would be unsafe

@@ -13,8 +13,10 @@ part in any request: what they try must change nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import sys
 import time
 import uuid
 from collections import Counter
@@ -393,6 +395,21 @@ class FaultRig:
         sub = await self.conns[role].subscribe(subject, cb=on_msg)
         await self.conns[role].flush()
         return seen, sub
+
+
+@contextlib.asynccontextmanager
+async def running_rig(folder: Path, model: str, max_model_len: int):
+    """A started rig for a test module; on a failed start its services' logs go to stderr."""
+    rig = FaultRig(folder, model, max_model_len)
+    try:
+        await rig.start()
+        yield rig
+    except BaseException:
+        for log in sorted((folder / "logs").glob("*.log")):
+            sys.stderr.write(f"----- {log.name}\n{log.read_text()[-3000:]}\n")
+        raise
+    finally:
+        await rig.stop()
 
 
 def _trusted(msg, kind):
