@@ -57,7 +57,7 @@ from shared.errors import (
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
-MAX_KEYS = 100_000  # transfer keys remembered, for revokes that come after the match
+MAX_KEYS = 20_000  # transfer keys of transfers under way (a bound, should many never end)
 
 
 def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | None:
@@ -92,7 +92,8 @@ class Producer:
         self._pushing: set[str] = set()  # request ids whose blocks we hold for a transfer
         self._writing: set[str] = set()  # transfer ids matched, whose WRITE has not ended (or was never posted)
         self._served = ServedReads(lease_s)  # pull: blocks held for decode's READ
-        self._keys: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # transfer id -> (key, our blocks)
+        # transfer id -> (its key, our blocks for a pull READ's tag); dropped once the transfer ended
+        self._keys: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         # Revokes that came before either half, so could not be checked: checked when one comes.
         self._unchecked_revokes: OrderedDict[str, wire.Revoke] = OrderedDict()
 
@@ -112,7 +113,7 @@ class Producer:
         for ready in meta.ready_prefills:
             with self._lock:
                 self._pushing.add(ready.request_id)
-                self._keys[ready.transfer_id] = (ready.transfer_key, ready.block_ids)
+                self._keys[ready.transfer_id] = (ready.transfer_key, ready.block_ids if ready.mode == "pull" else [])
                 while len(self._keys) > MAX_KEYS:
                     self._keys.popitem(last=False)
                 revoke = self._unchecked_revokes.pop(ready.transfer_id, None)
@@ -179,6 +180,7 @@ class Producer:
         self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
         with self._lock:
             request_id = self._served.release(transfer_id)
+            self._keys.pop(transfer_id, None)
         if request_id is not None:
             self.transfer.expect(-1)
             self._give_back(request_id)
@@ -327,6 +329,7 @@ class Producer:
             with self._lock:
                 self._sent.add(ready.request_id)
                 self._writing.discard(match.transfer_id)
+                self._keys.pop(match.transfer_id, None)  # a later Revoke finds the transfer matched: answered
             self._wake()
             if not result.ok:
                 self._rendezvous.close(match.transfer_id, "failed")
