@@ -26,7 +26,7 @@ from otel.messaging import TEMPORARY
 from otel.metrics import instruments
 from services.bus import Bus
 from services.scheduler import dispatch
-from services.scheduler.flights import Flight, FlightTable
+from services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from services.scheduler.routing import WorkerPool
 from services.lifecycle import BackgroundTasks, Service
 from services.scheduler.validation import RequestValidator, request_id_of
@@ -82,6 +82,7 @@ class Scheduler(Service):
         self._validating = 0  # requests taken, not yet refused or in flight
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
         self.flights = FlightTable(max_attempts=max_attempts)
+        self._early_cancels = EarlyCancels(keep_s=deadline_s)
         self._requests = BackgroundTasks()
         self._watch: asyncio.Task | None = None
         self._closed = False
@@ -201,8 +202,10 @@ class Scheduler(Service):
         if flight is not None and flight.owner != wire.owner_of(msg.subject):
             await self.bus.wrong_party(msg, f"a cancel of {cancel.request_id}, which another client sent")
             return
-        if flight is not None:  # otherwise another scheduler's, or already ended
+        if flight is not None:
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
+        elif cancel is not None:  # another scheduler's, already ended, or not here yet: keep it for a while
+            self._early_cancels.remember(wire.owner_of(msg.subject), cancel.request_id, time.monotonic())
 
     async def _on_generate(self, msg) -> None:
         held = len(self.flights) + self._validating
@@ -258,6 +261,9 @@ class Scheduler(Service):
         if not self.flights.add(flight):
             await self._reply_error(msg.reply, request.request_id, InvalidField(
                 f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))
+            return None
+        if self._early_cancels.take(owner, request.request_id, time.monotonic()):
+            await self._end(flight, Cancelled(f"request {request.request_id} was cancelled before it arrived"))
             return None
         return flight
 

@@ -120,3 +120,21 @@ async def test_a_prompt_being_tokenized_does_not_stop_the_scheduler_answering(se
         release.set()
     replies = await replies_to_final(sub)
     assert "error" not in replies[-1], replies[-1]
+
+
+async def test_a_cancel_that_arrives_before_its_request_still_cancels_it(server, client, running):
+    """The client sent a request and cancelled it; the cancel (broadcast to every scheduler)
+    overtook the request (queued to one). It is remembered, and the request ends cancelled
+    without a job going out."""
+    await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    await cancel(client, "r-overtaken")
+    await client.flush()
+    await client.flush()  # nats-py: the second PING goes after the cancel
+    [final] = await replies_to_final(await send(client, request_body("r-overtaken")))
+    assert final["error"]["code"] == "cancelled", final
+    assert decode.jobs == [] and prefill.jobs == []
+    [served] = (await replies_to_final(await send(client, request_body("r-after"))))[-1:]  # the next is served
+    assert "error" not in served

@@ -232,3 +232,26 @@ def test_is_live_is_false_for_an_unknown_or_forgotten_worker():
     pool.observe(_beat("w", incarnation="a"), now=10.0)
     pool.forget("w")
     assert (pool.is_live("w", "a", now=10.0), pool.is_live("x", "", now=10.0)) == (False, False)
+
+
+def test_a_cancel_before_its_request_is_kept_until_the_deadline_and_taken_once():
+    from services.scheduler.flights import EarlyCancels
+
+    cancels = EarlyCancels(keep_s=10.0)
+    cancels.remember("app", "r-1", now=0.0)
+    assert not cancels.take("other-client", "r-1", now=1.0)  # only its owner's request
+    assert cancels.take("app", "r-1", now=1.0)
+    assert not cancels.take("app", "r-1", now=1.0)  # once
+    cancels.remember("app", "r-2", now=0.0)
+    assert not cancels.take("app", "r-2", now=10.5)  # past the deadline the request could have had
+
+
+def test_early_cancels_are_bounded_and_expire():
+    from services.scheduler.flights import EarlyCancels
+
+    cancels = EarlyCancels(keep_s=10.0, max_entries=3)
+    for i in range(10):  # a flood of unknown ids
+        cancels.remember("", f"r-{i}", now=float(i) * 0.1)
+    assert len(cancels) == 3 and cancels.take("", "r-9", now=1.0)
+    cancels.remember("", "late", now=100.0)  # everything older has expired
+    assert len(cancels) == 1
