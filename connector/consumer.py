@@ -74,7 +74,7 @@ class Consumer:
         self._wake: Callable[[], None] = lambda: None
         self._waits = KvWaits(kv_wait_s=kv_wait_s, quarantine_s=quarantine_s)
         self._counter = CompletionCounter()  # the producers' WRITE notifications
-        self._lock = threading.Lock()  # protects _released, _given_up and _early_notes
+        self._lock = threading.Lock()  # protects _released, _given_up, _early_notes, _early_failures, _ended
         self._released: list[Released] = []  # waits ended on the clock, for the next get_finished
         self._given_up: set[str] = set()  # requests whose wait we gave up, for the scheduler side
         self._early_notes: dict[str, list[Notification]] = {}  # notifications before their wait started
@@ -184,6 +184,8 @@ class Consumer:
         It counts only with the transfer's tag over the blocks we registered."""
         wait = self._waits.get(note.transfer_id)
         if wait is None:
+            if self._ended_prefill(note.transfer_id) is not None:
+                return  # late, for a wait that already ended
             with self._lock:  # our wait starts in this step's start_load_kv: keep it till then
                 self._early_notes.setdefault(note.transfer_id, []).append(note)
                 while len(self._early_notes) > MAX_EARLY_NOTES:
