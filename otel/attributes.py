@@ -43,6 +43,7 @@ ATTRIBUTES: dict[str, str] = {
 SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts on it
 SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get both acks
 SCHEDULER_WAIT_PREFILL = "scheduler.wait_prefill"  # pull: prefill job sent -> its handoff arrived
+SCHEDULER_TAKEOVER = "scheduler.takeover"  # a flight whose scheduler was lost, taken over by another
 PREFILL = "prefill"  # a prefill job on its worker
 PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
 PREFILL_COMPUTE = "prefill.compute"  # vLLM computes the prompt
@@ -62,6 +63,7 @@ SPANS: dict[str, str] = {
     SCHEDULER_QUEUE: "request received -> the scheduler starts on it",
     SCHEDULER_DISPATCH: "pick workers and send the jobs (push: both at once; pull: prefill, then decode)",
     SCHEDULER_WAIT_PREFILL: "pull: prefill job sent -> the prefill's handoff arrived",
+    SCHEDULER_TAKEOVER: "a flight whose scheduler was lost: fence its attempt, then finish it here",
     PREFILL: "a prefill job on its worker",
     PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
     PREFILL_COMPUTE: "vLLM computes the prompt",

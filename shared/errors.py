@@ -16,6 +16,8 @@
     ├── Cancelled               the client cancelled the request
     ├── DeadlineExceeded        no final answer within the deadline
     ├── WorkerLost              a worker died after tokens went out (a retry would repeat them)
+    ├── NotFound                (kvpush.final) no last message is kept for that request id
+    ├── LedgerUnavailable       JetStream did not take a flight's record
     ├── BadMessage              an internal message that does not decode (said on kvpush.invalid)
     │   ├── BadJob              ...a job, refused to the scheduler that sent it
     │   ├── InvalidReply        ...a request whose reply subject is not the client's own inbox
@@ -111,6 +113,14 @@ class DeadlineExceeded(KvpushError):
 
 class WorkerLost(KvpushError):
     code = "worker_lost"
+
+
+class NotFound(KvpushError):
+    code = "not_found"
+
+
+class LedgerUnavailable(KvpushError):
+    code = "ledger_unavailable"
 
 
 class BadMessage(KvpushError):

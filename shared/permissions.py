@@ -59,6 +59,15 @@ def client_inbox(name: str) -> str:
     return f"{wire.CLIENT_INBOX_PREFIX}.{name}"
 
 
+# Schedulers are trusted with the buckets: they make them, write flights, watch them.
+JETSTREAM_FOR_SCHEDULERS = [
+    "$JS.API.>",
+    "$JS.FC.>",  # flow control of the flights watch
+    "$JS.ACK.>",
+    *(f"$KV.{bucket}.>" for bucket in (wire.FLIGHTS_BUCKET, wire.CLAIMS_BUCKET, wire.FINALS_BUCKET)),
+]
+
+
 def permissions(role: IdentityRole, name: str) -> Permissions:
     """What the NATS user ``name`` of ``role`` may do."""
     own_inbox = service_inbox(name) + ".>"
@@ -70,7 +79,10 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.CANCEL_SUBJECT,
                 wire.OWNED_CANCEL.wildcard,
                 wire.SCHEDULER_STATUS_SUBJECT,
+                f"{wire.FINAL_SUBJECT} {wire.SCHEDULER_QUEUE_GROUP}",
+                f"{wire.OWNED_FINAL.wildcard} {wire.SCHEDULER_QUEUE_GROUP}",
                 wire.HEARTBEATS.wildcard,
+                wire.SCHEDULER_HEARTBEATS.wildcard,
                 wire.HANDOFFS.wildcard,
                 wire.KV_COMPLETIONS.wildcard,
                 wire.PROGRESS.wildcard,
@@ -80,8 +92,10 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
             publish=[
                 wire.PREFILL_JOBS.wildcard,
                 wire.DECODE_JOBS.wildcard,
+                wire.SCHEDULER_HEARTBEATS(sender=name),
                 wire.INVALID_SUBJECT,
                 wire.CLIENT_INBOX_PREFIX + ".>",  # error finals to clients
+                *JETSTREAM_FOR_SCHEDULERS,
             ],
             allow_responses=True,  # status replies
         )
@@ -122,12 +136,14 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.KV_AGENT.wildcard,  # ask a prefill rank for its agent
                 wire.INVALID_SUBJECT,
                 wire.CLIENT_INBOX_PREFIX + ".>",  # token chunks and finals to clients
+                f"$KV.{wire.CLAIMS_BUCKET}.*",  # claim the answer (the key is a secret's hash)
             ],
             allow_responses=True,  # job acks, agent info
         )
     return Permissions(
         subscribe=[client_inbox(name) + ".>"],
-        publish=[wire.OWNED_GENERATE(client=name), wire.OWNED_CANCEL(client=name), wire.SCHEDULER_STATUS_SUBJECT],
+        publish=[wire.OWNED_GENERATE(client=name), wire.OWNED_CANCEL(client=name), wire.OWNED_FINAL(client=name),
+                 wire.SCHEDULER_STATUS_SUBJECT],
     )
 
 

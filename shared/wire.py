@@ -17,6 +17,9 @@ Public (JSON, for clients):
                                     under ``_INBOX.`` (``_INBOX.<client>.`` for a named client)
     kvpush.cancel[.<client>]        CancelRequest    client -> every scheduler; a named client
                                     cancels only its own requests
+    kvpush.final[.<client>]         FinalRequest (request), reply: the request's last message
+                                    again (FinalReply or ErrorReply), kept FINALS_KEEP_S after
+                                    it ended; ErrorReply ``not_found`` if there is none (yet)
 
 Internal (msgpack):
 
@@ -36,7 +39,17 @@ Internal (msgpack):
     kvpush.kv.completion.<decode_engine_id>.<sender>  TransferDone | TransferFailed
                                                       prefill connector -> that decode and the
                                                       schedulers (``kvpush.kv.completion.*.*``)
+    kvpush.scheduler.heartbeat.<sender>  SchedulerHeartbeat  scheduler -> schedulers, every
+                                                      second: whose flights are orphans
     kvpush.invalid                  InvalidMessage    any service: a message it refused
+
+Durable (JetStream KV buckets, msgpack values; see "durable state" below):
+
+    kvpush_flights   <request id>         FlightRecord   the scheduler that holds it, and its
+                                                          attempt; another scheduler adopts it
+    kvpush_claims    claim_key(<key>)     who answers that attempt's client: the decode
+                                          (before its first message) or a scheduler
+    kvpush_finals    <request id>         StoredFinal    the last message, for a fetch again
 
 Services take replies on inboxes under ``_KVPUSH_INBOX.<identity>``, out of clients' reach;
 clients on inboxes under ``_INBOX.<client>``.
@@ -60,22 +73,27 @@ Protocol history:
         message names its sender; per-client request and cancel subjects; transfer keys,
         tagged notifications, and incarnations on agents and registrations. Not
         compatible with version 3 peers (their subjects differ).
+    5 - flights outlive their scheduler: flight records, answer claims and stored finals
+        in JetStream; scheduler heartbeats; ``kvpush.final``; CancelJob carries the error
+        the decode sends when it holds the answer; RequestProgress carries the final.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any, ClassVar, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 GENERATE_SUBJECT = "kvpush.generate"
 CANCEL_SUBJECT = "kvpush.cancel"
 SCHEDULER_QUEUE_GROUP = "kvpush-schedulers"
 INVALID_SUBJECT = "kvpush.invalid"
 SCHEDULER_STATUS_SUBJECT = "kvpush.scheduler.status"
+FINAL_SUBJECT = "kvpush.final"
 
 CLIENT_INBOX_PREFIX = "_INBOX"
 SERVICE_INBOX_PREFIX = "_KVPUSH_INBOX"
@@ -126,6 +144,8 @@ class SubjectTemplate(str):
 
 OWNED_GENERATE = SubjectTemplate("kvpush.generate.{client}")
 OWNED_CANCEL = SubjectTemplate("kvpush.cancel.{client}")
+OWNED_FINAL = SubjectTemplate("kvpush.final.{client}")
+SCHEDULER_HEARTBEATS = SubjectTemplate("kvpush.scheduler.heartbeat.{sender}")
 HEARTBEATS = SubjectTemplate("kvpush.worker.heartbeat.{sender}")
 PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
 DECODE_JOBS = SubjectTemplate("kvpush.decode.{worker_id}")
@@ -178,7 +198,7 @@ def forged_sender(subject: str, message: msgspec.Struct) -> str | None:
 
 def owner_of(subject: str) -> str:
     """The client a request or cancel subject names (``kvpush.generate.<client>``), or ""."""
-    for template in (OWNED_GENERATE, OWNED_CANCEL):
+    for template in (OWNED_GENERATE, OWNED_CANCEL, OWNED_FINAL):
         base = template.split("{")[0]
         if subject.startswith(base):
             return subject[len(base):]
@@ -216,6 +236,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of a message on ``kvpush.cancel``: stop this request wherever it is."""
+
+    request_id: str
+
+
+class FinalRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of a request on ``kvpush.final``: send me this request's last message again."""
 
     request_id: str
 
@@ -318,11 +344,13 @@ class DecodeJob(Internal):
 
 
 class CancelJob(Internal):
-    """Stop this request: drop it if queued, discard it if running, give up its blocks."""
+    """Stop this request: drop it if queued, discard it if running, give up its blocks.
+    ``error``: what the client is told, by the decode if it holds the answer's claim."""
 
     request_id: str
     transfer_id: str
     reason: str
+    error: ErrorBody | None = None
 
 
 PrefillMessage = PrefillJob | CancelJob
@@ -342,6 +370,7 @@ class RequestProgress(Internal):
     worker_id: str
     stage: ProgressStage
     outcome: str = ""
+    final: bytes = b""  # ended: the last message the client was sent (JSON), for kvpush.final
 
 
 class JobAck(Internal):
@@ -586,3 +615,59 @@ def decode_json(data: bytes, kind):
     if decoder is None:
         decoder = _json_decoders[kind] = msgspec.json.Decoder(kind)
     return _guarded(decoder.decode, data)
+
+
+# --------------------------------------------------------------------------- durable state
+
+FLIGHTS_BUCKET = "kvpush_flights"
+CLAIMS_BUCKET = "kvpush_claims"
+FINALS_BUCKET = "kvpush_finals"
+FINALS_KEEP_S = 600.0  # how long a client can fetch a request's last message again
+FINALS_MAX_BYTES = 256 * 1024 * 1024  # past it the oldest stored finals go first
+CLAIMS_MAX_BYTES = 256 * 1024 * 1024
+
+
+def claim_key(transfer_key: str) -> str:
+    """The claims bucket key of one attempt. Made from its secret key, so only the
+    attempt's own decode and the schedulers can claim (or fence) it."""
+    return hashlib.blake2b(transfer_key.encode(), digest_size=16, person=b"kvpush-claim").hexdigest()
+
+
+class FlightRecord(Internal):
+    """A request as the scheduler holding it wrote it down: enough for another scheduler
+    to take it over. ``holder``/``holder_incarnation``: which start of which scheduler."""
+
+    request_id: str
+    owner: str
+    reply_to: str
+    received_at: float  # wall clock
+    deadline_at: float  # wall clock
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    transfer_mode: str | None
+    holder: str
+    holder_incarnation: str
+    mode: str = "push"
+    attempt: int = 0
+    transfer_id: str = ""
+    transfer_key: str = ""
+    prefill_id: str = ""
+    decode_id: str = ""
+    prefill_incarnation: str = ""
+    decode_incarnation: str = ""
+    traceparent: str = ""
+
+
+class SchedulerHeartbeat(Internal):
+    sender_field: ClassVar[str] = "scheduler_id"
+
+    scheduler_id: str
+    incarnation: str
+    flights: int = 0
+
+
+class StoredFinal(Internal):
+    """A request's last message, kept for a client that missed it (``kvpush.final``)."""
+
+    owner: str
+    body: bytes  # the JSON the client was sent

@@ -2,25 +2,39 @@
 
 A connection logged in as a named client (its inbox prefix ``_INBOX.<client>``, which
 ``shared.nats_security.connect_options`` sets) sends on that client's own subjects,
-``kvpush.generate.<client>`` and ``kvpush.cancel.<client>``."""
+``kvpush.generate.<client>``, ``kvpush.cancel.<client>`` and ``kvpush.final.<client>``.
+
+Core NATS delivers at most once. When nothing has come for ``refetch_after_s``, the
+client asks for the request's final again (``kvpush.final``): a final it missed is kept
+for ``wire.FINALS_KEEP_S`` after the request ended."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+import uuid
+from typing import AsyncIterator, Callable
 
 from shared import wire
 from shared.errors import NoScheduler, PayloadTooLarge
 
 
-async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncIterator[dict]:
+REFETCH_AFTER_S = 5.0
+
+
+async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after_s: float = REFETCH_AFTER_S,
+                   received: Callable[[dict], bool] | None = None) -> AsyncIterator[dict]:
     """Yield each reply (token chunks, then the final message) for one request.
 
-    Raises TimeoutError when no message arrives for ``timeout`` seconds, NoScheduler when
-    nobody listens on ``kvpush.generate``. Stopping early
-    (breaking out, cancelling the task) cancels the request, if it has a request_id.
+    Raises TimeoutError when no message arrives for ``timeout`` seconds (nor a final
+    when asked again), NoScheduler when nobody listens on ``kvpush.generate``. Stopping
+    early (breaking out, cancelling the task) cancels the request. A dict body without a
+    ``request_id`` gets one, so that the final can be asked for again.
+
+    ``received``: a hook for tests; a reply it returns False for counts as lost on the way.
     """
+    if isinstance(body, dict) and body.get("request_id") is None:
+        body = {**body, "request_id": uuid.uuid4().hex}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     if len(data) > nc.max_payload:
         raise PayloadTooLarge(f"the request is {len(data)} bytes, over the NATS server's max_payload of "
@@ -30,20 +44,35 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0) -> AsyncItera
     sub = await nc.subscribe(inbox)
     finished = False
     owner = client_of(nc)
+    loop = asyncio.get_running_loop()
     try:
         await nc.publish(wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT, data, reply=inbox)
+        heard_at = loop.time()
         while True:
-            msg = await sub.next_msg(timeout=timeout)
+            silent_for = loop.time() - heard_at
+            if silent_for >= timeout:
+                raise TimeoutError(f"no reply within {timeout} s")
+            try:
+                msg = await sub.next_msg(timeout=min(refetch_after_s, timeout - silent_for))
+            except asyncio.TimeoutError:  # nats raises its own subclass
+                final = await fetch_final(nc, request_id) if request_id else None
+                if final is None:
+                    continue
+                finished = True
+                yield final
+                return
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
                 raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
                                   "(kvpush up, or kvpush scheduler) or check --nats-url")
             reply = json.loads(msg.data)
+            request_id = request_id or reply.get("request_id")
+            heard_at = loop.time()
+            if received is not None and not received(reply):
+                continue
             finished = bool(reply.get("finished"))
             yield reply
             if finished:
                 return
-    except asyncio.TimeoutError as exc:  # nats raises its own subclass
-        raise TimeoutError(f"no reply within {timeout} s") from exc
     finally:
         await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
         if not finished and request_id:
@@ -55,6 +84,21 @@ async def cancel(nc, request_id: str) -> None:
     owner = client_of(nc)
     subject = wire.OWNED_CANCEL(client=owner) if owner else wire.CANCEL_SUBJECT
     await nc.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
+
+
+async def fetch_final(nc, request_id: str, timeout: float = 2.0) -> dict | None:
+    """The request's final message again (``kvpush.final``); None if none is kept (the
+    request has not ended, ended long ago, or no scheduler answers)."""
+    owner = client_of(nc)
+    subject = wire.OWNED_FINAL(client=owner) if owner else wire.FINAL_SUBJECT
+    try:
+        msg = await nc.request(subject, wire.encode_json(wire.FinalRequest(request_id)), timeout=timeout)
+    except Exception:  # no responders, or timeout: asked again on the next silence
+        return None
+    reply = json.loads(msg.data)
+    if reply.get("error", {}).get("code") == "not_found":
+        return None
+    return reply
 
 
 def client_of(nc) -> str:

@@ -17,14 +17,15 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from shared import settings
+from services.scheduler.validation import ValidRequest
+from shared import settings, wire
 
 Verdict = Literal["deadline", "retry", "lost"]
 
 
 @dataclass
 class Flight:
-    request: Any  # services.scheduler.validation.ValidRequest
+    request: ValidRequest
     reply_to: str
     received_at: float  # wall clock, seconds
     deadline: float  # monotonic
@@ -32,7 +33,9 @@ class Flight:
     owner: str = ""  # the client that sent it ("" for an anonymous one): only it may cancel it
     attempt: int = 0
     transfer_id: str = ""
-    transfer_key: str = ""  # this attempt's secret, for its two workers only
+    # This attempt's secret, for its two workers only; before the first attempt, the key of
+    # the flight's queued state (a scheduler claims it to answer or to take over).
+    transfer_key: str = field(default_factory=lambda: secrets.token_hex(16))
     prefill_id: str = ""  # "" until chosen
     decode_id: str = ""  # "" until chosen (pull: after prefill)
     prefill_incarnation: str = ""  # which start of that worker got the job
@@ -42,6 +45,8 @@ class Flight:
     decode_took_job: bool = False
     context: Any = None  # the request's trace context, for spans of later attempts
     task: Any = None  # the attempt under way
+    revision: int = 0  # of its record in the flights bucket, as this scheduler last wrote it
+    traceparent: str = ""
 
     @property
     def request_id(self) -> str:
@@ -53,6 +58,29 @@ class Flight:
         self.transfer_key = secrets.token_hex(16)
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
         self.streaming = self.kv_pushed = self.decode_took_job = False
+
+    def record(self, holder: str, incarnation: str, now_wall: float, now: float) -> wire.FlightRecord:
+        """The flight as its record in the flights bucket (wall-clock deadline)."""
+        request = self.request
+        return wire.FlightRecord(
+            request_id=request.request_id, owner=self.owner, reply_to=self.reply_to, received_at=self.received_at,
+            deadline_at=now_wall + (self.deadline - now), prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling, transfer_mode=request.transfer_mode, holder=holder,
+            holder_incarnation=incarnation, mode=self.mode, attempt=self.attempt, transfer_id=self.transfer_id,
+            transfer_key=self.transfer_key, prefill_id=self.prefill_id, decode_id=self.decode_id,
+            prefill_incarnation=self.prefill_incarnation, decode_incarnation=self.decode_incarnation,
+            traceparent=self.traceparent,
+        )
+
+    @classmethod
+    def from_record(cls, record: wire.FlightRecord, revision: int, now_wall: float, now: float) -> "Flight":
+        """A flight taken over from its record: where its last holder left it."""
+        request = ValidRequest(record.request_id, record.prompt_token_ids, record.sampling, record.transfer_mode)
+        return cls(request, record.reply_to, record.received_at, now + (record.deadline_at - now_wall),
+                   mode=record.mode, owner=record.owner, attempt=record.attempt, transfer_id=record.transfer_id,
+                   transfer_key=record.transfer_key, prefill_id=record.prefill_id, decode_id=record.decode_id,
+                   prefill_incarnation=record.prefill_incarnation, decode_incarnation=record.decode_incarnation,
+                   revision=revision, traceparent=record.traceparent)
 
     def needs_prefill(self) -> bool:
         if self.kv_pushed or self.streaming:
@@ -85,6 +113,14 @@ class FlightTable:
     def by_transfer(self, transfer_id: str) -> Flight | None:
         request_id = self._by_transfer.get(transfer_id)
         return self._flights.get(request_id) if request_id is not None else None
+
+    def adopt(self, flight: Flight) -> bool:
+        """Hold a flight taken over from another scheduler, at the attempt it was in."""
+        if not self.add(flight):
+            return False
+        if flight.transfer_id:
+            self._by_transfer[flight.transfer_id] = flight.request_id
+        return True
 
     def remove(self, flight: Flight) -> bool:
         """Forget the flight; False if it had already ended."""

@@ -6,7 +6,13 @@ decode, chosen by the load at that moment.
 It then watches each request to its end (``services.scheduler.flights``): every accepted request
 gets a final message within its deadline. It ends requests past their deadline or
 cancelled by the client (``kvpush.cancel``), telling the workers to drop them, and
-retries requests whose worker went silent on other workers."""
+retries requests whose worker went silent on other workers.
+
+Each flight is written down in JetStream (``services.ledger``) before any worker hears of
+it, and again before each attempt's jobs go out. A scheduler that hears no heartbeat from
+the holder of a record for a timeout takes the flight over (``takeover``) and finishes
+it. Exactly one party answers each attempt's client: whoever wins its claim (the decode,
+before its first message; a scheduler, before an error final, a retry or a takeover)."""
 
 from __future__ import annotations
 
@@ -22,12 +28,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from otel import attributes as A
-from otel.messaging import TEMPORARY
+from otel.messaging import TEMPORARY, context_from_traceparent, current_traceparent
 from otel.metrics import instruments
 from services.bus import Bus
+from services.ledger import Ledger
 from services.scheduler import dispatch
 from services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from services.scheduler.routing import WorkerPool
+from services.scheduler.takeover import Holding, SchedulerLiveness, orphans
 from services.lifecycle import BackgroundTasks, Service
 from services.scheduler.validation import RequestValidator, request_id_of
 from shared import settings, wire
@@ -40,7 +48,9 @@ from shared.errors import (
     InvalidField,
     InvalidReply,
     KvpushError,
+    LedgerUnavailable,
     NoWorkers,
+    NotFound,
     Overloaded,
     PayloadTooLarge,
     RequestError,
@@ -56,6 +66,10 @@ DISPATCH_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
 
 
+class _TakenOver(Exception):
+    """Another scheduler wrote this flight's record since we did: it holds the flight now."""
+
+
 class Scheduler(Service):
     """``async with Scheduler(url, validator):`` serves until closed. ``validator`` turns a
     request body into a ``ValidRequest`` (``validation.load_validator`` makes one from a
@@ -64,7 +78,8 @@ class Scheduler(Service):
     def __init__(self, nats_url: str, validator: RequestValidator, scheduler_id: str | None = None,
                  mode: str = settings.TRANSFER_MODE, deadline_s: float = settings.DEADLINE_S,
                  worker_timeout_s: float = settings.WORKER_TIMEOUT_S, max_attempts: int = settings.MAX_ATTEMPTS,
-                 max_in_flight: int = settings.MAX_IN_FLIGHT):
+                 max_in_flight: int = settings.MAX_IN_FLIGHT,
+                 scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1):
         if mode not in ("push", "pull"):
             raise ValueError(f"mode must be push or pull, not {mode!r}")
         self.mode = mode
@@ -83,6 +98,15 @@ class Scheduler(Service):
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
         self.flights = FlightTable(max_attempts=max_attempts)
         self._early_cancels = EarlyCancels(keep_s=deadline_s)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.schedulers = SchedulerLiveness(self.scheduler_id, self.incarnation, scheduler_timeout_s,
+                                            started_at=time.monotonic())
+        self._holdings: dict[str, Holding] = {}  # the flights bucket, as its watch last said
+        self._adopting: set[str] = set()
+        self.ledger_replicas = ledger_replicas
+        self.ledger: Ledger | None = None
+        self._mirror: asyncio.Task | None = None
+        self._beats: asyncio.Task | None = None
         self._requests = BackgroundTasks()
         self._watch: asyncio.Task | None = None
         self._closed = False
@@ -91,8 +115,12 @@ class Scheduler(Service):
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.scheduler_id, disconnected_cb=self._on_disconnected,
                                      reconnected_cb=self._on_reconnected)
+        self.ledger = await Ledger.open(self.bus.nc, replicas=self.ledger_replicas, deadline_s=self.deadline_s)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
         await self.bus.subscribe_plain(wire.HEARTBEATS.wildcard, self._on_heartbeat)
+        await self.bus.subscribe_plain(wire.SCHEDULER_HEARTBEATS.wildcard, self._on_scheduler_heartbeat)
+        for final in (wire.FINAL_SUBJECT, wire.OWNED_FINAL.wildcard):
+            await self.bus.nc.subscribe(final, queue=wire.SCHEDULER_QUEUE_GROUP, cb=self._on_final_request)
         await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
         await self.bus.subscribe(wire.HANDOFFS.wildcard, self._on_handoff, template=wire.HANDOFFS)
         await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template=wire.KV_COMPLETIONS)
@@ -103,16 +131,20 @@ class Scheduler(Service):
             await self.bus.subscribe(generate, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP,
                                      template=wire.GENERATE_SUBJECT)
         await self.bus.nc.flush()
-        self._watch = asyncio.get_running_loop().create_task(self._watch_flights())
+        loop = asyncio.get_running_loop()
+        self._mirror = loop.create_task(self._mirror_flights())
+        self._beats = loop.create_task(self._heartbeat_loop())
+        self._watch = loop.create_task(self._watch_flights())
         log.info("scheduler ready", scheduler_id=self.scheduler_id)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        background = [task for task in (self._watch, self._mirror, self._beats) if task is not None]
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         if self.bus is not None:
             await self.bus.close()  # stop taking requests, finish the callbacks under way
         await self._requests.close(grace_s=DISPATCH_TIMEOUT_S)
@@ -123,11 +155,73 @@ class Scheduler(Service):
 
     async def _on_disconnected(self) -> None:
         self.pool.pause_evidence()  # no heartbeat can arrive: silence proves nothing
+        self.schedulers.pause_evidence()
         log.warning("lost the NATS connection: no worker is declared lost until it is back")
 
     async def _on_reconnected(self) -> None:
-        self.pool.resume_evidence(time.monotonic())
+        now = time.monotonic()
+        self.pool.resume_evidence(now)
+        self.schedulers.resume_evidence(now)
+        if self._mirror is not None and not self._closed:  # its consumer may not have survived the server
+            self._mirror.cancel()
+            self._mirror = asyncio.get_running_loop().create_task(self._mirror_flights())
         log.info("NATS connection back: workers get a full timeout to be heard again")
+
+    async def _on_scheduler_heartbeat(self, msg) -> None:
+        beat = await self.bus.decoded(msg, wire.SchedulerHeartbeat)
+        if beat is not None:
+            self.schedulers.observe(beat.scheduler_id, beat.incarnation, time.monotonic())
+
+    async def _heartbeat_loop(self) -> None:
+        subject = wire.SCHEDULER_HEARTBEATS(sender=self.scheduler_id)
+        while True:
+            beat = wire.SchedulerHeartbeat(scheduler_id=self.scheduler_id, incarnation=self.incarnation,
+                                           flights=len(self.flights))
+            try:
+                await self.bus.nc.publish(subject, wire.encode(beat))
+            except Exception as exc:
+                log.warning("scheduler heartbeat failed", error=str(exc))
+            await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
+
+    async def _mirror_flights(self) -> None:
+        """Keep ``_holdings`` equal to the flights bucket: who holds which request."""
+        while True:
+            try:
+                watcher = await self.ledger.watch_flights()
+                holdings: dict[str, Holding] = {}
+                live = False
+                async for entry in watcher:
+                    if entry is None:  # caught up with what was there before the watch
+                        self._holdings, live = holdings, True
+                        continue
+                    if entry.operation is None and entry.value:
+                        record = wire.decode(entry.value, wire.FlightRecord)
+                        holdings[entry.key] = Holding(record.holder, record.holder_incarnation, entry.revision)
+                    else:
+                        holdings.pop(entry.key, None)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("the flights watch failed; starting it again", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(1.0)
+
+    async def _on_final_request(self, msg) -> None:
+        """``kvpush.final``: the request's last message again, to the client that sent it."""
+        owner = wire.owner_of(msg.subject)
+        if not msg.reply or wire.reply_problem(msg.reply, owner) is not None:
+            return
+        asked = await self.bus.decoded(msg, wire.FinalRequest, wire.decode_json)
+        if asked is None:
+            return
+        stored = await self.ledger.final(asked.request_id)
+        if stored is not None and stored.owner == owner:
+            await self.bus.nc.publish(msg.reply, stored.body)
+            return
+        # Another client's request reads as not found: its ids are not this one's to probe.
+        missing = NotFound(f"no last message is kept for request {asked.request_id!r}: it has not ended yet, "
+                           f"or it ended over {wire.FINALS_KEEP_S:g} s ago")
+        await self.bus.nc.publish(msg.reply, wire.encode_json(wire.ErrorReply(asked.request_id, to_error_body(missing))))
 
     async def _on_heartbeat(self, msg) -> None:
         beat = await self.bus.decoded(msg, wire.WorkerHeartbeat)
@@ -192,7 +286,11 @@ class Scheduler(Service):
         if event.stage == "streaming":
             flight.streaming = True
             return
-        self.flights.remove(flight)
+        if not self.flights.remove(flight):
+            return
+        if event.final:
+            await self.ledger.keep_final(flight.request_id, flight.owner, event.final)
+        await self.ledger.forget(flight.request_id, flight.revision)
         if event.outcome == "client_gone":
             await self._cancel_jobs(flight, "the client went away")  # prefill may still hold work for it
 
@@ -257,22 +355,51 @@ class Scheduler(Service):
             await self._reply_error(msg.reply, request_id_of(msg.data), exc)
             return None
         flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
-                        mode=request.transfer_mode or self.mode, owner=owner)
+                        mode=request.transfer_mode or self.mode, owner=owner,
+                        traceparent=current_traceparent())
+        in_flight = InvalidField(f"request_id {request.request_id!r} is already in flight; "
+                                 "use a new id for a new request")
         if not self.flights.add(flight):
-            await self._reply_error(msg.reply, request.request_id, InvalidField(
-                f"request_id {request.request_id!r} is already in flight; use a new id for a new request"))
+            await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
+        try:  # written down before any worker hears of it; a final kept from the id's last use goes
+            revision, _ = await asyncio.gather(self.ledger.record(self._record(flight)),
+                                               self.ledger.drop_final(request.request_id))
+        except Exception as exc:
+            self.flights.remove(flight)
+            await self._reply_error(msg.reply, request.request_id, LedgerUnavailable(
+                f"the request could not be written down in JetStream ({type(exc).__name__}), so no scheduler "
+                "could finish it if this one died; retry later"))
+            return None
+        if revision is None:  # another scheduler holds that id
+            self.flights.remove(flight)
+            await self._reply_error(msg.reply, request.request_id, in_flight)
+            return None
+        flight.revision = revision
         if self._early_cancels.take(owner, request.request_id, time.monotonic()):
             await self._end(flight, Cancelled(f"request {request.request_id} was cancelled before it arrived"))
             return None
         return flight
 
+    def _record(self, flight: Flight) -> wire.FlightRecord:
+        return flight.record(self.scheduler_id, self.incarnation, time.time(), time.monotonic())
+
+    async def _write_down(self, flight: Flight) -> None:
+        """Write the flight's attempt over our last revision before its jobs go out; raises
+        ``_TakenOver`` if another scheduler holds it now (then we let it go, silently)."""
+        revision = await self.ledger.rewrite(self._record(flight), flight.revision)
+        if revision is None:
+            log.warning("another scheduler took this flight over", request_id=flight.request_id)
+            self.flights.remove(flight)
+            raise _TakenOver(flight.request_id)
+        flight.revision = revision
+
     async def _attempt(self, flight: Flight) -> None:
         """One try at dispatching the flight; ends it with an error if that fails."""
         try:
             await self._dispatch(flight)
-        except asyncio.CancelledError:
-            pass  # replaced by a retry, or ended
+        except (asyncio.CancelledError, _TakenOver):
+            pass  # replaced by a retry, ended, or held by another scheduler now
         except DispatchFailed as exc:
             if flight.attempt < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
                 await self._retry(flight, exc.worker_id)
@@ -284,7 +411,25 @@ class Scheduler(Service):
             log.exception("dispatch failed")
             await self._end(flight, exc)
 
+    def _claimant(self) -> str:
+        return f"scheduler:{self.scheduler_id}:{self.incarnation}"
+
     async def _retry(self, flight: Flight, lost_worker: str) -> None:
+        # Fence the attempt first: once we hold its claim, its decode can never answer.
+        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
+        if answering.startswith("decode:"):  # the decode answers already: tokens may be out
+            if lost_worker == flight.decode_id:
+                flight.streaming = True
+                await self._end(flight, WorkerLost(
+                    f"worker {lost_worker} went silent after the answer had started; "
+                    "the request was not retried, since that would repeat tokens"), decode_lost=True)
+            else:
+                flight.streaming = True  # it has the KV: the lost prefill no longer matters
+            return
+        if answering != self._claimant():  # another scheduler fenced it: the flight is its now
+            self.flights.remove(flight)
+            self._stop_attempt(flight)
+            return
         log.warning("worker lost, retrying elsewhere", request_id=flight.request_id, worker=lost_worker,
                     attempt=flight.attempt)
         instruments().failures.add(1, {"reason": "worker_lost_retried"})
@@ -301,14 +446,24 @@ class Scheduler(Service):
 
         flight.task = self._requests.spawn(again())
 
-    async def _end(self, flight: Flight, error: BaseException) -> None:
-        """End the flight here: the client gets ``error``, the workers drop the request."""
+    async def _end(self, flight: Flight, error: BaseException, decode_lost: bool = False) -> None:
+        """End the flight: the workers drop the request and the client gets ``error``, from
+        us if we win the attempt's claim, else from the decode that holds it (if it was
+        ``decode_lost``, from us all the same)."""
         if not self.flights.remove(flight):
             return
         self._stop_attempt(flight)
-        await self._cancel_jobs(flight, to_error_body(error).code)
-        with otel_context_of(flight):
-            await self._reply_error(flight.reply_to, flight.request_id, error)
+        body = to_error_body(error)
+        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
+        if answering == self._claimant() or (decode_lost and answering.startswith("decode:")):
+            await self._cancel_jobs(flight, body.code)
+            with otel_context_of(flight):
+                await self._reply_error(flight.reply_to, flight.request_id, error, keep_for=flight.owner)
+        elif answering.startswith("decode:"):
+            await self._cancel_jobs(flight, body.code, error=body)
+        else:
+            return  # another scheduler fenced the attempt: the flight is its now
+        await self.ledger.forget(flight.request_id, flight.revision)
 
     def _stop_attempt(self, flight: Flight) -> None:
         if flight.task is not None and flight.task is not asyncio.current_task():
@@ -317,10 +472,11 @@ class Scheduler(Service):
         if waiting is not None and not waiting.done():
             waiting.cancel()
 
-    async def _cancel_jobs(self, flight: Flight, reason: str) -> None:
-        """Tell the flight's current workers to drop the request (queued or running)."""
+    async def _cancel_jobs(self, flight: Flight, reason: str, error: wire.ErrorBody | None = None) -> None:
+        """Tell the flight's current workers to drop the request (queued or running).
+        ``error``: what the decode tells the client, if it holds the answer's claim."""
         cancel = wire.encode(wire.CancelJob(request_id=flight.request_id, transfer_id=flight.transfer_id,
-                                            reason=reason))
+                                            reason=reason, error=error))
         if flight.prefill_id:
             await self.bus.publish(wire.prefill_job_subject(flight.prefill_id), cancel)
         if flight.decode_id:
@@ -336,6 +492,7 @@ class Scheduler(Service):
                 log.warning("the scheduler's loop stalled; liveness waits for fresh heartbeats",
                             stalled_s=round(now - last, 2))
                 self.pool.resume_evidence(now)
+                self.schedulers.resume_evidence(now)
             last = now
             for flight, verdict, worker in self.flights.check(now, lambda w, i: self.pool.is_live(w, i, now)):
                 try:
@@ -350,9 +507,89 @@ class Scheduler(Service):
                             f"worker {worker} went silent after the answer had started; "
                             "the request was not retried, since that would repeat tokens"
                             if flight.streaming else
-                            f"worker {worker} went silent and {flight.attempt} attempts were used"))
+                            f"worker {worker} went silent and {flight.attempt} attempts were used"),
+                            decode_lost=worker == flight.decode_id)
                 except Exception:
                     log.exception("could not act on a request", request_id=flight.request_id, verdict=verdict)
+            self._take_over_orphans(now)
+
+    # ---------------------------------------------------------------- takeover
+
+    def _take_over_orphans(self, now: float) -> None:
+        if len(self.flights) + len(self._adopting) >= self.max_in_flight:
+            return  # full: a scheduler with room takes them
+        held = {flight.request_id for flight in self.flights}
+        for request_id, _ in orphans(self._holdings, self.schedulers, now, held | self._adopting):
+            if len(self.flights) + len(self._adopting) >= self.max_in_flight:
+                break
+            self._adopting.add(request_id)
+            self._requests.spawn(self._adopt(request_id))
+
+    async def _adopt(self, request_id: str) -> None:
+        """Take over a flight whose scheduler is gone, if no other scheduler is quicker."""
+        try:
+            found = await self.ledger.flight(request_id)
+            if found is None:
+                return
+            record, revision = found
+            now, now_wall = time.monotonic(), time.time()
+            lost = record.holder
+            if not self.schedulers.is_gone(record.holder, record.holder_incarnation, now):
+                return
+            record.holder, record.holder_incarnation = self.scheduler_id, self.incarnation
+            revision = await self.ledger.rewrite(record, revision)
+            if revision is None:
+                return  # another scheduler took it first
+            flight = Flight.from_record(record, revision, now_wall, now)
+            if not self.flights.adopt(flight):
+                return
+            flight.context = context_from_traceparent(record.traceparent)
+            instruments().failures.add(1, {"reason": "flight_taken_over"})
+            with otel_context_of(flight), _tracer.start_as_current_span(
+                A.SCHEDULER_TAKEOVER, attributes={A.REQUEST_ID: request_id, A.ATTEMPT: flight.attempt}):
+                log.warning("taking over a flight whose scheduler was lost", request_id=request_id,
+                            lost_scheduler=lost, attempt=flight.attempt)
+                await self._resume(flight)
+        except Exception:
+            log.exception("could not take a flight over", request_id=request_id)
+        finally:
+            self._adopting.discard(request_id)
+
+    async def _resume(self, flight: Flight) -> None:
+        """Finish a flight taken over: let its decode finish if it answers already; else
+        fence the attempt it was in and start a new one."""
+        if self._early_cancels.take(flight.owner, flight.request_id, time.monotonic()):
+            await self._end(flight, Cancelled(f"request {flight.request_id} was cancelled by the client"))
+            return
+        me = self._claimant()
+        answering = await self.ledger.claim(flight.transfer_key, me)
+        if answering.startswith("decode:"):  # we watch it to its end, as its holder did
+            flight.streaming = flight.decode_took_job = True
+            return
+        if answering != me:  # a scheduler that died as it answered, or as it took over
+            if await self.ledger.final(flight.request_id) is not None:  # it answered: the final is kept
+                self.flights.remove(flight)
+                await self.ledger.forget(flight.request_id, flight.revision)
+                return
+            if not await self.ledger.take_claim(flight.transfer_key, me, answering):
+                self.flights.remove(flight)  # someone else moved first; it holds the flight
+                return
+        await self._cancel_jobs(flight, "its scheduler was lost; retried")
+        self._bind_workers_none(flight)
+
+        async def again() -> None:
+            with _tracer.start_as_current_span(
+                A.SCHEDULER_DISPATCH, context=flight.context,
+                attributes={A.REQUEST_ID: flight.request_id, A.ATTEMPT: flight.attempt + 1},
+            ):
+                await self._attempt(flight)
+
+        flight.task = self._requests.spawn(again())
+
+    @staticmethod
+    def _bind_workers_none(flight: Flight) -> None:
+        """The fenced attempt's workers no longer matter: no liveness verdict on them."""
+        flight.prefill_id = flight.decode_id = flight.prefill_incarnation = flight.decode_incarnation = ""
 
     # ---------------------------------------------------------------- dispatch
 
@@ -388,6 +625,7 @@ class Scheduler(Service):
         trace.get_current_span().set_attributes(
             {A.TRANSFER_ID: flight.transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
         )
+        await self._write_down(flight)
         beat = self.pool.beat(prefill_id)
         # Both at once: decode registers its blocks while prefill computes.
         await asyncio.gather(
@@ -413,6 +651,7 @@ class Scheduler(Service):
         self._bind_workers(flight, prefill_id)
         span = trace.get_current_span()
         span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id})
+        await self._write_down(flight)
         handoff_arrived = asyncio.get_running_loop().create_future()
         self._handoffs[transfer_id] = handoff_arrived
         try:
@@ -426,6 +665,7 @@ class Scheduler(Service):
         decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())  # no waiting now
         self._bind_workers(flight, decode_id=decode_id)
         span.set_attribute(A.DECODE_WORKER, decode_id)
+        await self._write_down(flight)
         # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
         await self._send(decode_id, dispatch.decode_job(flight, handoff.kv_transfer_params))
 
@@ -448,7 +688,10 @@ class Scheduler(Service):
             reason = ack.error.message if ack.error is not None else "it gave no reason"
             raise DispatchFailed(f"worker {worker_id} refused the job: {reason}", worker_id)
 
-    async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException) -> None:
+    async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException,
+                           keep_for: str | None = None) -> None:
+        """Send the client an error final; ``keep_for`` (the flight's owner): keep it for
+        ``kvpush.final`` first, so a client that misses it can fetch it."""
         body = to_error_body(exc)
         log.info("request rejected", request_id=request_id, code=body.code, message=body.message)
         span = trace.get_current_span()
@@ -456,7 +699,10 @@ class Scheduler(Service):
         span.set_status(Status(StatusCode.ERROR, body.message))
         instruments().failures.add(1, {"reason": body.code})
         instruments().requests.add(1, {"outcome": "error"})
-        await self.bus.publish(reply_to, wire.encode_json(wire.ErrorReply(request_id, body)), template=TEMPORARY)
+        data = wire.encode_json(wire.ErrorReply(request_id, body))
+        if keep_for is not None:
+            await self.ledger.keep_final(request_id, keep_for, data)
+        await self.bus.publish(reply_to, data, template=TEMPORARY)
 
 
 @contextlib.contextmanager

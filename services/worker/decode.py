@@ -5,7 +5,12 @@ client's reply subject.
 Each token chunk goes out with a reply subject of our own (a probe): if the client
 dropped its subscription, NATS answers "no responders" there and the request is
 cancelled. The schedulers hear when the first token went out (a retry would now repeat
-tokens) and when the request ended (``kvpush.request.progress``).
+tokens) and when the request ended (``kvpush.request.progress``, with the final).
+
+Before its first message to the client, the job claims the answer (``services.ledger``).
+If a scheduler claimed it first (it retried the request elsewhere, took it over, or ended
+it), the job sends nothing and stops. Once it holds the claim, it sends the final itself,
+also when a scheduler cancels it (with the error the CancelJob carries).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from opentelemetry.trace import Status, StatusCode
 from otel import attributes as A
 from otel.messaging import TEMPORARY, current_traceparent
 from otel.metrics import instruments
+from services.ledger import Ledger
 from services.worker.engine import EngineStages, decode_request
 from services.worker.jobs import RunningJob, WorkerContext
 from shared import wire
@@ -42,6 +48,10 @@ class _Stream:
     last: object = None  # vLLM's last RequestOutput
 
 
+class _Fenced(Exception):
+    """A scheduler holds the claim to answer this attempt's client: send nothing."""
+
+
 class DecodeRole:
     name: wire.Role = "decode"
     job_kind = wire.DecodeMessage
@@ -51,8 +61,10 @@ class DecodeRole:
         self.worker = worker
         self._probes: dict[str, str] = {}  # probe key -> transfer id
         self._probe_prefix = ""
+        self.ledger: Ledger | None = None
 
     async def start(self) -> None:
+        self.ledger = await Ledger.open(self.worker.bus.nc, create_buckets=False)
         self._probe_prefix = self.worker.bus.nc.new_inbox()
         await self.worker.bus.subscribe_plain(f"{self._probe_prefix}.*", self._on_probe)
 
@@ -68,37 +80,59 @@ class DecodeRole:
         outcome = "error"
         probe_key = uuid.uuid4().hex
         self._probes[probe_key] = job.transfer_id
+        final = b""
         try:
             with self.worker.request_span(A.DECODE, job, received_ns) as span:
-                outcome = await self._decode(running, received_ns, span, f"{self._probe_prefix}.{probe_key}")
+                outcome, final = await self._decode(running, received_ns, span,
+                                                    f"{self._probe_prefix}.{probe_key}")
         except asyncio.CancelledError:
             outcome = running.ended_by or "cancelled"
             log.info("decode stopped", request_id=job.request_id, transfer_id=job.transfer_id, why=outcome)
             instruments().requests.add(1, {"outcome": outcome})
+            if running.claimed and running.cancel_error is not None:  # we answer, so we say why it ended
+                final = await self._send_final(job, wire.ErrorReply(job.request_id, running.cancel_error))
         finally:
             self._probes.pop(probe_key, None)
-            await self._progress(job, "ended", outcome)
+            await self._progress(job, "ended", outcome, final)
 
-    async def _progress(self, job: wire.DecodeJob, stage: wire.ProgressStage, outcome: str = "") -> None:
+    async def _claim(self, running: RunningJob) -> bool:
+        """Win the right to answer this attempt's client, or learn a scheduler has it."""
+        if not running.claimed:
+            me = f"decode:{self.worker.worker_id}"
+            running.claimed = await self.ledger.claim(running.job.transfer_key, me) == me
+        return running.claimed
+
+    async def _send_final(self, job: wire.DecodeJob, final: wire.FinalReply | wire.ErrorReply) -> bytes:
+        data = wire.encode_json(final)
+        await self.worker.bus.publish(job.reply_to, data, template=TEMPORARY)
+        return data
+
+    async def _progress(self, job: wire.DecodeJob, stage: wire.ProgressStage, outcome: str = "",
+                        final: bytes = b"") -> None:
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
-                                     worker_id=self.worker.worker_id, stage=stage, outcome=outcome)
+                                     worker_id=self.worker.worker_id, stage=stage, outcome=outcome, final=final)
         try:
             await self.worker.bus.publish(wire.PROGRESS(sender=self.worker.worker_id), wire.encode(event))
         except Exception as exc:
             log.warning("could not report progress", error=str(exc))
 
-    async def _decode(self, running: RunningJob, received_ns: int, span, probe: str) -> str:
+    async def _decode(self, running: RunningJob, received_ns: int, span, probe: str) -> tuple[str, bytes]:
+        """(outcome, the final sent to the client or b"")."""
         job: wire.DecodeJob = running.job
         stream = _Stream()
         try:
             await self._stream(running, stream, probe)
         except asyncio.CancelledError:
             raise
+        except _Fenced:
+            log.info("a scheduler answers this attempt; stopped without a word to the client",
+                     transfer_id=job.transfer_id)
+            return "fenced", b""
         except Exception as exc:
-            await self._fail(job, span, exc)
-            return "error"
-        await self._finish(job, received_ns, span, stream)
-        return "ok"
+            return "error", await self._fail(running, span, exc)
+        if not await self._claim(running):
+            return "fenced", b""
+        return "ok", await self._finish(job, received_ns, span, stream)
 
     async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
         """Generate and send each chunk as it comes."""
@@ -128,6 +162,8 @@ class DecodeRole:
             if not completion.token_ids:
                 continue
             if stream.first_at is None:
+                if not await self._claim(running):
+                    raise _Fenced(job.transfer_id)
                 stream.first_at = time.time()
                 running.streaming = True
                 # Before the chunk, on the same connection: the schedulers learn that
@@ -140,7 +176,8 @@ class DecodeRole:
             # subject hears "no responders" if the client has gone.
             await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
 
-    async def _fail(self, job: wire.DecodeJob, span, exc: Exception) -> None:
+    async def _fail(self, running: RunningJob, span, exc: Exception) -> bytes:
+        job: wire.DecodeJob = running.job
         if not isinstance(exc, KvpushError):
             log.exception("decode failed")
             exc = EngineFailed(f"decode failed: {exc}")
@@ -149,10 +186,11 @@ class DecodeRole:
         span.set_attribute(A.ERROR_CODE, error.code)
         instruments().failures.add(1, {"reason": error.code})
         instruments().requests.add(1, {"outcome": "error"})
-        await self.worker.bus.publish(job.reply_to, wire.encode_json(wire.ErrorReply(job.request_id, error)),
-                                      template=TEMPORARY)
+        if not await self._claim(running):
+            return b""
+        return await self._send_final(job, wire.ErrorReply(job.request_id, error))
 
-    async def _finish(self, job: wire.DecodeJob, received_ns: int, span, stream: _Stream) -> None:
+    async def _finish(self, job: wire.DecodeJob, received_ns: int, span, stream: _Stream) -> bytes:
         done = time.time()
         first_at = stream.first_at or done
         tokens = stream.completion_tokens
@@ -178,6 +216,7 @@ class DecodeRole:
             timings=timings,
             chunks=stream.chunks,
         )
-        await self.worker.bus.publish(job.reply_to, wire.encode_json(final), template=TEMPORARY)
+        data = await self._send_final(job, final)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,
                  ttft_ms=round(timings.ttft_ms, 1), finish_reason=stream.finish_reason)
+        return data

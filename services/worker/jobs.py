@@ -17,6 +17,8 @@ class RunningJob:
     started: bool = False  # its task has taken its first step (before that, cancel() would skip its body)
     streaming: bool = False
     ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
+    cancel_error: "wire.ErrorBody | None" = None  # what the client is told, if this job holds the answer
+    claimed: bool = False  # decode: this job won the claim to answer its client
 
 
 class WorkerContext(Protocol):
@@ -27,4 +29,4 @@ class WorkerContext(Protocol):
 
     def request_span(self, name: str, job, received_ns: int) -> ContextManager: ...
 
-    cancel: Callable[[str, str], None]  # (transfer id, why): stop that job if it runs
+    cancel: Callable[..., None]  # (transfer id, why, detail="", error=None): stop that job if it runs

@@ -155,7 +155,7 @@ class Worker(Service):
         if job is None:
             return
         if isinstance(job, wire.CancelJob):
-            self.cancel(job.transfer_id, "cancelled", job.reason)
+            self.cancel(job.transfer_id, "cancelled", job.reason, job.error)
             return
         if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
@@ -178,7 +178,7 @@ class Worker(Service):
         finally:
             self._jobs.pop(running.job.transfer_id, None)
 
-    def cancel(self, transfer_id: str, why: str, detail: str = "") -> None:
+    def cancel(self, transfer_id: str, why: str, detail: str = "", error: wire.ErrorBody | None = None) -> None:
         self._cancelled[transfer_id] = None
         while len(self._cancelled) > CANCEL_MEMORY:
             del self._cancelled[next(iter(self._cancelled))]
@@ -187,6 +187,7 @@ class Worker(Service):
             return
         log.info("cancelling", request_id=running.job.request_id, transfer_id=transfer_id, why=why, detail=detail)
         running.ended_by = why
+        running.cancel_error = error
         if running.started:
             running.task.cancel()  # vLLM aborts the request: dropped if queued, discarded if running
 

@@ -18,10 +18,12 @@ import uuid
 
 import msgspec
 import nats
+import nats.js.errors
 import pytest
 
 from services.cli.client import cancel, generate_all
 from services.launch.natsd import LocalNatsServer
+from services.ledger import Ledger
 from services.scheduler import service
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
@@ -54,7 +56,9 @@ class FakeWorker:
     ``on_job``: ``"answer"`` acks every job and (decode) streams REPLY_TOKENS and a final
     reply to the client; ``"hold"`` acks and never answers; ``"go_silent"`` acks, then stops
     heartbeating (a worker that died after taking the job); ``"no_ack"`` takes the job and
-    never replies; ``"refuse_silently"`` refuses it with no error body. ``subscribe=False``: heartbeats only, no job subscription at all.
+    never replies; ``"refuse_silently"`` refuses it with no error body; ``"start_then_hold"``
+    (decode) claims the answer, sends the first token and waits for ``release``, then
+    finishes. ``subscribe=False``: heartbeats only, no job subscription at all.
     ``ack_after``: hold the ack until this event is set (at most 3 s). ``running``: the load
     its heartbeats report, to steer the scheduler's choice. A prefill never hands off by
     itself: the test calls ``handoff()``."""
@@ -69,12 +73,17 @@ class FakeWorker:
         self.arrived_at: dict[str, float] = {}  # transfer id -> monotonic time its job came
         self.cancels: list[wire.CancelJob] = []
         self.job_arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self._answering: set[asyncio.Task] = set()
+        self.claims: dict[str, bool] = {}  # transfer id -> whether this decode won the answer
         self.nc: nats.NATS | None = None
+        self.ledger: Ledger | None = None
         self._beating: asyncio.Task | None = None
         self._stop_beating = asyncio.Event()
 
     async def __aenter__(self) -> "FakeWorker":
         self.nc = await nats.connect(self.url, name=self.worker_id)
+        self.ledger = await Ledger.open(self.nc, create_buckets=False)
         if self.subscribe:
             subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
             await self.nc.subscribe(subject, cb=self._on_job)
@@ -83,6 +92,9 @@ class FakeWorker:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        for task in self._answering:
+            task.cancel()
+        await asyncio.gather(*self._answering, return_exceptions=True)
         await self.stop_heartbeats()
         await self.nc.close()
 
@@ -127,26 +139,38 @@ class FakeWorker:
         await self.nc.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)))
         if self.on_job == "answer" and self.role == "decode":
             await self.answer(job)
+        elif self.on_job == "start_then_hold" and self.role == "decode":  # off the callback: cancels still come
+            self._answering.add(asyncio.get_running_loop().create_task(self.answer(job, hold=True)))
 
-    async def answer(self, job: wire.DecodeJob) -> None:
-        """What services/worker/service.py sends for a finished decode, in its order."""
+    async def answer(self, job: wire.DecodeJob, hold: bool = False) -> None:
+        """What services/worker/decode.py sends for a finished decode, in its order: the
+        claim to answer first, and nothing at all if a scheduler holds it."""
+        me = f"decode:{self.worker_id}"
+        self.claims[job.transfer_id] = won = await self.ledger.claim(job.transfer_key, me) == me
+        if not won:
+            await self.progress(job, "ended", "fenced")
+            return
         await self.progress(job, "streaming")
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
-        for token in tokens:
-            chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26))
+        for seq, token in enumerate(tokens):
+            chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26), seq=seq)
             await self.nc.publish(job.reply_to, wire.encode_json(chunk))
-        await self.nc.publish(job.reply_to, wire.encode_json(self.final_reply(job)))
-        await self.progress(job, "ended", "ok")
+            if hold and seq == 0:
+                await asyncio.wait_for(self.release.wait(), 30)
+        final = wire.encode_json(self.final_reply(job))
+        await self.nc.publish(job.reply_to, final)
+        await self.progress(job, "ended", "ok", final)
 
     def final_reply(self, job: wire.DecodeJob) -> wire.FinalReply:
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
         return wire.FinalReply(request_id=job.request_id, finish_reason="length",
                                usage=wire.Usage(len(job.prompt_token_ids), len(tokens)),
-                               timings=wire.Timings(ttft_ms=1.5, tpot_ms=0.5, e2e_ms=2.5))
+                               timings=wire.Timings(ttft_ms=1.5, tpot_ms=0.5, e2e_ms=2.5),
+                               chunks=len(tokens))
 
-    async def progress(self, job: wire.DecodeJob, stage: str, outcome: str = "") -> None:
+    async def progress(self, job: wire.DecodeJob, stage: str, outcome: str = "", final: bytes = b"") -> None:
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
-                                     worker_id=self.worker_id, stage=stage, outcome=outcome)
+                                     worker_id=self.worker_id, stage=stage, outcome=outcome, final=final)
         await self.nc.publish(wire.PROGRESS(sender=self.worker_id), wire.encode(event))
 
     async def handoff(self, job: wire.PrefillJob, kv_transfer_params: dict | None = None,
@@ -192,9 +216,23 @@ async def named_client(server, name: str):
 
 @pytest.fixture
 async def running(server):
-    """``await running(thing)`` enters an async context manager for the rest of the test."""
+    """``await running(thing)`` enters an async context manager for the rest of the test.
+    The flights its schedulers left behind go with it: no later test's scheduler takes
+    them over."""
     async with contextlib.AsyncExitStack() as stack:
         yield stack.enter_async_context
+    await forget_flights(server)
+
+
+async def forget_flights(server) -> None:
+    nc = await nats.connect(server.url)
+    try:
+        js = nc.jetstream()
+        for bucket in (wire.FLIGHTS_BUCKET, wire.CLAIMS_BUCKET, wire.FINALS_BUCKET):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_key_value(bucket)
+    finally:
+        await nc.close()
 
 
 def scheduler(server, **kwargs) -> Scheduler:

@@ -33,7 +33,7 @@ PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 18 kinds, so ~10
 STRUCTS = [
     wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
-    wire.TransferFailed, wire.InvalidMessage,
+    wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.FlightRecord, wire.StoredFinal,
 ]
 UNIONS = [wire.PrefillMessage, wire.DecodeMessage, wire.KvControl, wire.Completion]
 KINDS = STRUCTS + UNIONS

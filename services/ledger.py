@@ -1,0 +1,162 @@
+"""What must outlive a process, in JetStream KV buckets (``shared.wire``, "durable state"):
+
+- **flight records** (schedulers only): each accepted request, which start of which
+  scheduler holds it, and its attempt. Every write is checked against the revision its
+  writer last saw, so of two schedulers that both think they hold a flight, only one
+  write lands and the other learns it lost the flight.
+- **answer claims**: exactly one party answers an attempt's client. The decode claims
+  before its first message to the client; a scheduler claims before it sends an error
+  final, or before it retries or takes over (a *fence*: the old attempt's decode, should
+  it wake up, finds the claim taken and sends nothing).
+- **stored finals** (schedulers only): a request's last message, for a client that
+  missed it (``kvpush.final``).
+
+    ledger = await Ledger.open(bus.nc)                       # a scheduler: creates the buckets
+    ledger = await Ledger.open(bus.nc, create_buckets=False)  # a decode worker: claims only
+    if await ledger.claim(flight.transfer_key, "scheduler:scheduler-0") == "scheduler:scheduler-0": ...
+"""
+
+from __future__ import annotations
+
+import nats.js.errors
+import structlog
+from nats.js import api
+from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
+from nats.js.kv import KeyValue
+
+from shared import wire
+
+log = structlog.get_logger("kvpush.ledger")
+
+JS_TIMEOUT_S = 2.0
+
+
+class Ledger:
+    def __init__(self, flights: KeyValue, claims: KeyValue, finals: KeyValue):
+        self.flights = flights
+        self.claims = claims
+        self.finals = finals
+
+    @classmethod
+    async def open(cls, nc, create_buckets: bool = True, replicas: int = 1,
+                   deadline_s: float = 300.0) -> "Ledger":
+        """``create_buckets``: make them if they are missing (schedulers do). A worker only
+        addresses them: it needs no JetStream API rights, only the bucket's subjects."""
+        js = nc.jetstream(timeout=JS_TIMEOUT_S)
+        configs = {
+            wire.FLIGHTS_BUCKET: api.KeyValueConfig(bucket=wire.FLIGHTS_BUCKET, replicas=replicas,
+                                                    storage=api.StorageType.FILE),
+            # A claim must outlive every message of its attempt; the deadline bounds those.
+            wire.CLAIMS_BUCKET: api.KeyValueConfig(bucket=wire.CLAIMS_BUCKET, replicas=replicas,
+                                                   ttl=deadline_s * 2 + 60, max_bytes=wire.CLAIMS_MAX_BYTES,
+                                                   storage=api.StorageType.FILE),
+            wire.FINALS_BUCKET: api.KeyValueConfig(bucket=wire.FINALS_BUCKET, replicas=replicas,
+                                                   ttl=wire.FINALS_KEEP_S, max_bytes=wire.FINALS_MAX_BYTES,
+                                                   storage=api.StorageType.FILE),
+        }
+        buckets = {}
+        for name, config in configs.items():
+            if not create_buckets:
+                buckets[name] = KeyValue(name=name, stream=KV_STREAM_TEMPLATE.format(bucket=name),
+                                         pre=KV_PRE_TEMPLATE.format(bucket=name), js=js, direct=False)
+                continue
+            try:
+                buckets[name] = await js.create_key_value(config)
+            except nats.js.errors.BadRequestError:  # there already, made by another scheduler (maybe another version)
+                buckets[name] = await js.key_value(name)
+            except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError,
+                    nats.errors.TimeoutError) as exc:
+                raise RuntimeError(
+                    f"JetStream did not answer ({type(exc).__name__}): kvpush keeps flights in JetStream, so "
+                    "start nats-server with -js (kvpush up and the compose file do)") from None
+        return cls(buckets[wire.FLIGHTS_BUCKET], buckets[wire.CLAIMS_BUCKET], buckets[wire.FINALS_BUCKET])
+
+    # ------------------------------------------------------------ answer claims
+
+    async def claim(self, transfer_key: str, who: str) -> str:
+        """Who answers the attempt with this key: ``who`` if it won the claim (or held it
+        already), else the one that did. ``who`` if JetStream cannot say: then the
+        answer is sent rather than lost (a duplicate is possible only in that case)."""
+        key = wire.claim_key(transfer_key)
+        try:
+            await self.claims.create(key, who.encode())
+            return who
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        except Exception as exc:
+            log.warning("could not claim an answer; answering anyway", error=f"{type(exc).__name__}: {exc}")
+            return who
+        try:
+            return (await self.claims.get(key)).value.decode()
+        except Exception as exc:
+            log.warning("a claim was taken but cannot be read", error=f"{type(exc).__name__}: {exc}")
+            return ""
+
+    async def take_claim(self, transfer_key: str, who: str, was: str) -> bool:
+        """Take over a claim ``was`` held (a dead scheduler's); False if it changed meanwhile."""
+        key = wire.claim_key(transfer_key)
+        try:
+            entry = await self.claims.get(key)
+            if entry.value.decode() != was:
+                return False
+            await self.claims.update(key, who.encode(), last=entry.revision)
+            return True
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            return False
+
+    # ------------------------------------------------------------ flight records
+
+    async def record(self, flight: wire.FlightRecord) -> int | None:
+        """Write a new flight; its revision, or None if that request id is in flight already."""
+        try:
+            return await self.flights.create(flight.request_id, wire.encode(flight))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def rewrite(self, flight: wire.FlightRecord, revision: int) -> int | None:
+        """Write the flight over the revision its writer last saw; None if another
+        scheduler wrote it since (took it over): the writer no longer holds it."""
+        try:
+            return await self.flights.update(flight.request_id, wire.encode(flight), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def forget(self, request_id: str, revision: int) -> None:
+        """The flight ended; unless another scheduler holds it now."""
+        try:
+            await self.flights.delete(request_id, last=revision)
+        except nats.js.errors.APIError as exc:  # another revision: taken over, or gone
+            log.debug("flight record not removed", request_id=request_id, error=str(exc))
+
+    async def flight(self, request_id: str) -> tuple[wire.FlightRecord, int] | None:
+        try:
+            entry = await self.flights.get(request_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return wire.decode(entry.value, wire.FlightRecord), entry.revision
+
+    async def watch_flights(self):
+        """Every flight record as it is written or removed (nats-py's ``KeyWatcher``)."""
+        return await self.flights.watchall()
+
+    # ------------------------------------------------------------ stored finals
+
+    async def keep_final(self, request_id: str, owner: str, body: bytes) -> None:
+        try:
+            await self.finals.put(request_id, wire.encode(wire.StoredFinal(owner=owner, body=body)))
+        except Exception as exc:  # the client got it; only a fetch again is lost
+            log.warning("could not keep a final", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
+
+    async def final(self, request_id: str) -> wire.StoredFinal | None:
+        try:
+            entry = await self.finals.get(request_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return wire.decode(entry.value, wire.StoredFinal) if entry.value else None
+
+    async def drop_final(self, request_id: str) -> None:
+        """A new request reuses the id: the old one's final must not be fetched for it."""
+        try:
+            await self.finals.purge(request_id)
+        except Exception as exc:
+            log.warning("could not drop an old final", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
