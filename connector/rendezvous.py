@@ -14,6 +14,11 @@ transfer id, to whichever call completed the pair, ``None`` while the half waits
 
 Each waiting half holds a lease: ``lease_s`` after its arrival or its last ``renew``,
 ``expired()`` hands it back (tombstoned) so the caller frees what it holds.
+
+Bounded: any decode may send registrations and renew them, so a registration that would
+wait past ``max_pending`` waiting halves is refused as ``closed`` (not tombstoned: its
+sender is told, and may try again), and no renewal keeps a half past ``max_life_s``
+from its arrival. A finished prefill always gets in: it is this engine's own work.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class Rendezvous(Generic[R, P]):
         check: Callable[[R, P], str | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_tombstones: int = 100_000,
+        max_pending: int = 10_000,
+        max_life_s: float = settings.DEADLINE_S,
     ):
         self.lease_s = lease_s
         self._check = check
@@ -71,6 +78,8 @@ class Rendezvous(Generic[R, P]):
         self._pending: dict[str, Half[R, P]] = {}
         self._closed: dict[str, Closed] = {}  # insertion-ordered tombstones
         self._max_tombstones = max_tombstones
+        self.max_pending = max_pending
+        self.max_life_s = max_life_s
 
     def offer_registration(self, transfer_id: str, registration: R) -> Match[R, P] | Refused[R] | None:
         return self._offer(transfer_id, registration=registration)
@@ -88,6 +97,9 @@ class Rendezvous(Generic[R, P]):
                 return Refused(transfer_id, "closed", f"transfer {closed}", registration)
             half = self._pending.get(transfer_id)
             if half is None:
+                if registration is not None and len(self._pending) >= self.max_pending:
+                    return Refused(transfer_id, "closed", f"{len(self._pending)} transfers wait for their other "
+                                   "half here already, the most this prefill keeps", registration)
                 self._pending[transfer_id] = Half(registration, prefill, now, now + self.lease_s)
                 return None
             if (registration is not None and half.registration is not None) or (
@@ -131,7 +143,7 @@ class Rendezvous(Generic[R, P]):
             half = self._pending.get(transfer_id)
             if half is None:
                 return False
-            half.expires_at = self._clock() + self.lease_s
+            half.expires_at = min(self._clock() + self.lease_s, half.first_at + self.max_life_s)
             return True
 
     def close(self, transfer_id: str, reason: Closed = "revoked") -> tuple[Half[R, P] | None, bool]:

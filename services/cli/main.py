@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
-    cli_settings.add(scheduler, "--mode", "--log-level", "--deadline-s", "--worker-timeout-s", "--max-in-flight")
+    cli_settings.add(scheduler, "--mode", "--log-level", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
+                     "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=serve.cmd_scheduler)
 

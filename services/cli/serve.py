@@ -44,7 +44,8 @@ def cmd_scheduler(args) -> int:
     validator = load_validator(model_path(args), args.max_model_len)
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
         args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
-        worker_timeout_s=args.worker_timeout_s, max_in_flight=args.max_in_flight))
+        worker_timeout_s=args.worker_timeout_s, max_in_flight=args.max_in_flight,
+        scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas))
 
 
 def cmd_worker(args) -> int:

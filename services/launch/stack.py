@@ -42,11 +42,13 @@ class Stack:
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
+        schedulers: int = 1,
     ):
         self.model = model
         self.nats_url = nats_url
         self.num_prefill = prefill
         self.num_decode = decode
+        self.num_schedulers = schedulers
         self.max_model_len = max_model_len
         self.mode = mode
         self.connector = connector
@@ -63,12 +65,21 @@ class Stack:
             self.nats_server = LocalNatsServer(port=port).start()
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        self._spawn("scheduler", "scheduler", ["scheduler", *common, "--mode", self.mode])
+        for i in range(self.num_schedulers):
+            self.spawn_scheduler("scheduler" if i == 0 else f"scheduler-{i}")
         for i in range(self.num_prefill):
             self.spawn_worker("prefill", f"prefill-{i}")
         for i in range(self.num_decode):
             self.spawn_worker("decode", f"decode-{i}")
         return self
+
+    def spawn_scheduler(self, name: str = "scheduler") -> subprocess.Popen:
+        """Start a scheduler (one more, or one again after a crash); they share the load."""
+        common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
+        args = ["scheduler", *common, "--mode", self.mode]
+        if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env("scheduler", name):
+            args += ["--scheduler-id", name]
+        return self._spawn("scheduler", name, args)
 
     def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one more worker (a replacement after a crash, say); it joins on its own."""

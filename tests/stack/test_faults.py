@@ -199,6 +199,66 @@ async def test_kill_9_of_prefill_during_prefill(rig, reference):
     await assert_healthy(rig, reference)
 
 
+# ---------------------------------------------------------------------- scheduler death
+
+async def _collect(rig: FaultRig, request: dict, on_reply) -> list[dict]:
+    """Send ``request`` as the client on an inbox of its own; every message that comes."""
+    client = rig.conns["client"]
+    inbox = client.new_inbox()
+    replies: list[dict] = []
+
+    async def collect(msg) -> None:
+        replies.append(json.loads(msg.data))
+        await on_reply(replies[-1])
+
+    await client.subscribe(inbox, cb=collect)
+    await client.flush()
+    await client.publish(wire.OWNED_GENERATE(client="client-0"), json.dumps(request).encode(), reply=inbox)
+    return replies
+
+
+@pytest.mark.parametrize("mode,stage", [("push", "in prefill"), ("push", "streaming"), ("pull", "in prefill"),
+                                        ("pull", "waiting for KV"), ("pull", "streaming")])
+async def test_kill_9_of_the_scheduler_that_accepted_a_request(rig, reference, mode, stage):
+    """Two schedulers; the one holding the request dies at ``stage``. The other takes the
+    flight over: before the first token it fences the attempt and starts a new one; once
+    decode streams it lets that decode finish. The client gets exactly one final, with
+    the reference output, no token twice."""
+    request_id = f"takeover-{mode}-{stage.replace(' ', '-')}-{uuid.uuid4().hex[:6]}"
+    request = {**body(LONG, transfer_mode=mode), "ignore_eos": True, "request_id": request_id}
+    streaming, handoffs = asyncio.Event(), None
+
+    async def on_reply(reply: dict) -> None:
+        if not reply.get("finished"):
+            streaming.set()
+
+    if stage == "waiting for KV":
+        handoffs, sub = await rig.observe("scheduler", wire.HANDOFFS.wildcard, wire.Handoff)
+    started = time.monotonic()
+    replies = await _collect(rig, request, on_reply)
+    if stage == "streaming":
+        await asyncio.wait_for(streaming.wait(), 60)
+    elif stage == "waiting for KV":
+        await wait_until(lambda: any(h.request_id == request_id for h in handoffs), 60, "the prefill's handoff")
+        await sub.unsubscribe()
+    record = None
+    while record is None or (stage == "in prefill" and record.attempt < 1):
+        record = await rig.holder_of(request_id)
+        assert time.monotonic() - started < 60, "the flight was never written down"
+    rig.kill_scheduler(record.holder)
+    try:
+        await wait_until(lambda: any(r.get("finished") for r in replies), DEADLINE_S, "the final")
+        await asyncio.sleep(2.0)  # a second final would come now
+        finals = [r for r in replies if r.get("finished")]
+        assert len(finals) == 1, finals
+        assert "error" not in finals[0], finals[0]
+        assert [t for r in replies if not r.get("finished") for t in r["token_ids"]] == reference[LONG]
+        assert time.monotonic() - started < DEADLINE_S
+    finally:
+        await rig.restart_scheduler(record.holder)
+    await assert_healthy(rig, reference)
+
+
 # ---------------------------------------------------------------------- message faults
 
 async def test_registration_and_completion_messages_dropped_duplicated_delayed_reordered(rig, reference):

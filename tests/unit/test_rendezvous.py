@@ -290,3 +290,28 @@ def test_concurrent_offers_match_each_transfer_exactly_once():
     # 8 offers per id: one waits, one matches, the other six are refused
     assert len(refused) == 6 * len(ids)
     assert rv.pending() == []
+
+
+def test_past_max_pending_a_registration_is_refused_and_its_sender_told_but_a_prefill_gets_in():
+    rv, _ = _rv(max_pending=3)
+    for n in range(3):
+        assert rv.offer_registration(f"t{n}", f"reg{n}") is None
+    refused = rv.offer_registration("t3", "reg3")
+    assert isinstance(refused, Refused) and refused.code == "closed" and refused.registration == "reg3"
+    assert rv.offer_prefill("t4", "own-prefill") is None  # this engine's own work always waits
+    assert sorted(rv.pending()) == ["t0", "t1", "t2", "t4"]
+    assert isinstance(rv.offer_prefill("t0", "p0"), Match)
+    assert isinstance(rv.offer_prefill("t1", "p1"), Match)
+    assert rv.offer_registration("t3", "reg3") is None  # not tombstoned: once there is room, it waits
+
+
+def test_renewals_keep_a_half_no_longer_than_max_life_s():
+    rv, clock = _rv(lease_s=10.0, max_life_s=25.0)
+    rv.offer_registration("t1", "reg")
+    for _ in range(4):  # a renewal every 5 s, as if for ever
+        clock.now += 5.0
+        rv.renew("t1")
+    clock.now = 1000.0 + 24.9
+    assert rv.expired() == []
+    clock.now = 1000.0 + 25.0
+    assert [tid for tid, _ in rv.expired()] == ["t1"]

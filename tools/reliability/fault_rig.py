@@ -37,6 +37,7 @@ from shared.permissions import Identity, literal_password, new_password, render_
 # (role, NATS user): the stack's own services, the rig's watcher, and the hostile peers.
 IDENTITIES = [
     Identity("scheduler", "scheduler-0", new_password()),
+    Identity("scheduler", "scheduler-1", new_password()),
     Identity("prefill", "prefill-0", new_password()),
     Identity("decode", "decode-0", new_password()),
     Identity("client", "client-0", new_password()),
@@ -126,7 +127,9 @@ class FaultRig:
         self.stack = Stack(
             self.model, nats_url=self.nats.url, prefill=1, decode=1, max_model_len=self.max_model_len,
             log_dir=self.folder / "logs", extra_env={**FAULT_ENV, **self.chaos_env(), **(extra_env or {})},
-            role_env={"scheduler": self.identity_env("scheduler-0"), "prefill-0": self.identity_env("prefill-0"),
+            schedulers=2,  # sharing the load; either may die, and the other takes its requests over
+            role_env={"scheduler": self.identity_env("scheduler-0"), "scheduler-1": self.identity_env("scheduler-1"),
+                      "prefill-0": self.identity_env("prefill-0"),
                       "decode-0": self.identity_env("decode-0"), "client": self.identity_env("client-0")},
         )
         self.stack.start()
@@ -255,10 +258,13 @@ class FaultRig:
     def kill(self, role: str) -> str:
         """kill -9 the live worker of ``role`` with its engine processes (a crash of the
         worker's machine or container); returns its stack name."""
+        return self._kill(lambda name: name.startswith(role), f"no live {role} process to kill")
+
+    def _kill(self, chosen, missing: str) -> str:
         import psutil
 
         for name, process in self.stack.children:
-            if name.startswith(role) and process.poll() is None:
+            if chosen(name) and process.poll() is None:
                 tree = psutil.Process(process.pid)
                 for member in [*tree.children(recursive=True), tree]:
                     try:
@@ -269,7 +275,36 @@ class FaultRig:
                 self.killed.add(name)
                 self.killed_processes.append(process)
                 return name
-        raise AssertionError(f"no live {role} process to kill")
+        raise AssertionError(missing)
+
+    # The stack's name of each scheduler process, by its NATS user.
+    SCHEDULER_PROCESSES = {"scheduler-0": "scheduler", "scheduler-1": "scheduler-1"}
+
+    def kill_scheduler(self, scheduler_id: str) -> str:
+        """kill -9 the scheduler that is ``scheduler_id`` (its NATS user)."""
+        name = self.SCHEDULER_PROCESSES[scheduler_id]
+        return self._kill(lambda n: n == name, f"scheduler {scheduler_id} is not running")
+
+    async def restart_scheduler(self, scheduler_id: str, timeout: float = 60.0) -> None:
+        """Start it again (its identity, a new incarnation) and wait for its heartbeat."""
+        beats, sub = await self.observe("scheduler", wire.SCHEDULER_HEARTBEATS(sender=scheduler_id),
+                                        wire.SchedulerHeartbeat)
+        try:
+            before = {beat.incarnation for beat in beats}
+            self.stack.spawn_scheduler(self.SCHEDULER_PROCESSES[scheduler_id])
+            await wait_until(lambda: {beat.incarnation for beat in beats} - before, timeout,
+                             f"scheduler {scheduler_id} heartbeating again")
+        finally:
+            await sub.unsubscribe()
+
+    async def holder_of(self, request_id: str) -> wire.FlightRecord | None:
+        """The flight's record in JetStream (who holds it, which attempt), or None."""
+        js = self.conns["scheduler"].jetstream()
+        try:
+            entry = await (await js.key_value(wire.FLIGHTS_BUCKET)).get(request_id)
+        except Exception:
+            return None
+        return wire.decode(entry.value, wire.FlightRecord) if entry.value else None
 
     def replace(self, role: str) -> str:
         """Start the killed worker again: the same identity (its NATS user), a new incarnation."""
