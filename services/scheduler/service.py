@@ -64,6 +64,7 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
+HEARD_A_ROUND_S = 1.5 * settings.HEARTBEAT_INTERVAL_S  # up this long, a scheduler has heard every live worker
 
 
 class _TakenOver(Exception):
@@ -110,6 +111,7 @@ class Scheduler(Service):
         self._requests = BackgroundTasks()
         self._watch: asyncio.Task | None = None
         self._closed = False
+        self._started_at = time.monotonic()
         self.bus: Bus | None = None
 
     async def _start(self) -> None:
@@ -131,6 +133,7 @@ class Scheduler(Service):
             await self.bus.subscribe(generate, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP,
                                      template=wire.GENERATE_SUBJECT)
         await self.bus.nc.flush()
+        self._started_at = time.monotonic()
         loop = asyncio.get_running_loop()
         self._mirror = loop.create_task(self._mirror_flights())
         self._beats = loop.create_task(self._heartbeat_loop())
@@ -595,13 +598,15 @@ class Scheduler(Service):
 
     async def _pick(self, flight: Flight, pick):
         """``pick()`` now. With no live worker: fail at once if this deployment never had
-        one; otherwise they are down (crashed, restarting), and the request waits for one
-        until its deadline."""
+        one (as far as a whole heartbeat round since our start can tell: a scheduler that
+        just joined has heard nobody yet); otherwise they are down (crashed, restarting),
+        and the request waits for one until its deadline."""
         while True:
             try:
                 return pick()
             except NoWorkers:
-                if flight.attempt <= 1 and not self.pool.has_served():
+                heard_a_round = time.monotonic() - self._started_at > HEARD_A_ROUND_S
+                if flight.attempt <= 1 and not self.pool.has_served() and heard_a_round:
                     raise
             await asyncio.sleep(WATCH_INTERVAL_S)
 

@@ -246,3 +246,19 @@ async def test_a_reused_request_id_does_not_fetch_the_last_uses_final(server, cl
     await send(client, "r-reused")
     await until(lambda: len(decode.jobs) == 2, what="the second use's decode job")
     assert await fetch_final(client, "r-reused") is None
+
+
+async def test_a_scheduler_that_just_joined_waits_a_heartbeat_round_before_it_says_no_workers(
+        server, client, running):
+    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
+    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    for worker in (prefill, decode):
+        await worker.stop_heartbeats()  # they beat before the scheduler was there to hear it
+    await running(takeover_scheduler(server))
+    replies = await send(client, "r-joined")
+    await asyncio.sleep(0.3)
+    for worker in (prefill, decode):
+        await worker.beat()  # the next round, a moment after the request came
+    final = await one_final(replies, settle_s=0.2)
+    assert "error" not in final, final
+    assert replies.tokens() == REPLY_TOKENS

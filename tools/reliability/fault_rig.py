@@ -334,14 +334,17 @@ class FaultRig:
 
     # ------------------------------------------------------------------ requests
 
-    async def request(self, body: dict, on_reply=None, timeout: float = DEADLINE_S + 30) -> Outcome:
-        """Send one request as the client role; every reply until the final one."""
+    async def request(self, body: dict, on_reply=None, timeout: float = DEADLINE_S + 30,
+                      drop_final: bool = False) -> Outcome:
+        """Send one request as the client role; every reply until the final one. With
+        ``drop_final`` the client loses the final as it comes, and must fetch it again."""
         body = {"ignore_eos": True, **body}
         body.setdefault("request_id", f"fault-{uuid.uuid4().hex[:10]}")
         started = time.monotonic()
         tokens: list[int] = []
         final: dict = {}
-        async for reply in generate(self.conns["client"], body, timeout=timeout):
+        lost = (lambda reply: not reply.get("finished")) if drop_final else None
+        async for reply in generate(self.conns["client"], body, timeout=timeout, received=lost):
             if reply.get("finished"):
                 final = reply
             else:

@@ -30,7 +30,8 @@ MESSAGE_CHAOS = {
     "kvpush.kv.completion.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
 }
 FAULT_KINDS = ("cancel", "client_gone", "malformed", "forged_registration", "message_chaos",
-               "kill_decode", "kill_prefill", "nats_restart")
+               "kill_decode", "kill_prefill", "nats_restart", "kill_scheduler", "dropped_final", "nats_outage")
+NATS_OUTAGE_S = 5.0  # longer than the rig's worker timeout (3 s)
 
 
 def soak_prompts(seed: int = 0) -> list[dict]:
@@ -110,10 +111,10 @@ class Soak:
         self._in_flight[request_id] = asyncio.create_task(self._one(body, index))
         return request_id
 
-    async def _one(self, body: dict, index: int) -> None:
+    async def _one(self, body: dict, index: int, drop_final: bool = False) -> None:
         request_id = body["request_id"]
         try:
-            outcome = await self.rig.request(body, timeout=DEADLINE_S + 30)
+            outcome = await self.rig.request(body, timeout=DEADLINE_S + 30, drop_final=drop_final)
         except TimeoutError:
             self.tally.lost.append(request_id)
             return
@@ -192,6 +193,26 @@ class Soak:
 
     async def _fault_nats_restart(self) -> None:
         self.rig.nats.restart()
+
+    async def _fault_nats_outage(self) -> None:
+        """NATS down for longer than the worker timeout: nobody may be declared lost for it."""
+        await asyncio.to_thread(self.rig.nats.restart_after, NATS_OUTAGE_S)
+
+    async def _fault_kill_scheduler(self) -> None:
+        """kill -9 one of the two schedulers; the other takes its requests over."""
+        victim = self.rng.choice(sorted(self.rig.SCHEDULER_PROCESSES))
+        self.rig.kill_scheduler(victim)
+        await asyncio.sleep(self.rng.uniform(0.5, 3.0))
+        await self.rig.restart_scheduler(victim)
+
+    async def _fault_dropped_final(self) -> None:
+        """A request whose final the client drops: it must fetch it again (kvpush.final)."""
+        index = self.rng.randrange(len(self.prompts))
+        request_id = f"soak-dropped-{uuid.uuid4().hex[:12]}"
+        self.tally.sent += 1
+        task = asyncio.create_task(self._one({**self.prompts[index], "request_id": request_id}, index,
+                                             drop_final=True))
+        self._in_flight[request_id] = task
 
 
 def markdown(report: dict) -> str:
