@@ -5,6 +5,7 @@ workers (tests/nats/test_scheduler.py's): it refuses work past its in-flight lim
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import threading
 import time
@@ -138,3 +139,49 @@ async def test_a_cancel_that_arrives_before_its_request_still_cancels_it(server,
     assert decode.jobs == [] and prefill.jobs == []
     [served] = (await replies_to_final(await send(client, request_body("r-after"))))[-1:]  # the next is served
     assert "error" not in served
+
+
+FLOOD = 3000
+MAX_IN_FLIGHT = 50
+FLOOD_RSS_BOUND = 150 * 2**20  # what the flood may add to this process (the scheduler, the workers, the client)
+
+
+async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_and_the_scheduler_serves_on(
+        server, client, running):
+    """3,000 unique request ids and 12,000 cancels of ids nobody sent, at a scheduler
+    holding at most 50: every request gets a final (held or ``overloaded``), every table
+    stays at its bound, and a request after the flood is served."""
+    import psutil
+
+    sched = await running(scheduler(server, max_in_flight=MAX_IN_FLIGHT))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    rss_before = psutil.Process().memory_info().rss
+
+    finals: dict[str, dict] = {}
+    inbox = client.new_inbox()
+
+    async def collect(msg) -> None:
+        reply = json.loads(msg.data)
+        if reply.get("finished"):
+            finals[reply["request_id"]] = reply
+
+    await client.subscribe(inbox, cb=collect, pending_msgs_limit=FLOOD * 2)
+    for n in range(FLOOD):
+        await client.publish(wire.GENERATE_SUBJECT, json.dumps(request_body(f"flood-{n}")).encode(), reply=inbox)
+    for n in range(12_000):
+        await client.publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(f"never-sent-{n}")))
+    await until(lambda: len(finals) >= FLOOD - MAX_IN_FLIGHT, timeout=45, what="a final for every refused request")
+    assert len(sched.flights) == MAX_IN_FLIGHT
+    assert {f["error"]["code"] for f in finals.values()} == {"overloaded"}
+    assert len(sched._early_cancels) <= sched._early_cancels.max_entries == 10_000
+    assert len(sched._holdings) <= MAX_IN_FLIGHT and len(sched.pool) == 2
+    assert psutil.Process().memory_info().rss - rss_before < FLOOD_RSS_BOUND
+
+    for flight in list(sched.flights):  # the held ones end: the scheduler is back to serving
+        await cancel(client, flight.request_id)
+    await until(lambda: len(sched.flights) == 0, timeout=15, what="the held flights cancelled")
+    decode.on_job = "answer"
+    final = (await replies_to_final(await send(client, request_body("after-the-flood"))))[-1]
+    assert "error" not in final and final["finished"], final
