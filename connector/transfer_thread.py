@@ -9,6 +9,7 @@ completions are driven by this thread, not by the engine's step cadence.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -34,6 +35,7 @@ _tracer = trace.get_tracer("kvpush.transfer")
 # How long the thread sleeps between polls while something is in flight, and when idle.
 ACTIVE_POLL_S = 0.0005
 IDLE_POLL_S = 0.05
+MAX_REMOTE_AGENTS = 256  # peers (engine starts) whose NIXL agents stay loaded
 # A transfer still running after this long has a dead or hung peer. NIXL cannot cancel
 # a posted transfer, so it is reported stuck (``TransferResult.stuck``) and still polled:
 # its blocks stay held on both sides until it ends, and its end is reported again.
@@ -94,8 +96,10 @@ class TransferThread:
         layout: KvLayout,
         on_notification: Callable[[bytes], None] | None = None,
         incarnation: str = "",
+        max_remote_agents: int = MAX_REMOTE_AGENTS,
     ):
         self.engine_id = engine_id
+        self.max_remote_agents = max_remote_agents
         self.incarnation = incarnation
         self.rank = rank
         self.layout = layout
@@ -162,7 +166,9 @@ class TransferThread:
             self._ready.set()
             return
         self._agent = agent
-        self._known_agents: set[str] = set()
+        # Peers loaded into NIXL, least recently used first; each restart of a peer is a new
+        # agent, so the oldest are removed past max_remote_agents (none with a transfer posted).
+        self._known_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._in_flight: list[_InFlight] = []
         self._ready.set()
         while True:
@@ -191,7 +197,9 @@ class TransferThread:
                 remote = job.remote
                 if remote.agent_name not in self._known_agents:
                     self._agent.add_remote_agent(remote.agent_metadata)
-                    self._known_agents.add(remote.agent_name)
+                    self._forget_old_agents()
+                self._known_agents[remote.agent_name] = None
+                self._known_agents.move_to_end(remote.agent_name)
                 runs = coalesce(job.local_block_ids, job.remote_block_ids)
                 local, far = byte_ranges(runs, self.layout.regions, remote.regions)
                 local_descs = self._agent.get_xfer_descs(
@@ -221,6 +229,19 @@ class TransferThread:
         self._in_flight.append(
             _InFlight(job, handle, nbytes, len(local), prepare_ms, posted_at, span, transfer_span)
         )
+
+    def _forget_old_agents(self) -> None:
+        busy = {flight.job.remote.agent_name for flight in self._in_flight}
+        for name in list(self._known_agents):
+            if len(self._known_agents) < self.max_remote_agents:
+                break
+            if name not in busy:
+                self._agent.remove_remote_agent(name)
+                del self._known_agents[name]
+
+    def known_agents(self) -> list[str]:
+        """The peers loaded into NIXL now, least recently used first."""
+        return list(self._known_agents)
 
     def _poll_writes(self) -> None:
         still: list[_InFlight] = []

@@ -119,3 +119,55 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
     for layer in range(2):
         got = torch.tensor(landed[f"model.layers.{layer}.attn"])
         assert torch.all(got[[3, 4]] == 7.0)  # the late write did land: freeing these blocks early would be unsafe
+
+
+def _many_decode_sides(conn, count: int) -> None:
+    """``count`` decode-side agents in one process, each expecting one write; the blocks
+    each got, once all have their notification."""
+    threads, notes, caches = [], [], []
+    for n in range(count):
+        caches.append(_kv_caches(0.0))
+        notes.append([])
+        thread = TransferThread(f"decode{n}", 0, describe(caches[n], NUM_BLOCKS), on_notification=notes[n].append)
+        thread.start()
+        thread.expect(1)
+        threads.append(thread)
+    conn.send([msgspec.msgpack.encode(t.agent_info()) for t in threads])
+    deadline = time.monotonic() + 30
+    while not all(notes) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    conn.send([len(n) for n in notes])
+    conn.send([c["model.layers.0.attn"][3].clone().numpy().tolist() for c in caches])
+    for thread in threads:
+        thread.stop()
+
+
+def test_past_max_remote_agents_the_least_recently_used_peer_is_removed_and_a_new_one_still_written():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_many_decode_sides, args=(child, 3))
+    proc.start()
+    try:
+        remotes = [msgspec.msgpack.decode(raw, type=AgentInfo) for raw in parent.recv()]
+        caches = _kv_caches(5.0)
+        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS), max_remote_agents=2)
+        writer.start()
+        results = []
+        loaded = []
+        for n, remote in enumerate(remotes):
+            writer.submit(TransferJob("WRITE", f"t-{n}", remote, [1], [3], notification(f"t-{n}", 0, 1, "tag"),
+                                      results.append))
+            deadline = time.monotonic() + 20
+            while len(results) <= n and time.monotonic() < deadline:
+                time.sleep(0.005)
+            loaded.append(writer.known_agents())
+        got = parent.recv()
+        landed = parent.recv()
+        writer.stop()
+    finally:
+        proc.join(timeout=30)
+    assert [r.ok for r in results] == [True, True, True], results
+    names = [r.agent_name for r in remotes]
+    assert loaded == [names[:1], names[:2], names[1:]]  # the first peer went when the third came
+    assert got == [1, 1, 1]
+    assert all(torch.all(torch.tensor(block) == 5.0) for block in landed)
