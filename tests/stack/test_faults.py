@@ -306,12 +306,14 @@ async def test_nats_restart_while_tokens_stream(rig, reference):
 
 async def test_a_short_soak_loses_nothing_and_leaks_nothing(rig, reference):
     """``kvpush soak``'s loop, sized for CI: requests at a steady rate while the lighter
-    faults (cancel, client gone, malformed and forged messages, message chaos) go in."""
+    faults (cancel, client gone, a dropped final, a scheduler killed, malformed and forged
+    messages, message chaos) go in."""
     bodies = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in prompts.CORRECTNESS]
     soak = Soak(rig, bodies, reference[: len(bodies)], seed=3)
-    tally = await soak.run(seconds=40, rate=1.0, fault_every_s=5)
+    tally = await soak.run(seconds=60, rate=1.0, fault_every_s=5)
     assert tally.sent >= 10
-    assert {"cancel", "client_gone", "malformed", "forged_registration", "message_chaos"} <= set(tally.faults)
+    assert {"cancel", "client_gone", "dropped_final", "kill_scheduler", "malformed", "forged_registration",
+            "message_chaos"} <= set(tally.faults), tally.faults
     assert tally.lost == [] and tally.wrong == [] and tally.unexpected == []
     assert tally.leaked_blocks == {"prefill": 0, "decode": 0}
     assert tally.died == []
