@@ -36,6 +36,7 @@
 
 ``to_error_body`` is the one boundary that turns any exception into an error reply, and
 ``refusal`` the one that turns a message that does not decode into an ``InvalidMessage``.
+``http_status`` is the one mapping from a code to an HTTP status (the gateway's).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from shared.wire import ErrorBody, InvalidMessage
 
 class KvpushError(Exception):
     code = "internal"
+    http_status = 500
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -53,6 +55,7 @@ class KvpushError(Exception):
 
 class RequestError(KvpushError):
     code = "invalid_request"
+    http_status = 400
 
 
 class BadJson(RequestError):
@@ -73,14 +76,17 @@ class PromptTooLong(RequestError):
 
 class PayloadTooLarge(RequestError):
     code = "payload_too_large"
+    http_status = 413
 
 
 class Overloaded(KvpushError):
     code = "overloaded"
+    http_status = 429
 
 
 class NoWorkers(KvpushError):
     code = "no_workers"
+    http_status = 503
 
 
 class NoScheduler(NoWorkers):
@@ -89,6 +95,7 @@ class NoScheduler(NoWorkers):
 
 class DispatchFailed(KvpushError):
     code = "dispatch_failed"
+    http_status = 503
 
     def __init__(self, message: str, worker_id: str = ""):
         super().__init__(message)
@@ -105,22 +112,27 @@ class KvTransferFailed(KvpushError):
 
 class Cancelled(KvpushError):
     code = "cancelled"
+    http_status = 499
 
 
 class DeadlineExceeded(KvpushError):
     code = "deadline_exceeded"
+    http_status = 504
 
 
 class WorkerLost(KvpushError):
     code = "worker_lost"
+    http_status = 502
 
 
 class NotFound(KvpushError):
     code = "not_found"
+    http_status = 404
 
 
 class LedgerUnavailable(KvpushError):
     code = "ledger_unavailable"
+    http_status = 503
 
 
 class BadMessage(KvpushError):
@@ -193,3 +205,20 @@ def refusal(service: str, subject: str, exc: BaseException, kind: type[BadMessag
     """What a service says on ``kvpush.invalid`` about a message it could not decode."""
     # str(): a wire.Subject is a str subclass, which msgspec does not encode
     return InvalidMessage(service=service, subject=str(subject), code=kind.code, reason=str(exc))
+
+
+def _codes(cls: type[KvpushError]) -> dict[str, int]:
+    statuses = {cls.code: cls.http_status}
+    for sub in cls.__subclasses__():
+        statuses.update(_codes(sub))
+    return statuses
+
+
+_HTTP_STATUS = _codes(KvpushError)
+
+
+def http_status(code: str) -> int:
+    """The HTTP status of an error code from the wire: 400 for the client's mistakes, 413,
+    429 overloaded, 499 cancelled (nginx's "client closed request"), 503 nobody to serve
+    it, 504 deadline, 5xx for failures on the way."""
+    return _HTTP_STATUS.get(code, 500)

@@ -112,6 +112,19 @@ def identity_problem(name: str) -> str | None:
     return f"{name!r} is not a valid id: use 1-64 letters, digits, '-' and '_'"
 
 
+MAX_REQUEST_ID_LEN = 128
+REQUEST_ID_PATTERN = r"[-/_=.a-zA-Z0-9]+"  # NATS KV key characters: a request id keys its flight's record
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why ``request_id`` cannot be a request's id, or None."""
+    if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        return f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters"
+    if not re.fullmatch(REQUEST_ID_PATTERN, request_id):
+        return "request_id may hold only letters, digits and - / _ = . (no spaces or wildcards)"
+    return None
+
+
 class Subject(str):
     """A concrete subject that remembers its template: span names use the template, so
     worker ids and engine ids stay out of them."""
@@ -232,6 +245,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     request_id: str | None = None
     transfer_mode: TransferMode | None = None  # default: the scheduler's --mode
+    stop: list[str] | None = None  # strings that end the answer (not included in it)
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -314,6 +328,7 @@ class SamplingSpec(msgspec.Struct):
     max_tokens: int
     temperature: float
     ignore_eos: bool
+    stop: list[str] = []
 
 
 class PrefillJob(Internal):

@@ -33,7 +33,7 @@ __all__ = [
 
 #: Bump when the recipe changes in a way that changes the produced files; a
 #: folder built by another recipe version is rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: the tokenizer has a chat template
 
 MARKER_NAME = "kvpush_model.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -234,6 +234,14 @@ def _train_tokenizer(prof: ModelProfile):
     return tok, len(files)
 
 
+# Plain text: the vocabulary has no special tokens but EOS. Enough for /v1/chat/completions
+# to render a conversation the way any chat model's template does.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -248,6 +256,7 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
         pad_token=EOS_TOKEN,
         model_max_length=prof.max_position_embeddings,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
     with _quiet_transformers():
         hf_tok.save_pretrained(str(tmp))

@@ -23,7 +23,8 @@ REFETCH_AFTER_S = 5.0
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after_s: float = REFETCH_AFTER_S,
-                   received: Callable[[dict], bool] | None = None) -> AsyncIterator[dict]:
+                   received: Callable[[dict], bool] | None = None,
+                   headers: dict[str, str] | None = None) -> AsyncIterator[dict]:
     """Yield each reply (token chunks, then the final message) for one request.
 
     Raises TimeoutError when no message arrives for ``timeout`` seconds (nor a final
@@ -32,6 +33,7 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     ``request_id`` gets one, so that the final can be asked for again.
 
     ``received``: a hook for tests; a reply it returns False for counts as lost on the way.
+    ``headers``: NATS headers for the request (a W3C ``traceparent`` joins its trace).
     """
     if isinstance(body, dict) and body.get("request_id") is None:
         body = {**body, "request_id": uuid.uuid4().hex}
@@ -46,7 +48,8 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     owner = client_of(nc)
     loop = asyncio.get_running_loop()
     try:
-        await nc.publish(wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT, data, reply=inbox)
+        await nc.publish(wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT, data, reply=inbox,
+                         headers=headers or None)
         heard_at = loop.time()
         while True:
             silent_for = loop.time() - heard_at

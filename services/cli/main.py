@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--ready-timeout", type=float, default=600.0)
+        p.add_argument("--gateway-port", type=int, default=8000,
+                       help="the OpenAI-compatible HTTP gateway's port on 127.0.0.1 (a free one if taken; -1: none)")
 
     up = sub.add_parser("up", help="start NATS (unless --nats-url), a scheduler and workers; Ctrl-C stops")
     stack_options(up)
@@ -55,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=serve.cmd_scheduler)
+
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/completions, "
+                                            "/v1/chat/completions, /v1/models, /health, /ready)")
+    engine_options(gateway)
+    cli_settings.add(gateway, "--log-level")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
+    gateway.set_defaults(func=serve.cmd_gateway)
 
     worker = sub.add_parser("worker", help="run one prefill or decode worker")
     engine_options(worker)
@@ -112,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--min-prefill", type=int, default=0)
     status.add_argument("--min-decode", type=int, default=0)
     status.add_argument("--timeout", type=float, default=2.0)
+    status.add_argument("--http", metavar="URL", help="instead, ask a gateway or service: exit 0 if URL answers 200 "
+                                                      "(e.g. http://127.0.0.1:8000/health)")
     status.set_defaults(func=requests.cmd_status)
 
     nats_config = sub.add_parser("nats-config", help="write a nats-server config with one NATS user per worker, "

@@ -74,6 +74,17 @@ def cmd_cancel(args) -> int:
 def cmd_status(args) -> int:
     from services.cli.client import scheduler_status
 
+    if args.http:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(args.http, timeout=args.timeout) as reply:
+                print(reply.read().decode())
+                return 0 if reply.status == 200 else 1
+        except OSError as exc:
+            print(f"{args.http} did not answer 200: {exc}", file=sys.stderr)
+            return 1
+
     async def ask() -> wire.SchedulerStatus:
         nc = await connect(args.nats_url, connect_timeout=args.timeout, max_reconnect_attempts=0)
         try:

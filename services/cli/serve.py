@@ -48,6 +48,13 @@ def cmd_scheduler(args) -> int:
         scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas))
 
 
+def cmd_gateway(args) -> int:
+    from services.gateway.service import Gateway
+
+    return _run_service("kvpush-gateway", args.log_level, lambda: Gateway(
+        args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name))
+
+
 def cmd_worker(args) -> int:
     from services.worker.service import Worker, worker_id_for
     from shared.nats_security import nats_user
@@ -77,6 +84,7 @@ def _start_stack(args, quiet: bool = False):
         mode=args.mode,
         connector=args.connector,
         extra_env=env,
+        gateway_port=None if args.gateway_port < 0 else args.gateway_port,
     )
     say(f"starting NATS, a scheduler, {args.prefill} prefill and {args.decode} decode workers "
          "(vLLM engines take 30-60 s each on a CPU)")
@@ -89,8 +97,11 @@ def cmd_up(args) -> int:
 
     async def run() -> None:
         await stack.wait_ready(timeout=args.ready_timeout, progress=say)
-        print(f"ready {stack.nats_url}", flush=True)
+        print(f"ready {stack.nats_url}" + (f" {stack.gateway_url}" if stack.gateway_url else ""), flush=True)
         say(f"try: kvpush generate --nats-url {stack.nats_url} 'def main():'   (Ctrl-C stops everything)")
+        if stack.gateway_url:
+            say(f"or:  curl {stack.gateway_url}/v1/completions -H 'Content-Type: application/json' "
+                "-d '{\"prompt\": \"def main():\", \"max_tokens\": 32, \"temperature\": 0}'")
         await until_signalled()
 
     try:

@@ -43,12 +43,14 @@ class Stack:
         extra_env: dict[str, str] | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
         schedulers: int = 1,
+        gateway_port: int | None = None,
     ):
         self.model = model
         self.nats_url = nats_url
         self.num_prefill = prefill
         self.num_decode = decode
         self.num_schedulers = schedulers
+        self.gateway_port = gateway_port  # None: no gateway
         self.max_model_len = max_model_len
         self.mode = mode
         self.connector = connector
@@ -67,11 +69,20 @@ class Stack:
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
         for i in range(self.num_schedulers):
             self.spawn_scheduler("scheduler" if i == 0 else f"scheduler-{i}")
+        if self.gateway_port is not None:
+            if self.gateway_port == 0 or not _port_free(self.gateway_port):
+                self.gateway_port = free_port()
+            self._spawn("gateway", "gateway", ["gateway", *common, "--host", "127.0.0.1",
+                                               "--port", str(self.gateway_port)])
         for i in range(self.num_prefill):
             self.spawn_worker("prefill", f"prefill-{i}")
         for i in range(self.num_decode):
             self.spawn_worker("decode", f"decode-{i}")
         return self
+
+    @property
+    def gateway_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port is not None else None
 
     def spawn_scheduler(self, name: str = "scheduler") -> subprocess.Popen:
         """Start a scheduler (one more, or one again after a crash); they share the load."""
@@ -131,7 +142,8 @@ class Stack:
                     )
                 last = counts
                 if counts is not None and counts[0] >= self.num_prefill and counts[1] >= self.num_decode:
-                    return
+                    if self.gateway_url is None or await asyncio.to_thread(_answers, self.gateway_url + "/health"):
+                        return
                 await asyncio.sleep(0.5)
             raise TimeoutError(f"the stack was not ready within {timeout} s")
         finally:
@@ -164,6 +176,16 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def _port_free(port: int) -> bool:

@@ -7,7 +7,6 @@ reads it, and the limits, from a model folder).
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,10 @@ import msgspec
 from shared import wire
 from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong
 
-MAX_REQUEST_ID_LEN = 128
-# The characters a NATS KV key allows: an id can name a key, and never a wildcard or a space.
-REQUEST_ID_PATTERN = re.compile(r"[-/_=.a-zA-Z0-9]+")
+MAX_REQUEST_ID_LEN = wire.MAX_REQUEST_ID_LEN
 DEFAULT_MAX_TOKENS = 128  # when a request does not say, and the context has room
+MAX_STOP_STRINGS = 4  # as OpenAI allows
+MAX_STOP_LEN = 256
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,8 @@ class RequestValidator:
         except msgspec.DecodeError as exc:
             raise BadJson(f"request body is not a JSON object: {exc}") from None
         request_id = body.request_id if body.request_id is not None else uuid.uuid4().hex
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
-            raise InvalidField(f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters")
-        if not REQUEST_ID_PATTERN.fullmatch(request_id):
-            raise InvalidField("request_id may hold only letters, digits and - / _ = . (no spaces or wildcards)")
+        if (problem := wire.request_id_problem(request_id)) is not None:
+            raise InvalidField(problem)
         if body.prompt is not None and body.prompt_token_ids is not None:
             raise InvalidField("give either 'prompt' or 'prompt_token_ids', not both")
         if body.prompt is None and body.prompt_token_ids is None:
@@ -85,10 +82,13 @@ class RequestValidator:
                 f"ask for at most {room} tokens")
         if body.temperature < 0:
             raise InvalidField(f"temperature must be 0 or more, got {body.temperature}")
+        stop = body.stop or []
+        if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in stop):
+            raise InvalidField(f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
         return ValidRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
-            sampling=wire.SamplingSpec(max_tokens, body.temperature, body.ignore_eos),
+            sampling=wire.SamplingSpec(max_tokens, body.temperature, body.ignore_eos, stop=list(stop)),
             transfer_mode=body.transfer_mode,
         )
 

@@ -145,6 +145,7 @@ class DecodeRole:
             max_tokens=job.sampling.max_tokens,
             temperature=job.sampling.temperature,
             ignore_eos=job.sampling.ignore_eos,
+            stop=job.sampling.stop or None,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )

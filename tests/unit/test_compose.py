@@ -15,7 +15,7 @@ from services.cli.main import build_parser
 from services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parents[2]
-KVPUSH_SERVICES = {"scheduler", "prefill", "decode"}
+KVPUSH_SERVICES = {"scheduler", "prefill", "decode", "gateway"}
 ENGINE_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE"}  # vLLM's own settings, passed through
 
 
@@ -51,8 +51,9 @@ def test_services_and_start_order(config):
     ports = {p["target"] for p in services["jaeger"]["ports"]}
     assert {4317, 4318, 16686} <= ports
     assert services["scheduler"]["depends_on"]["nats"]["condition"] == "service_healthy"
-    for worker in ("prefill", "decode"):
+    for worker in ("prefill", "decode", "gateway"):
         assert services[worker]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert {p["target"] for p in services["gateway"]["ports"]} == {8000}
     jaeger_config = services["jaeger"]["volumes"][0]["source"]
     assert Path(jaeger_config).resolve() == ROOT / "otel" / "jaeger.yaml"
 

@@ -1,0 +1,257 @@
+"""OpenAI's completions and chat completions, as kvpush requests and replies.
+
+What a body may hold: the fields kvpush serves (``prompt``/``messages``, ``max_tokens``,
+``max_completion_tokens``, ``temperature``, ``ignore_eos``, ``stop``, ``stream``,
+``stream_options``, and kvpush's own ``transfer_mode``); fields that never change the
+output, ignored (``user``, ``metadata``, ...); and fields that would change it, accepted
+only at their neutral value (``n: 1``, ``top_p: 1``, ``logprobs: null``,
+``repetition_penalty: 1.0``: what ``vllm bench serve`` sends). Anything else is refused
+with a sentence that names it, as is a neutral-only field at another value.
+
+Pure: no HTTP, no NATS. ``services.gateway.service`` serves it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from shared.errors import EmptyPrompt, InvalidField, NotFound, RequestError, http_status
+
+Kind = Literal["completion", "chat"]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's; vLLM's too for a model without generation defaults
+
+
+def _neutral(*values) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+# Fields that would change the output: served only at these values.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "n": _neutral(None, 1),
+    "best_of": _neutral(None, 1),
+    "top_p": _neutral(None, 1, 1.0),
+    "top_k": _neutral(None, -1, 0),
+    "min_p": _neutral(None, 0, 0.0),
+    "frequency_penalty": _neutral(None, 0, 0.0),
+    "presence_penalty": _neutral(None, 0, 0.0),
+    "repetition_penalty": _neutral(None, 1, 1.0),
+    "logprobs": _neutral(None, False, 0),
+    "top_logprobs": _neutral(None, 0),
+    "prompt_logprobs": _neutral(None),
+    "echo": _neutral(None, False),
+    "suffix": _neutral(None, ""),
+    "logit_bias": lambda v: not v,
+    "min_tokens": _neutral(None, 0),
+    "tools": lambda v: not v,
+    "tool_choice": _neutral(None, "none", "auto"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "skip_special_tokens": _neutral(None, True),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "add_generation_prompt": _neutral(None, True),
+}
+# Fields that never change the output.
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority", "request_id"}
+COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode", "seed"}
+COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens"}
+CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens"}
+
+
+@dataclass
+class OpenAiRequest:
+    kind: Kind
+    model: str
+    generate: dict  # a kvpush GenerateRequest body, less the prompt when ``messages`` holds it
+    messages: list[dict] | None = None  # chat: rendered with the model's chat template
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
+    """The request, or a ``RequestError`` that says what is wrong with it."""
+    if not isinstance(body, dict):
+        raise InvalidField("the request body must be a JSON object")
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    for name, value in body.items():
+        if name in allowed or name in IGNORED:
+            continue
+        if name in NEUTRAL:
+            if not NEUTRAL[name](value):
+                raise InvalidField(f"'{name}': {value!r} is not supported by kvpush (it would change the output); "
+                                   "leave it out or send its neutral value")
+            continue
+        raise InvalidField(f"unknown field '{name}'")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise NotFound(f"the model '{model}' does not exist here; this server serves '{served_model}'")
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
+    if body.get("seed") is not None and temperature > 0:
+        raise InvalidField("'seed' is not supported with temperature > 0 (kvpush has no seeded sampling); "
+                           "send temperature 0 or leave the seed out")
+    generate: dict[str, Any] = {"temperature": temperature}
+    for flag in ("ignore_eos",):
+        if body.get(flag) is not None:
+            generate[flag] = _bool(body, flag)
+    if body.get("transfer_mode") is not None:
+        if body["transfer_mode"] not in ("push", "pull"):
+            raise InvalidField("'transfer_mode' must be \"push\" or \"pull\"")
+        generate["transfer_mode"] = body["transfer_mode"]
+    stop = _stop(body.get("stop"))
+    if stop:
+        generate["stop"] = stop
+    stream = _bool(body, "stream") if body.get("stream") is not None else False
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidField("'stream_options' must be an object")
+    options = options or {}
+    if options.get("continuous_usage_stats"):
+        raise InvalidField("'stream_options.continuous_usage_stats' is not supported; include_usage is")
+    request = OpenAiRequest(kind, served_model, generate, stream=stream,
+                            include_usage=bool(options.get("include_usage")),
+                            continuous_usage=bool(options.get("continuous_usage_stats")))
+    if kind == "completion":
+        _completion_prompt(body.get("prompt"), generate)
+        max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    else:
+        request.messages = _messages(body.get("messages"))
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise InvalidField(f"'max_tokens' must be an integer, got {max_tokens!r}")
+        generate["max_tokens"] = max_tokens
+    return request
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InvalidField(f"'{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    if not isinstance(body[name], bool):
+        raise InvalidField(f"'{name}' must be true or false, got {body[name]!r}")
+    return body[name]
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidField("'stop' must be a string or a list of strings")
+
+
+def _completion_prompt(prompt: Any, generate: dict) -> None:
+    """A string, a list of token ids, or a list holding one of those (one prompt: n=1)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise InvalidField(f"'prompt' holds {len(prompt)} prompts; kvpush serves one per request")
+        prompt = prompt[0]
+    if prompt is None or prompt == "" or prompt == []:
+        raise EmptyPrompt("the request has no prompt")
+    if isinstance(prompt, str):
+        generate["prompt"] = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        generate["prompt_token_ids"] = prompt
+    else:
+        raise InvalidField("'prompt' must be a string or a list of token ids")
+
+
+def _messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise EmptyPrompt("'messages' must be a non-empty list")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidField("each message must be an object with a 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidField("message content parts must be {\"type\": \"text\", \"text\": ...}; "
+                                       "kvpush serves text only")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise InvalidField("a message's 'content' must be a string or a list of text parts")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+# ------------------------------------------------------------------ replies
+
+def response_id(kind: Kind, request_id: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + request_id
+
+
+def usage(final: dict) -> dict:
+    used = final.get("usage") or {}
+    prompt, completion = used.get("prompt_tokens", 0), used.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
+          first: bool = False, usage_now: dict | None = None) -> dict:
+    """One server-sent event's object."""
+    if request.kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    else:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if finish_reason is not None and not text:
+            delta = {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    event = {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
+             "model": request.model, "choices": [choice]}
+    if usage_now is not None:
+        event["usage"] = usage_now
+    return event
+
+
+def usage_chunk(request: OpenAiRequest, request_id: str, final: dict) -> dict:
+    """The last event before ``[DONE]`` with ``stream_options.include_usage``: no choices."""
+    kind = "text_completion" if request.kind == "completion" else "chat.completion.chunk"
+    return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
+            "model": request.model, "choices": [], "usage": usage(final)}
+
+
+def response(request: OpenAiRequest, request_id: str, text: str, final: dict) -> dict:
+    """The whole answer, for a request without ``stream``."""
+    finish = final.get("finish_reason")
+    if request.kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        kind = "chat.completion"
+    return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
+            "model": request.model, "choices": [choice], "usage": usage(final)}
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+
+
+def error(code: str, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error object) for a kvpush error code."""
+    status = http_status(code)
+    return status, {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                              "param": param, "code": code}}
+
+
+def error_of(exc: RequestError | NotFound) -> tuple[int, dict]:
+    return error(exc.code, exc.message)

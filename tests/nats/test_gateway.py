@@ -1,0 +1,221 @@
+"""The OpenAI-compatible gateway, driven by the real ``openai`` client and plain HTTP, over
+a real nats-server, a real scheduler and fake workers (tests/nats/test_scheduler.py's,
+which answer with REPLY_TOKENS). The built-in model's tokenizer renders chat prompts.
+
+What an answer says, how each error maps to an HTTP status and an OpenAI error object,
+the request id, the trace, and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.service import Gateway
+from services.scheduler.service import Scheduler
+from services.scheduler.validation import load_validator
+from shared import wire
+from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
+    REPLY_TOKENS,
+    FakeWorker,
+    client,
+    running,
+    server,
+    until,
+    workers_seen,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+TEXT = "".join(chr(ord("a") + t % 26) for t in REPLY_TOKENS)  # what the fake decode streams
+MAX_MODEL_LEN = 256
+
+
+def scheduler(server, model_dir: str, **kwargs) -> Scheduler:
+    """A scheduler with the built-in model's tokenizer, as the gateway renders chats with it."""
+    return Scheduler(server.url, load_validator(model_dir, MAX_MODEL_LEN), **kwargs)
+
+
+@pytest.fixture
+async def stack(server, client, running, model_dir):
+    """A scheduler, a prefill and a decode (answering), and the gateway on a free port."""
+    sched = await running(scheduler(server, model_dir, deadline_s=5.0))
+    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
+    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    await workers_seen(client, prefill, decode)
+    gateway = await running(Gateway(server.url, model_dir, port=0))
+    return sched, prefill, decode, gateway
+
+
+def api(gateway: Gateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_a_completion_streamed_and_whole_is_what_decode_sent(stack):
+    _, _, decode, gateway = stack
+    oai = api(gateway)
+    whole = await oai.completions.create(model=gateway.served_model_name, prompt="hello", max_tokens=3,
+                                         temperature=0)
+    assert whole.choices[0].text == TEXT and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == len(REPLY_TOKENS)
+    assert whole.usage.prompt_tokens == len(gateway.tokenizer.encode("hello"))
+    assert whole.object == "text_completion" and whole.model == gateway.served_model_name
+
+    events = [e async for e in await oai.completions.create(
+        model=gateway.served_model_name, prompt=[1, 2, 3], max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert "".join(e.choices[0].text for e in events if e.choices) == TEXT
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == len(REPLY_TOKENS)
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert decode.jobs[-1].prompt_token_ids == [1, 2, 3]
+
+
+async def test_a_chat_is_rendered_with_the_models_template_and_answered(stack):
+    _, _, decode, gateway = stack
+    oai = api(gateway)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def main():"}]
+    whole = await oai.chat.completions.create(model=gateway.served_model_name, messages=messages,
+                                              max_completion_tokens=3, temperature=0)
+    assert whole.choices[0].message.content == TEXT and whole.choices[0].message.role == "assistant"
+    expected = gateway.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert decode.jobs[-1].prompt_token_ids == list(expected)
+    assert decode.jobs[-1].sampling.max_tokens == 3
+
+    events = [e async for e in await oai.chat.completions.create(
+        model=gateway.served_model_name, messages=messages, max_tokens=3, temperature=0, stream=True)]
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == TEXT
+
+
+async def test_what_vllm_bench_serve_sends_is_served(stack):
+    """Its payload as vLLM 0.32's benchmark client builds it, neutral fields and all."""
+    _, _, decode, gateway = stack
+    payload = {"model": gateway.served_model_name, "prompt": "hello", "repetition_penalty": 1.0, "max_tokens": 3,
+               "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(gateway.url + "/v1/completions", json=payload,
+                                headers={"x-request-id": "benchmark-serving0"})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "benchmark-serving0"
+    lines = [line for line in reply.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["usage"]["completion_tokens"] == len(REPLY_TOKENS)
+    assert decode.jobs[-1].request_id == "benchmark-serving0" and decode.jobs[-1].sampling.ignore_eos
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"prompt": "hello", "max_tokens": 0}, 400, "invalid_field"),
+    ({"prompt": "hello", "max_tokens": 10**9}, 400, "invalid_field"),
+    ({"prompt": "hello", "max_tokens": "ten"}, 400, "invalid_field"),
+    ({"prompt": ""}, 400, "empty_prompt"),
+    ({"prompt": "def f(x):\n    return x\n" * 200}, 400, "prompt_too_long"),
+    ({"prompt": "hello", "n": 2}, 400, "invalid_field"),
+    ({"prompt": "hello", "top_p": 0.5}, 400, "invalid_field"),
+    ({"prompt": "hello", "frobnicate": True}, 400, "invalid_field"),
+    ({"prompt": ["a", "b"]}, 400, "invalid_field"),
+    ({"prompt": "hello", "model": "gpt-9"}, 404, "not_found"),
+], ids=["max-tokens-0", "max-tokens-huge", "max-tokens-type", "empty", "too-long", "n-2", "top-p", "unknown",
+        "two-prompts", "model"])
+async def test_bad_input_gets_its_status_and_an_openai_error_and_the_next_request_is_served(stack, body, status,
+                                                                                           code):
+    _, _, _, gateway = stack
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(gateway.url + "/v1/completions", json=body)
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == code and error["message"] and error["type"]
+        assert (await http.post(gateway.url + "/v1/completions",
+                                json={"prompt": "hello", "max_tokens": 3})).status_code == 200
+
+
+async def test_malformed_json_and_a_body_too_large_are_refused(stack):
+    _, _, _, gateway = stack
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(gateway.url + "/v1/completions", content=b"{not json",
+                                headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "bad_json"
+        big = json.dumps({"prompt": "x" * (gateway.nc.max_payload + 10)})
+        reply = await http.post(gateway.url + "/v1/completions", content=big.encode(),
+                                headers={"content-type": "application/json"})
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "payload_too_large"
+
+
+async def test_the_openai_client_raises_its_own_errors_for_ours(stack):
+    _, _, _, gateway = stack
+    oai = api(gateway)
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai.completions.create(model=gateway.served_model_name, prompt="hello", max_tokens=0)
+    assert bad.value.body["code"] == "invalid_field"
+    with pytest.raises(openai.NotFoundError):
+        await oai.completions.create(model="another", prompt="hello")
+
+
+async def test_overloaded_no_workers_and_deadline_map_to_429_503_504(server, client, running, model_dir):
+    sched = await running(scheduler(server, model_dir, max_in_flight=1, deadline_s=1.5))
+    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    gateway = await running(Gateway(server.url, model_dir, port=0))
+    async with httpx.AsyncClient(timeout=30) as http:
+        held = asyncio.create_task(http.post(gateway.url + "/v1/completions", json={"prompt": "hi"}))
+        await until(lambda: len(sched.flights) == 1, what="the first request held")
+        over = await http.post(gateway.url + "/v1/completions", json={"prompt": "hi"})
+        assert over.status_code == 429 and over.json()["error"]["code"] == "overloaded"
+        late = await held
+        assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
+        await prefill.stop_heartbeats()
+        await decode.stop_heartbeats()
+        await until(lambda: not sched.pool.live("prefill", __import__("time").monotonic()), timeout=10,
+                    what="the workers lost")
+        ready = await http.get(gateway.url + "/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+
+
+async def test_health_ready_models_and_a_generated_request_id(stack):
+    _, _, decode, gateway = stack
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(gateway.url + "/health")).json() == {"status": "ok"}
+        ready = await http.get(gateway.url + "/ready")
+        assert ready.status_code == 200 and ready.json()["prefill_workers"] == 1
+        models = (await http.get(gateway.url + "/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [gateway.served_model_name]
+        reply = await http.post(gateway.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+    assert reply.headers["x-request-id"] == decode.jobs[-1].request_id
+    assert reply.json()["id"] == "cmpl-" + decode.jobs[-1].request_id
+
+
+async def test_an_incoming_traceparent_joins_the_requests_trace(stack, client):
+    _, _, _, gateway = stack
+    seen = []
+
+    async def listen(msg):
+        seen.append(msg.headers or {})
+
+    await client.subscribe(wire.GENERATE_SUBJECT, cb=listen)  # beside the scheduler's queue group
+    await client.flush()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(gateway.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3},
+                                headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert reply.status_code == 200
+    await until(lambda: seen, what="the request on NATS")
+    assert seen[0]["traceparent"].split("-")[1] == trace_id
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_request(server, client, running, model_dir):
+    sched = await running(scheduler(server, model_dir))
+    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
+    decode = await running(FakeWorker(server.url, "decode", "start_then_hold"))
+    await workers_seen(client, prefill, decode)
+    gateway = await running(Gateway(server.url, model_dir, port=0))
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", gateway.url + "/v1/completions",
+                               json={"prompt": "hello", "max_tokens": 3, "stream": True}) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the first token came: go away
+    await until(lambda: decode.cancels, timeout=10, what="the decode's CancelJob")
+    assert decode.cancels[0].reason == "cancelled"
+    await until(lambda: len(sched.flights) == 0, what="the flight's end")

@@ -1,0 +1,109 @@
+"""OpenAI request bodies as kvpush requests, replies as OpenAI objects, errors as HTTP
+statuses (``services.gateway.openai_api``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway import openai_api
+from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
+
+MODEL = "small"
+
+
+def test_a_completion_becomes_a_kvpush_request_with_openais_defaults():
+    request = openai_api.parse("completion", {"model": MODEL, "prompt": "def f():"}, MODEL)
+    assert request.generate == {"prompt": "def f():", "max_tokens": 16, "temperature": 1.0}
+    assert not request.stream and request.messages is None
+
+
+def test_token_ids_stop_ignore_eos_and_transfer_mode_pass_through():
+    request = openai_api.parse("completion", {"prompt": [[1, 2, 3]], "stop": "\n", "ignore_eos": True,
+                                              "transfer_mode": "pull", "max_tokens": 8, "temperature": 0,
+                                              "stream": True, "stream_options": {"include_usage": True}}, MODEL)
+    assert request.generate == {"prompt_token_ids": [1, 2, 3], "stop": ["\n"], "ignore_eos": True,
+                                "transfer_mode": "pull", "max_tokens": 8, "temperature": 0.0}
+    assert request.stream and request.include_usage
+
+
+def test_what_vllm_bench_serve_sends_passes():
+    for kind, body in [
+        ("completion", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
+                        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
+        ("chat", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                  "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}),
+    ]:
+        request = openai_api.parse(kind, body, MODEL)
+        assert request.generate["max_tokens"] == 4
+
+
+def test_a_chat_keeps_its_messages_for_the_template_and_prefers_max_completion_tokens():
+    request = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                                        "max_completion_tokens": 5}, MODEL)
+    assert request.messages == [{"role": "user", "content": "hi"}]
+    assert request.generate["max_tokens"] == 5
+    assert "max_tokens" not in openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}]},
+                                                MODEL).generate  # as long as the context allows
+
+
+@pytest.mark.parametrize("body, error, says", [
+    ({"prompt": "x", "n": 2}, InvalidField, "'n'"),
+    ({"prompt": "x", "top_p": 0.9}, InvalidField, "'top_p'"),
+    ({"prompt": "x", "logprobs": 5}, InvalidField, "'logprobs'"),
+    ({"prompt": "x", "wibble": 1}, InvalidField, "unknown field 'wibble'"),
+    ({"prompt": "x", "seed": 3, "temperature": 0.7}, InvalidField, "'seed'"),
+    ({"prompt": ["a", "b"]}, InvalidField, "2 prompts"),
+    ({"prompt": [1, "a"]}, InvalidField, "'prompt'"),
+    ({"prompt": ""}, EmptyPrompt, "no prompt"),
+    ({}, EmptyPrompt, "no prompt"),
+    ({"prompt": "x", "max_tokens": 2.5}, InvalidField, "'max_tokens'"),
+    ({"prompt": "x", "stop": 3}, InvalidField, "'stop'"),
+    ({"prompt": "x", "stream": "yes"}, InvalidField, "'stream'"),
+    ({"prompt": "x", "transfer_mode": "teleport"}, InvalidField, "transfer_mode"),
+    ({"prompt": "x", "stream_options": {"continuous_usage_stats": True}}, InvalidField, "continuous_usage_stats"),
+    ({"prompt": "x", "model": "gpt-4"}, NotFound, "'gpt-4'"),
+    ([1, 2], InvalidField, "JSON object"),
+], ids=lambda v: str(v)[:40])
+def test_what_would_change_the_output_or_cannot_be_served_is_refused_with_a_sentence(body, error, says):
+    with pytest.raises(error) as refused:
+        openai_api.parse("completion", body, MODEL)
+    assert says in refused.value.message
+
+
+def test_neutral_values_and_fields_that_never_change_the_output_pass():
+    body = {"prompt": "x", "n": 1, "top_p": 1.0, "top_k": -1, "frequency_penalty": 0, "presence_penalty": 0.0,
+            "logprobs": None, "echo": False, "best_of": 1, "logit_bias": {}, "user": "me", "seed": 1,
+            "temperature": 0}
+    assert openai_api.parse("completion", body, MODEL).generate["prompt"] == "x"
+
+
+def test_a_chat_with_images_is_refused():
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    with pytest.raises(InvalidField, match="text only"):
+        openai_api.parse("chat", body, MODEL)
+
+
+def test_replies_are_openai_objects():
+    request = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}]}, MODEL)
+    final = {"finish_reason": "stop", "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+    whole = openai_api.response(request, "r1", "ok", final)
+    assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r1"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    first = openai_api.chunk(request, "r1", "o", first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "o"}
+    last = openai_api.chunk(request, "r1", "", "stop")
+    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert openai_api.usage_chunk(request, "r1", final)["choices"] == []
+
+
+@pytest.mark.parametrize("code, status", [
+    ("bad_json", 400), ("invalid_field", 400), ("empty_prompt", 400), ("prompt_too_long", 400),
+    ("payload_too_large", 413), ("overloaded", 429), ("no_workers", 503), ("no_scheduler", 503),
+    ("deadline_exceeded", 504), ("not_found", 404), ("cancelled", 499), ("engine_failed", 500),
+    ("worker_lost", 502), ("something_new", 500),
+])
+def test_one_mapping_from_the_error_tree_to_http_statuses(code, status):
+    assert http_status(code) == status
+    got, body = openai_api.error(code, "why")
+    assert got == status and body["error"]["code"] == code and body["error"]["message"] == "why"
