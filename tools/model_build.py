@@ -57,6 +57,7 @@ _BUILD_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # what transformers loads as the tokenizer's chat_template
 )
 
 
@@ -260,6 +261,7 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
     )
     with _quiet_transformers():
         hf_tok.save_pretrained(str(tmp))
+    (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")  # whatever this version wrote
 
     config = Qwen2Config(
         vocab_size=prof.vocab_size,

@@ -102,11 +102,16 @@ class Gateway(Service):
             return
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidField(f"the model '{self.served_model_name}' has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
-        request.generate["prompt_token_ids"] = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        request.generate["prompt_token_ids"] = chat_prompt(self.tokenizer, request.messages)
 
     def replies(self, body: dict, headers: dict[str, str]) -> AsyncIterator[dict]:
         return generate(self.nc, body, timeout=self.timeout_s, headers=headers)
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation's token ids, as vLLM's chat endpoint makes them: the model's chat
+    template with the generation prompt."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def build_app(gateway: Gateway) -> FastAPI:

@@ -80,8 +80,9 @@ async def test_a_chat_is_rendered_with_the_models_template_and_answered(stack):
     whole = await oai.chat.completions.create(model=gateway.served_model_name, messages=messages,
                                               max_completion_tokens=3, temperature=0)
     assert whole.choices[0].message.content == TEXT and whole.choices[0].message.role == "assistant"
-    expected = gateway.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert decode.jobs[-1].prompt_token_ids == list(expected)
+    expected = gateway.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+    assert decode.jobs[-1].prompt_token_ids == expected
     assert decode.jobs[-1].sampling.max_tokens == 3
 
     events = [e async for e in await oai.chat.completions.create(
