@@ -55,7 +55,8 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 # Fields that never change the output.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority", "request_id"}
-COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode", "seed"}
+COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode", "seed",
+          "return_token_ids"}
 COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens"}
 CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens"}
 
@@ -68,7 +69,7 @@ class OpenAiRequest:
     messages: list[dict] | None = None  # chat: rendered with the model's chat template
     stream: bool = False
     include_usage: bool = False
-    continuous_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -113,7 +114,7 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
         raise InvalidField("'stream_options.continuous_usage_stats' is not supported; include_usage is")
     request = OpenAiRequest(kind, served_model, generate, stream=stream,
                             include_usage=bool(options.get("include_usage")),
-                            continuous_usage=bool(options.get("continuous_usage_stats")))
+                            return_token_ids=bool(body.get("return_token_ids")))
     if kind == "completion":
         _completion_prompt(body.get("prompt"), generate)
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -203,7 +204,7 @@ def usage(final: dict) -> dict:
 
 
 def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
-          first: bool = False, usage_now: dict | None = None) -> dict:
+          first: bool = False, token_ids: list[int] | None = None) -> dict:
     """One server-sent event's object."""
     if request.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -214,10 +215,10 @@ def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str
             delta = {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
+    if request.return_token_ids:
+        choice["token_ids"] = token_ids or []
     event = {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
              "model": request.model, "choices": [choice]}
-    if usage_now is not None:
-        event["usage"] = usage_now
     return event
 
 
@@ -228,7 +229,8 @@ def usage_chunk(request: OpenAiRequest, request_id: str, final: dict) -> dict:
             "model": request.model, "choices": [], "usage": usage(final)}
 
 
-def response(request: OpenAiRequest, request_id: str, text: str, final: dict) -> dict:
+def response(request: OpenAiRequest, request_id: str, text: str, final: dict,
+             token_ids: list[int] | None = None) -> dict:
     """The whole answer, for a request without ``stream``."""
     finish = final.get("finish_reason")
     if request.kind == "completion":
@@ -238,6 +240,8 @@ def response(request: OpenAiRequest, request_id: str, text: str, final: dict) ->
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish}
         kind = "chat.completion"
+    if request.return_token_ids:
+        choice["token_ids"] = token_ids or []
     return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
             "model": request.model, "choices": [choice], "usage": usage(final)}
 

@@ -207,10 +207,12 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
 
 async def _whole(request, request_id: str, first: dict, replies) -> JSONResponse:
     text: list[str] = []
+    token_ids: list[int] = []
     reply = first
     try:
         while not reply.get("finished"):
             text.append(reply["text"])
+            token_ids.extend(reply["token_ids"])
             reply = await replies.__anext__()
     except (KvpushError, TimeoutError, StopAsyncIteration) as exc:
         await replies.aclose()
@@ -218,7 +220,7 @@ async def _whole(request, request_id: str, first: dict, replies) -> JSONResponse
         return _error(code, str(exc), request_id)
     if "error" in reply:
         return _error(reply["error"]["code"], reply["error"]["message"], request_id)
-    return JSONResponse(openai_api.response(request, request_id, "".join(text), reply),
+    return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids),
                         headers={REQUEST_ID_HEADER: request_id})
 
 
@@ -229,30 +231,19 @@ def _sse(event: dict | str) -> bytes:
 async def _events(request, request_id: str, first: dict, replies) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
     closed, and the client's generate() cancels what did not finish)."""
-    reply, sent_first, completion_tokens = first, False, 0
-    prompt_tokens = None
+    reply, sent_first = first, False
     try:
-        while True:
-            if reply.get("finished"):
-                if "error" in reply:
-                    yield _sse(openai_api.error(reply["error"]["code"], reply["error"]["message"])[1])
-                else:
-                    usage_now = openai_api.usage(reply) if request.continuous_usage else None
-                    yield _sse(openai_api.chunk(request, request_id, "", reply.get("finish_reason"),
-                                                first=not sent_first, usage_now=usage_now))
-                    if request.include_usage:
-                        yield _sse(openai_api.usage_chunk(request, request_id, reply))
-                break
-            completion_tokens += len(reply["token_ids"])
-            usage_now = None
-            if request.continuous_usage:
-                prompt_tokens = prompt_tokens or 0
-                usage_now = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+        while not reply.get("finished"):
             yield _sse(openai_api.chunk(request, request_id, reply["text"], first=not sent_first,
-                                        usage_now=usage_now))
+                                        token_ids=reply["token_ids"]))
             sent_first = True
             reply = await replies.__anext__()
+        if "error" in reply:
+            yield _sse(openai_api.error(reply["error"]["code"], reply["error"]["message"])[1])
+        else:
+            yield _sse(openai_api.chunk(request, request_id, "", reply.get("finish_reason"), first=not sent_first))
+            if request.include_usage:
+                yield _sse(openai_api.usage_chunk(request, request_id, reply))
         yield _sse("[DONE]")
     except (KvpushError, TimeoutError) as exc:
         yield _sse(openai_api.error(getattr(exc, "code", "deadline_exceeded"), str(exc))[1])
