@@ -48,3 +48,20 @@ def reference_requests() -> list[dict]:
         requests.append({"prompt_token_ids": prompt, "max_tokens": CROSS_MAX_TOKENS, "ignore_eos": True})
     requests.append({"prompt_token_ids": STREAM_PROMPT, "max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True})
     return requests
+
+
+# The gateway's chat test: its reference is these messages through the model's chat
+# template (as the gateway renders them), run on one plain vLLM instance.
+CHAT_MESSAGES = [{"role": "system", "content": "You write Python."},
+                 {"role": "user", "content": "def parse_args(argv):"}]
+CHAT_MAX_TOKENS = 24
+CHAT = len(reference_requests())  # its index in the reference
+
+
+def chat_reference_request(model_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from services.gateway.service import chat_prompt
+
+    ids = chat_prompt(AutoTokenizer.from_pretrained(model_dir), CHAT_MESSAGES)
+    return {"prompt_token_ids": ids, "max_tokens": CHAT_MAX_TOKENS, "ignore_eos": True}

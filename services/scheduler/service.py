@@ -439,6 +439,10 @@ class Scheduler(Service):
         self.pool.forget(lost_worker)
         self._stop_attempt(flight)
         await self._cancel_jobs(flight, f"retried: worker {lost_worker} was lost")
+        self._attempt_again(flight)
+
+    def _attempt_again(self, flight: Flight) -> None:
+        """A new attempt at the flight, in its own trace span, in the background."""
 
         async def again() -> None:
             with _tracer.start_as_current_span(
@@ -579,15 +583,7 @@ class Scheduler(Service):
                 return
         await self._cancel_jobs(flight, "its scheduler was lost; retried")
         self._bind_workers_none(flight)
-
-        async def again() -> None:
-            with _tracer.start_as_current_span(
-                A.SCHEDULER_DISPATCH, context=flight.context,
-                attributes={A.REQUEST_ID: flight.request_id, A.ATTEMPT: flight.attempt + 1},
-            ):
-                await self._attempt(flight)
-
-        flight.task = self._requests.spawn(again())
+        self._attempt_again(flight)
 
     @staticmethod
     def _bind_workers_none(flight: Flight) -> None:

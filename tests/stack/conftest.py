@@ -32,7 +32,7 @@ def otlp():
 async def stack(model_dir, nats_server, stack_logs, otlp):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
     stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
-                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env)
+                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env, gateway_port=0)
     stack.start()
     try:
         await stack.wait_ready(timeout=400)
@@ -50,7 +50,7 @@ def reference(model_dir, tmp_path_factory) -> list[list[int]]:
     """Token ids a single plain vLLM instance generates for prompts.reference_requests()."""
     folder = tmp_path_factory.mktemp("reference")
     requests, out = folder / "requests.json", folder / "out.json"
-    requests.write_text(json.dumps(prompts.reference_requests()))
+    requests.write_text(json.dumps(prompts.reference_requests() + [prompts.chat_reference_request(model_dir)]))
     subprocess.run(
         [sys.executable, "-m", "tools.reference", "--model", model_dir, "--requests", str(requests),
          "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],

