@@ -76,7 +76,9 @@ class KvpushConnector(KVConnectorBase_V1):
             raise ValueError("KvpushConnector does not support prefix caching yet: start the engine with "
                              "enable_prefix_caching=False (vllm serve --no-enable-prefix-caching)")
         engine_id = transfer_config.engine_id
-        otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector")
+        # The engine core is a process of its own: its metrics get a port of their own.
+        otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector",
+                             port=otel_setup.engine_metrics_port())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         bridge = NatsBridge.shared(config.nats_url, name=engine_id)
         self._scheduler: ConnectorScheduler | None = None

@@ -21,6 +21,18 @@ class _Instruments:
         self.failures = m.create_counter("kvpush.failures", description="failed requests and transfers, by reason")
         self.ttft = m.create_histogram("kvpush.ttft", unit="ms", description="time to first token")
         self.tpot = m.create_histogram("kvpush.tpot", unit="ms", description="time per output token")
+        self.e2e = m.create_histogram("kvpush.e2e", unit="ms", description="request received to final reply")
+        self.ttft_stage = m.create_histogram(
+            "kvpush.ttft.stage", unit="ms",
+            description="TTFT split, by stage: queue (scheduler, to decode's job), wait_kv (decode's job to "
+                        "scheduled with its KV: prefill compute, coordination, transfer), first_token")
+        self.prefill_duration = m.create_histogram(
+            "kvpush.prefill.duration", unit="ms", description="prefill compute, job start to handoff")
+        self.in_flight = m.create_gauge("kvpush.scheduler.in_flight", description="requests a scheduler holds")
+        self.waiting = m.create_gauge("kvpush.worker.waiting", description="requests queued in a worker's engine")
+        self.running = m.create_gauge("kvpush.worker.running", description="requests running in a worker's engine")
+        self.http_requests = m.create_counter(
+            "kvpush.gateway.requests", description="HTTP requests the gateway answered, by endpoint and status")
         self.transfer_bytes = m.create_histogram("kvpush.transfer.bytes", unit="By", description="bytes per KV push")
         self.transfer_duration = m.create_histogram(
             "kvpush.transfer.duration", unit="ms", description="KV push from post to completion")

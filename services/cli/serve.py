@@ -18,13 +18,18 @@ DEMO_PROMPTS = [
 ]
 
 
-def _run_service(service_name: str, log_level: str, make_service) -> int:
-    """Run one long-lived service (an async context manager) until SIGINT/SIGTERM."""
+def _run_service(service_name: str, log_level: str, make_service, metrics_port: int | None = None,
+                 prometheus: bool = False) -> int:
+    """Run one long-lived service (an async context manager) until SIGINT/SIGTERM.
+    ``metrics_port``: its /metrics and /health (a worker's engine core, started by it,
+    takes the next port)."""
     from otel import setup as otel_setup
     from services import logs
 
     logs.configure(log_level)
-    otel_setup.configure(service_name)
+    if metrics_port is not None:
+        os.environ[otel_setup.METRICS_PORT_ENV] = str(metrics_port)
+    otel_setup.configure(service_name, prometheus=prometheus)
 
     async def serve() -> None:
         async with make_service():
@@ -45,14 +50,16 @@ def cmd_scheduler(args) -> int:
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
         args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
         worker_timeout_s=args.worker_timeout_s, max_in_flight=args.max_in_flight,
-        scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas))
+        scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas),
+        metrics_port=args.metrics_port)
 
 
 def cmd_gateway(args) -> int:
     from services.gateway.service import Gateway
 
     return _run_service("kvpush-gateway", args.log_level, lambda: Gateway(
-        args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name))
+        args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name),
+        prometheus=True)  # its /metrics is on its own HTTP port
 
 
 def cmd_worker(args) -> int:
@@ -68,7 +75,7 @@ def cmd_worker(args) -> int:
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
-        faults=faults))
+        faults=faults), metrics_port=args.metrics_port)
 
 
 def _start_stack(args, quiet: bool = False):

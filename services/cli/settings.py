@@ -41,6 +41,9 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--max-model-len", "KVPUSH_MAX_MODEL_LEN", defaults.MAX_MODEL_LEN,
             "context length the engines serve", int),
     Setting("--log-level", "KVPUSH_LOG_LEVEL", "INFO", "log level of the services"),
+    Setting("--metrics-port", "KVPUSH_METRICS_PORT", None,
+            "serve Prometheus /metrics and /health on 127.0.0.1 here (KVPUSH_METRICS_HOST to change); "
+            "a worker's engine core uses the next port", int),
     Setting("--mode", "KVPUSH_MODE", defaults.TRANSFER_MODE,
             "how the prompt's KV moves unless a request says otherwise (transfer_mode)", str, ("push", "pull")),
     Setting("--connector", "KVPUSH_CONNECTOR", defaults.CONNECTOR,

@@ -23,9 +23,10 @@ import nats
 import structlog
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 
+from otel.metrics import instruments
 from services.cli.client import generate, scheduler_status
 from services.gateway import openai_api
 from services.lifecycle import Service
@@ -131,6 +132,12 @@ def build_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"ready": ok, "prefill_workers": len(status.prefill_workers),
                              "decode_workers": len(status.decode_workers)}, 200 if ok else 503)
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -140,13 +147,18 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(gateway, request, "completion")
+        return _counted("/v1/completions", await _serve(gateway, request, "completion"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(gateway, request, "chat")
+        return _counted("/v1/chat/completions", await _serve(gateway, request, "chat"))
 
     return app
+
+
+def _counted(endpoint: str, response):
+    instruments().http_requests.add(1, {"endpoint": endpoint, "status": str(response.status_code)})
+    return response
 
 
 def _error(code: str, message: str, request_id: str) -> JSONResponse:

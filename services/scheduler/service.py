@@ -180,6 +180,7 @@ class Scheduler(Service):
         while True:
             beat = wire.SchedulerHeartbeat(scheduler_id=self.scheduler_id, incarnation=self.incarnation,
                                            flights=len(self.flights))
+            instruments().in_flight.set(len(self.flights), {"scheduler_id": self.scheduler_id})
             try:
                 await self.bus.nc.publish(subject, wire.encode(beat))
             except Exception as exc:

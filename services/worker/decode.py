@@ -207,8 +207,15 @@ class DecodeRole:
         span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: tokens})
         metrics = instruments()
         metrics.ttft.record(timings.ttft_ms)
+        metrics.e2e.record(timings.e2e_ms)
         if tokens > 1:
             metrics.tpot.record(timings.tpot_ms)
+        metrics.ttft_stage.record((received_ns / 1e9 - job.received_at) * 1000, {"stage": "queue"})
+        if stages.scheduled_ns is not None:
+            metrics.ttft_stage.record((stages.scheduled_ns - received_ns) / 1e6, {"stage": "wait_kv"})
+            if stages.first_token_ns is not None:
+                metrics.ttft_stage.record((stages.first_token_ns - stages.scheduled_ns) / 1e6,
+                                          {"stage": "first_token"})
         metrics.requests.add(1, {"outcome": "ok"})
         final = wire.FinalReply(
             request_id=job.request_id,

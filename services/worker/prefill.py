@@ -12,6 +12,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from otel import attributes as A
 from otel.messaging import current_traceparent
+from otel.metrics import instruments
 from services.worker.engine import EngineStages, prefill_request
 from services.worker.jobs import RunningJob, WorkerContext
 from shared import wire
@@ -64,6 +65,8 @@ class PrefillRole:
         stages = EngineStages(last, _tracer)
         stages.record(A.PREFILL_QUEUE, received_ns, stages.scheduled_ns)
         stages.record(A.PREFILL_COMPUTE, stages.scheduled_ns, stages.first_token_ns)
+        if stages.scheduled_ns is not None and stages.first_token_ns is not None:
+            instruments().prefill_duration.record((stages.first_token_ns - stages.scheduled_ns) / 1e6)
         handoff = wire.Handoff(
             request_id=job.request_id,
             transfer_id=job.transfer_id,

@@ -143,7 +143,10 @@ class Worker(Service):
                 kv_params=self.kv_params,
                 incarnation=self.incarnation,
             )
-            instruments().free_kv_blocks.set(beat.free_kv_blocks, {A.WORKER_ID: self.worker_id})
+            worker = {A.WORKER_ID: self.worker_id}
+            instruments().free_kv_blocks.set(beat.free_kv_blocks, worker)
+            instruments().waiting.set(beat.waiting, worker)
+            instruments().running.set(beat.running, worker)
             try:
                 await self.bus.nc.publish(wire.HEARTBEATS(sender=self.worker_id), wire.encode(beat))  # not traced
             except Exception as exc:

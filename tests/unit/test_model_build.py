@@ -91,10 +91,16 @@ def test_folder_contents(small_model):
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
+        "chat_template.jinja",
         MARKER_NAME,
     } == names
     cfg = json.loads((small_model / "config.json").read_text())
     assert cfg["model_type"] == "qwen2"
+    from transformers import AutoTokenizer
+
+    chat = AutoTokenizer.from_pretrained(str(small_model)).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "user: hi\nassistant:"
     assert cfg["head_dim"] == 64
     assert cfg["num_key_value_heads"] == 2
     assert cfg["tie_word_embeddings"] is False
