@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli.client import cancel
+from shared.errors import KvpushError
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
 from shared import settings
 
-# Expected ends of a request under faults: an answer, or one of these codes.
-EXPECTED_CODES = {"cancelled", "worker_lost"}
+# Expected ends of a request under faults: an answer, or one of these codes. no_scheduler:
+# the client's request met no subscriber (NATS restarting, schedulers not yet resubscribed);
+# it was never accepted, and the client is told at once.
+EXPECTED_CODES = {"cancelled", "worker_lost", "no_scheduler"}
 MESSAGE_CHAOS = {
     "kvpush.kv.register.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
     "kvpush.kv.completion.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
@@ -114,11 +117,16 @@ class Soak:
 
     async def _one(self, body: dict, index: int, drop_final: bool = False) -> None:
         request_id = body["request_id"]
+        started = time.monotonic()
         try:
             outcome = await self.rig.request(body, timeout=DEADLINE_S + 30, drop_final=drop_final)
         except TimeoutError:
             self.tally.lost.append(request_id)
             return
+        except KvpushError as exc:  # refused before any scheduler took it (no_scheduler while NATS restarts)
+            outcome = Outcome(request_id, [], {"request_id": request_id, "finished": True,
+                                               "error": {"code": exc.code, "message": exc.message}},
+                              time.monotonic() - started)
         finally:
             self._in_flight.pop(request_id, None)
         self._record(outcome, index)
