@@ -7,4 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The metrics test scrapes the stack with a real Prometheus server: Debian's package.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing Debian's prometheus (the metrics test scrapes the stack with it)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "[test] no prometheus server: install it (apt-get install prometheus) or the metrics test fails"
+  fi
+fi
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

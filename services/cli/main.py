@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
-    cli_settings.add(scheduler, "--mode", "--log-level", "--metrics-port", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
+    cli_settings.add(scheduler, "--mode", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=serve.cmd_scheduler)
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
                                             "keeps the id and gets a new incarnation")
-    cli_settings.add(worker, "--connector", "--log-level", "--metrics-port", "--lease-s", "--kv-wait-s", "--quarantine-s",
+    cli_settings.add(worker, "--connector", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=serve.cmd_worker)
 

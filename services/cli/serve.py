@@ -19,7 +19,7 @@ DEMO_PROMPTS = [
 
 
 def _run_service(service_name: str, log_level: str, make_service, metrics_port: int | None = None,
-                 prometheus: bool = False) -> int:
+                 prometheus: bool = False, metrics_host: str | None = None) -> int:
     """Run one long-lived service (an async context manager) until SIGINT/SIGTERM.
     ``metrics_port``: its /metrics and /health (a worker's engine core, started by it,
     takes the next port)."""
@@ -27,8 +27,10 @@ def _run_service(service_name: str, log_level: str, make_service, metrics_port: 
     from services import logs
 
     logs.configure(log_level)
-    if metrics_port is not None:
+    if metrics_port is not None:  # in the environment: the engine core it starts reads it too
         os.environ[otel_setup.METRICS_PORT_ENV] = str(metrics_port)
+    if metrics_host is not None:
+        os.environ["KVPUSH_METRICS_HOST"] = metrics_host
     otel_setup.configure(service_name, prometheus=prometheus)
 
     async def serve() -> None:
@@ -51,7 +53,7 @@ def cmd_scheduler(args) -> int:
         args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
         worker_timeout_s=args.worker_timeout_s, max_in_flight=args.max_in_flight,
         scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def cmd_gateway(args) -> int:
@@ -75,7 +77,7 @@ def cmd_worker(args) -> int:
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
-        faults=faults), metrics_port=args.metrics_port)
+        faults=faults), metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def _start_stack(args, quiet: bool = False):

@@ -44,6 +44,8 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--metrics-port", "KVPUSH_METRICS_PORT", None,
             "serve Prometheus /metrics and /health on 127.0.0.1 here (KVPUSH_METRICS_HOST to change); "
             "a worker's engine core uses the next port", int),
+    Setting("--metrics-host", "KVPUSH_METRICS_HOST", "127.0.0.1",
+            "the address /metrics listens on (0.0.0.0 in a container)"),
     Setting("--mode", "KVPUSH_MODE", defaults.TRANSFER_MODE,
             "how the prompt's KV moves unless a request says otherwise (transfer_mode)", str, ("push", "pull")),
     Setting("--connector", "KVPUSH_CONNECTOR", defaults.CONNECTOR,

@@ -44,6 +44,7 @@ class Stack:
         role_env: dict[str, dict[str, str]] | None = None,
         schedulers: int = 1,
         gateway_port: int | None = None,
+        metrics: bool = False,
     ):
         self.model = model
         self.nats_url = nats_url
@@ -51,6 +52,8 @@ class Stack:
         self.num_decode = decode
         self.num_schedulers = schedulers
         self.gateway_port = gateway_port  # None: no gateway
+        self.metrics = metrics  # each service serves /metrics on a port of its own
+        self.metrics_targets: dict[str, list[str]] = {}  # child name -> host:port to scrape
         self.max_model_len = max_model_len
         self.mode = mode
         self.connector = connector
@@ -107,6 +110,14 @@ class Stack:
 
     def _spawn(self, role: str, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         env = {**self._env(role, name), **(env or {})}
+        if self.metrics and role != "gateway":  # the gateway's /metrics is on its own HTTP port
+            port = _free_port_pair()
+            env["KVPUSH_METRICS_PORT"] = str(port)
+            self.metrics_targets[name] = [f"127.0.0.1:{port}"]
+            if role in ("prefill", "decode"):
+                self.metrics_targets[name].append(f"127.0.0.1:{port + 1}")  # its engine core
+        elif role == "gateway":
+            self.metrics_targets[name] = [f"127.0.0.1:{self.gateway_port}"]
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -186,6 +197,14 @@ def _answers(url: str) -> bool:
             return reply.status == 200
     except OSError:
         return False
+
+
+def _free_port_pair() -> int:
+    """A free port whose next port is free too (a worker and its engine core)."""
+    while True:
+        port = free_port()
+        if port < 65535 and _port_free(port + 1):
+            return port
 
 
 def _port_free(port: int) -> bool:

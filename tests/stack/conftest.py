@@ -32,7 +32,8 @@ def otlp():
 async def stack(model_dir, nats_server, stack_logs, otlp):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
     stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
-                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env, gateway_port=0)
+                  max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env, gateway_port=0,
+                  metrics=True)
     stack.start()
     try:
         await stack.wait_ready(timeout=400)

@@ -73,6 +73,26 @@ def test_kvpush_service_commands_and_environment_match_the_cli(config, name):
     assert service["environment"]["KVPUSH_NATS_URL"] == "nats://nats:4222"
 
 
+def test_prometheus_scrapes_every_kvpush_service_and_grafana_is_provisioned_with_the_dashboard(config):
+    import yaml
+
+    services = config["services"]
+    mounts = {Path(v["source"]).resolve(): v["target"] for v in services["prometheus"]["volumes"]}
+    scrape = yaml.safe_load((ROOT / "otel" / "prometheus" / "prometheus.yml").read_text())
+    assert mounts[ROOT / "otel" / "prometheus" / "prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    port = services["scheduler"]["environment"]["KVPUSH_METRICS_PORT"]
+    assert {f"scheduler:{port}", f"prefill:{port}", f"decode:{port}", "gateway:8000"} <= targets
+    assert {f"prefill:{int(port) + 1}", f"decode:{int(port) + 1}"} <= targets  # the engine cores
+    grafana = {Path(v["source"]).resolve(): v["target"] for v in services["grafana"]["volumes"]}
+    assert grafana[ROOT / "otel" / "grafana" / "provisioning"] == "/etc/grafana/provisioning"
+    assert grafana[ROOT / "otel" / "grafana" / "dashboards"] == "/var/lib/grafana/dashboards"
+    provider = yaml.safe_load((ROOT / "otel" / "grafana" / "provisioning" / "dashboards" / "dashboards.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads((ROOT / "otel" / "grafana" / "dashboards" / "kvpush.json").read_text())
+    assert all(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+
+
 def test_dockerfile_builds_the_model_the_services_serve(config):
     dockerfile = (ROOT / "Dockerfile").read_text()
     model = config["services"]["scheduler"]["environment"]["KVPUSH_MODEL"]
