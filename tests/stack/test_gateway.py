@@ -141,3 +141,16 @@ async def test_a_client_that_disconnects_mid_stream_ends_its_request_and_both_en
     deadline = time.monotonic() + 45
     while (now := await _free_blocks(nc, 1.5)) != idle:
         assert time.monotonic() < deadline, f"blocks not back: {now} vs idle {idle}"
+
+
+async def test_a_stop_string_ends_the_answer_before_it(stack):
+    oai = api(stack)
+    _, prompt, max_tokens = prompts.CORRECTNESS[0]
+    common = dict(model=model_name(stack), prompt=prompt, max_tokens=max_tokens, temperature=0)
+    whole = (await oai.completions.create(**common, extra_body={"ignore_eos": True})).choices[0].text
+    middle = len(whole) // 2
+    stop = whole[middle:middle + 3]
+    assert stop.strip(), whole  # the gibberish of the built-in model has text in its middle
+    stopped = (await oai.completions.create(**common, stop=[stop], extra_body={"ignore_eos": True})).choices[0]
+    assert stopped.text == whole[:whole.index(stop)]
+    assert stopped.finish_reason == "stop"
