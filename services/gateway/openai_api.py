@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from shared.errors import EmptyPrompt, InvalidField, NotFound, RequestError, http_status
+from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
 Kind = Literal["completion", "chat"]
 
@@ -255,7 +255,3 @@ def error(code: str, message: str, param: str | None = None) -> tuple[int, dict]
     status = http_status(code)
     return status, {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
                               "param": param, "code": code}}
-
-
-def error_of(exc: RequestError | NotFound) -> tuple[int, dict]:
-    return error(exc.code, exc.message)
