@@ -205,8 +205,14 @@ class Consumer:
     # ---------------------------------------------------------------- NATS
 
     def on_completion(self, event: wire.Completion) -> None:
-        if not isinstance(event, wire.TransferFailed) or event.prefill_engine_id == self.engine_id:
-            return  # TransferDone is for the schedulers: our KV's arrival is its notification
+        if event.prefill_engine_id == self.engine_id:
+            return
+        if not isinstance(event, wire.TransferFailed):
+            # Our KV's arrival is its notification, not this message; but the message says
+            # the notification is due, so the transfer thread polls for it now.
+            if self._waits.get(event.transfer_id) is not None and self.transfer is not None:
+                self.transfer.poke()
+            return
         wait = self._waits.get(event.transfer_id)
         prefill = wait.context.prefill_engine_id if wait is not None else self._ended_prefill(event.transfer_id)
         if prefill is not None and prefill != event.prefill_engine_id:

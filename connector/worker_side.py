@@ -19,6 +19,7 @@ from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
 from connector.completion import parse_notification
 from connector.consumer import Consumer
+from connector.engine_wake import WakeClock, WakeListener
 from connector.metadata import KvpushMetadata, KvpushWorkerMeta
 from connector.producer import Producer
 from connector.transfer_thread import TransferThread
@@ -28,9 +29,12 @@ log = logging.getLogger("kvpush.connector")
 
 # On a step with nothing to compute, vLLM's engine loop would spin (stepping every ~1 ms)
 # while requests wait for KV or blocks wait to be sent, taking a core from the other
-# engine. get_finished waits up to this long for a transfer to end instead; an arrival
-# wakes it at once. A new request reaching an idle engine waits at most this long.
-IDLE_WAIT_S = 0.01
+# engine. get_finished waits for a transfer to end instead: a transfer ending, or the
+# worker handing the engine a new request (``engine_wake``), cuts the wait short. Without
+# the wake (its address taken), a new request would wait up to the whole wait, so the wait
+# is then short.
+IDLE_WAIT_S = 0.2
+IDLE_WAIT_WITHOUT_WAKE_S = 0.01
 CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
 
 
@@ -51,6 +55,8 @@ class ConnectorWorker:
         self._progress = threading.Event()  # set whenever a transfer ends; wakes an idle get_finished
         self._stop = threading.Event()
         self._clock = threading.Thread(target=self._run_clock, name="kvpush-lease-clock", daemon=True)
+        self._wake_clock = WakeClock(IDLE_WAIT_WITHOUT_WAKE_S)
+        self._wake: WakeListener | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -69,9 +75,18 @@ class ConnectorWorker:
                 self.bridge.subscribe_typed(subject, kind, handler, self.engine_id)
         self.bridge.publish(wire.KV_AGENTS(sender=self.engine_id), info)
         self._clock.start()
+        address = wire.engine_wake_address(self.engine_id, self.incarnation, self.rank)
+        try:
+            self._wake = WakeListener(address, self._on_wake)
+            self._wake_clock.long_s = IDLE_WAIT_S
+        except OSError as exc:
+            log.warning("no engine wake socket (%s): idle steps wait at most %.0f ms", exc,
+                        IDLE_WAIT_WITHOUT_WAKE_S * 1000)
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self._wake is not None:
+            self._wake.close()
         if self.transfer is not None:
             self.transfer.stop()
 
@@ -91,7 +106,7 @@ class ConnectorWorker:
         self._progress.clear()  # set again by any transfer that ends from here on
         sending, receiving, failed = self._collect_finished(finished_req_ids)
         if idle and not sending and not receiving and any(half.busy() for half in self._halves):
-            self._progress.wait(IDLE_WAIT_S)
+            self._progress.wait(self._wake_clock.wait_s(time.monotonic()))
             more = self._collect_finished(set())
             sending |= more[0]
             receiving |= more[1]
@@ -107,6 +122,10 @@ class ConnectorWorker:
         if self.consumer is not None:
             receiving, failed = self.consumer.get_finished(finished_req_ids)
         return sending, receiving, failed
+
+    def _on_wake(self) -> None:
+        self._wake_clock.woken(time.monotonic())
+        self._progress.set()
 
     def build_worker_meta(self) -> KvpushWorkerMeta | None:
         given_up = self.consumer.take_given_up() if self.consumer is not None else set()

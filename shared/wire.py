@@ -191,6 +191,15 @@ def agent_subject(engine_id: str, rank: int) -> Subject:
     return KV_AGENT(engine_id=engine_id, rank=rank)
 
 
+def engine_wake_address(engine_id: str, incarnation: str, rank: int) -> bytes:
+    """The local datagram socket (Linux abstract namespace) on which a worker tells its
+    engine's connector rank that a request was handed to the engine. Not NATS: the worker
+    and its engine share a host, and the wake must beat the request into the engine.
+    Unique per engine start, so that two stacks on one host never share one."""
+    digest = hashlib.sha256(f"{engine_id}\0{incarnation}\0{rank}".encode()).hexdigest()[:32]
+    return b"\0kvpush-wake-" + digest.encode()
+
+
 def sender_of(subject: str) -> str:
     """The sender token of a subject that ends in one (the templates with ``{sender}``)."""
     return subject.rsplit(".", 1)[-1]

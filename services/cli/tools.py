@@ -63,40 +63,41 @@ def cmd_model_build(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from tqdm import tqdm
-
-    from tools.bench.run import CONNECTORS, Bench, BenchConfig
+    from tools.bench.run import BINDING_PROBE, GRID, VARIANTS, Bench, BenchConfig, Workload
+    from tools.bench.systems import BINDINGS, Topology
     from tools.model_build import build_model, default_model_dir
 
-    connectors = args.connectors.split(",")
-    unknown = [c for c in connectors if c not in CONNECTORS]
+    variants = args.systems.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        print(f"unknown connectors {unknown}; choose from {', '.join(CONNECTORS)}", file=sys.stderr)
+        print(f"unknown systems {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
+    bindings = {}
+    for pair in filter(None, (args.binding or "").split(",")):
+        system, _, binding = pair.partition("=")
+        if binding not in BINDINGS:
+            print(f"--binding {pair!r}: give system=binding, binding one of {', '.join(BINDINGS)}", file=sys.stderr)
+            return 2
+        bindings[system] = binding
+    if args.input_lens:
+        topology = Topology(args.prefill, args.decode)
+        workloads = [Workload(f"{n} tokens" if topology == Topology() else f"{n} tokens {topology.label}", n,
+                              tuple(float(r) for r in args.rates.split(",")), args.requests, topology)
+                     for n in (int(x) for x in args.input_lens.split(","))]
+    else:
+        workloads = list(GRID)
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
-    config = BenchConfig(
-        model=model,
-        profile=args.profile if not args.model else "custom",
-        connectors=connectors,
-        input_lens=[int(x) for x in args.input_lens.split(",")],
-        rates=[float(x) for x in args.rates.split(",")] if args.rates else None,
-        load_fractions=[float(x) for x in args.load.split(",")],
-        requests=args.requests,
-        warmup=args.warmup,
-        output_len=args.output_len,
-        seed=args.seed,
-        out=Path(args.out),
-    )
-    groups = len(config.input_lens) * len(connectors) * (len(config.rates) if config.rates else len(config.load_fractions))
-    with tqdm(total=groups * config.requests, unit="req", desc="bench", file=sys.stderr) as progress:
-        bench = Bench(config, progress)
-        asyncio.run(bench.run())
+    probe = BINDING_PROBE if args.probe_requests is None else \
+        Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
+    config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
+                         workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
+                         out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl)
+    bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
+    asyncio.run(bench.run())
     bench.write()
-    print((Path(args.out) / "table.md").read_text())
-    say(f"results in {args.out}: results.json, requests.csv, points.csv, table.md, plots/")
-    for error in bench.errors:
-        say(f"not measured: {error}")
-    return 0 if not bench.errors and not any(p.failures for p in bench.points) else 1
+    print((Path(args.out) / "tables.md").read_text())
+    failed = [p for p in bench.points if p.error or p.summary.get("failed")]
+    return 1 if bench.errors or failed else 0
 
 
 def cmd_soak(args) -> int:

@@ -28,7 +28,7 @@ from otel import attributes as A
 from otel.messaging import TEMPORARY, current_traceparent
 from otel.metrics import instruments
 from services.ledger import Ledger
-from services.worker.engine import EngineStages, decode_request
+from services.worker.engine import EngineStages, decode_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
 from shared import wire
 from shared.errors import EngineFailed, KvTransferFailed, KvpushError, to_error_body
@@ -149,6 +149,7 @@ class DecodeRole:
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )
+        wake_engine(self.worker.settings)
         async for output in self.worker.engine.generate(
             {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
         ):

@@ -5,6 +5,7 @@ stat logger hook) and its per-request stage times (as child spans)."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -83,7 +84,30 @@ def engine_kwargs(engine: EngineSettings) -> dict:
 def engine_args(engine: EngineSettings):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(**engine_kwargs(engine), disable_log_stats=False)
+    kwargs = engine_kwargs(engine)
+    if engine.tensor_parallel_size == 1:
+        # One worker, in the engine-core process, as vLLM runs one GPU: on CPU vLLM would
+        # otherwise put it in a process of its own, and the two busy-poll the shared-memory
+        # queue between them (~1 CPU-s/s while requests only wait for KV). The engine core
+        # itself still runs in a process apart from this one (AsyncLLM).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs["distributed_executor_backend"] = "uni"
+    return AsyncEngineArgs(**kwargs, disable_log_stats=False)
+
+
+def wake_engine(engine: EngineSettings) -> None:
+    """Tell the engine's kvpush connector that a request is being handed to the engine: an
+    engine whose requests only wait for transfers sits in a long wait (see
+    ``connector.engine_wake``). Costs a datagram; a missing listener is not an error."""
+    if engine.role is None or engine.connector != "kvpush":
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.setblocking(False)
+        for rank in range(engine.tensor_parallel_size):
+            try:
+                sender.sendto(b"\0", wire.engine_wake_address(engine.engine_id, engine.incarnation, rank))
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------- requests

@@ -13,7 +13,7 @@ from opentelemetry.trace import Status, StatusCode
 from otel import attributes as A
 from otel.messaging import current_traceparent
 from otel.metrics import instruments
-from services.worker.engine import EngineStages, prefill_request
+from services.worker.engine import EngineStages, prefill_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
 from shared import wire
 from shared.errors import EngineFailed, to_error_body
@@ -50,6 +50,7 @@ class PrefillRole:
         error = None
         last = None
         try:
+            wake_engine(self.worker.settings)
             async for output in self.worker.engine.generate(
                 {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
             ):
