@@ -1,12 +1,16 @@
-"""`kvpush bench`'s statistics (tools.bench.stats): percentiles and a point's summary."""
+"""`kvpush bench`'s own arithmetic: percentiles, the result summary it reads from
+``vllm bench serve``'s file, and the reading of a point against its capacity."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from tools.bench.stats import RequestResult, percentile, summarize
+from tools.bench import client
+from tools.bench.run import Point, within_capacity
+from tools.bench.stats import percentile
 
 
 def test_percentiles_interpolate_and_ignore_nan():
@@ -16,15 +20,36 @@ def test_percentiles_interpolate_and_ignore_nan():
     assert math.isnan(percentile([float("nan")], 0.5))
 
 
-def test_summary_counts_failures_and_throughput():
-    results = [RequestResult("kvpush-push", 8, 1.0, str(i), ok=i != 2, ttft_ms=10.0 * (i + 1), tpot_ms=5.0,
-                             e2e_ms=100.0, split={"queueing": 1.0, "compute": 5.0, "coordination": 2.0,
-                                                  "transfer": 0.5} if i != 2 else {})
-               for i in range(4)]
-    point = summarize(results, wall_s=2.0)
-    assert point.failures == 1 and point.requests == 4
-    assert point.throughput_rps == pytest.approx(1.5)  # 3 completed in 2 s
-    assert point.ttft.p50 == pytest.approx(20.0)  # of 10, 20, 40: the failed request's 30 is left out
-    assert point.ttft.mean == pytest.approx(70.0 / 3)
-    assert point.split_mean == pytest.approx({"queueing": 1.0, "compute": 5.0, "coordination": 2.0,
-                                              "transfer": 0.5})
+def test_the_summary_reads_vllms_percentile_keys():
+    result = {"completed": 9, "failed": 1, "request_throughput": 1.5, "duration": 6.0,
+              "mean_ttft_ms": 120.0, "p50_ttft_ms": 100.0, "p90_ttft_ms": 150.0, "p99_ttft_ms": 200.0,
+              "p50_tpot_ms": 30.0, "p99_tpot_ms": 35.0}
+    summary = client.summary(result)
+    assert summary["completed"] == 9 and summary["failed"] == 1
+    assert (summary["p50_ttft_ms"], summary["p99_ttft_ms"], summary["p50_tpot_ms"]) == (100.0, 200.0, 30.0)
+    assert summary["p50_e2el_ms"] is None  # not in the file: missing, not zero
+
+
+def test_the_client_command_fixes_what_makes_points_comparable():
+    load = client.Load(input_len=1024, output_len=128, rate=2.0, requests=16, seed=7)
+    args = client.command("http://127.0.0.1:1", "m", "/models/m", load, Path("/tmp/r/x.json"), "p-",
+                          {"transfer_mode": "pull"})
+    joined = " ".join(args)
+    for expected in ("--dataset-name random", "--random-input-len 1024", "--random-output-len 128",
+                     "--request-rate 2.0", "--seed 7", "--ignore-eos", "--save-detailed", "--result-filename x.json",
+                     '--extra-body {"transfer_mode": "pull"}', "--random-range-ratio 0.0"):
+        assert expected in joined, expected
+
+
+def test_a_point_is_within_capacity_until_its_ttft_passes_the_knee():
+    def point(rate, ttft, variant="kvpush-push", error=""):
+        p = Point("1k", "1P1D", "kvpush", variant, "auto", 1024, rate, 16, "raw/x.json", error=error)
+        p.summary = {"p50_ttft_ms": ttft}
+        return p
+
+    light, loaded, beyond = point(0.5, 100.0), point(2.0, 290.0), point(5.0, 310.0)
+    other = point(0.5, 1000.0, variant="vllm-nixl")  # another system's lightest point does not count
+    points = [light, loaded, beyond, other]
+    assert within_capacity(light, points) and within_capacity(loaded, points)
+    assert not within_capacity(beyond, points)  # past 3x its own lightest TTFT
+    assert not within_capacity(point(0.5, 100.0, error="client failed"), points)

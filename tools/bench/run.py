@@ -1,13 +1,21 @@
-"""``kvpush bench``: kvpush push, kvpush pull, vLLM's NixlConnector and NixlPushConnector,
-side by side, through the same stack and client path.
+"""``kvpush bench``: kvpush (push and pull) against vLLM's own disaggregated serving
+(``NixlConnector`` and ``NixlPushConnector`` behind their example proxies), with one
+client, ``vllm bench serve``, for every system.
 
-Per connector stack: start NATS + scheduler + one prefill + one decode worker, measure
-nothing twice. kvpush push and pull share one stack (the mode is per request) and
-alternate point by point, so drift hits both alike; vLLM's connectors need their own
-engines and run one stack after the other. Per point: warm-up, then open-loop Poisson
-arrivals of token-id prompts of an exact length, ``ignore_eos`` outputs of a fixed
-length; per request the client measures TTFT, TPOT and end-to-end latency, and the
-services' spans (sent to an in-process OTLP receiver) give the TTFT split.
+The run, in order:
+
+1. **Binding** (unless given): each system at one probe point under each OpenMP binding
+   (``systems.BINDINGS``); each keeps the binding with the lower TTFT p50 for the rest.
+2. **Raw NIXL bandwidth** between two processes, for the handoff overhead.
+3. **The grid**: workloads grouped by topology. Per group, each system in turn gets a
+   fresh stack (the others stopped: an idle vLLM engine spins) and runs every load point
+   of the group's workloads; kvpush's push and pull share its stack and alternate point
+   by point. The order of systems rotates from group to group.
+
+Per point: vLLM's raw result file, CPU seconds per second of every process of the system,
+and for kvpush the TTFT split from the services' spans (an in-process OTLP receiver) and
+the handoff overhead (prefill finished to decode holding the KV, less the bytes' time at
+the raw bandwidth).
 """
 
 from __future__ import annotations
@@ -18,373 +26,403 @@ import json
 import math
 import os
 import platform
-import random
 import time
 import uuid
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools import trace_view as view
-from tools.otlp_receiver import OtlpReceiver
-from tools.bench.stats import PointSummary, RequestResult, markdown_table, summarize
-from services.launch.natsd import LocalNatsServer
-from services.launch.stack import Stack
+from otel import attributes as A
 from shared import wire
+from tools import trace_view as view
+from tools.bench import client
+from tools.bench.stats import percentile
+from tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
+from tools.otlp_receiver import OtlpReceiver
 
-CONNECTORS = ("kvpush-push", "kvpush-pull", "vllm-nixl", "vllm-nixl-push")
-VOCAB = 4096
+VARIANTS = ("kvpush-push", "kvpush-pull", "vllm-nixl", "vllm-nixl-push")
+SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "vllm-nixl": "vllm-nixl",
+             "vllm-nixl-push": "vllm-nixl-push"}
+BASELINE = "vllm-nixl"  # what a user would otherwise pick: every ratio is to it
+KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024}
+CLIENT_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    input_len: int
+    rates: tuple[float, ...]
+    requests: int
+    topology: Topology = Topology()
+    range_ratio: float = 0.0  # mixed lengths: uniform in input_len * [1 - r, 1 + r]
+
+    @property
+    def longest(self) -> int:
+        return int(self.input_len * (1 + self.range_ratio)) + 1
+
+
+# The grid of docs/benchmarks.md (kv-heavy model, 2 cores): the shape of vLLM's published
+# push-vs-pull benchmark (1P1D, prefix caching off, 128 output tokens, 1k-8k inputs, light
+# load to beyond saturation), mixed lengths, and 1P2D / 2P1D as functional comparisons.
+GRID = (
+    Workload("1k", 1024, (0.5, 2.0, 5.0), 16),
+    Workload("4k", 4096, (0.15, 0.5, 1.0), 10),
+    Workload("8k", 8192, (0.08,), 5),
+    Workload("mixed 200-3900", 2048, (0.3, 1.0), 12, range_ratio=0.9),
+    Workload("1k 1P2D", 1024, (2.0,), 12, topology=Topology(1, 2)),
+    Workload("1k 2P1D", 1024, (2.0,), 12, topology=Topology(2, 1)),
+)
+BINDING_PROBE = Workload("binding probe, 1k", 1024, (1.0,), 8)
 
 
 @dataclass
 class BenchConfig:
     model: str
     profile: str
-    connectors: list[str]
-    input_lens: list[int]
-    rates: list[float] | None  # None: fractions of the measured prefill capacity
-    load_fractions: list[float]
+    variants: list[str]
+    workloads: list[Workload]
+    output_len: int = 128
+    seed: int = 0
+    warmups: int = 2
+    out: Path = Path("bench-results")
+    bindings: dict[str, str] = field(default_factory=dict)  # system -> binding; missing ones are measured
+    probe: Workload = BINDING_PROBE
+    raw_bandwidth: bool = True
+
+    @property
+    def systems(self) -> list[str]:
+        return list(dict.fromkeys(SYSTEM_OF[v] for v in self.variants))
+
+
+@dataclass
+class Point:
+    workload: str
+    topology: str
+    system: str
+    variant: str
+    binding: str
+    input_len: int
+    rate: float
     requests: int
-    warmup: int
-    output_len: int
-    seed: int
-    out: Path
-    max_model_len: int = 0
-    capacity_rps: dict[int, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.max_model_len:
-            self.max_model_len = max(self.input_lens) + self.output_len + 16
+    result_file: str
+    summary: dict = field(default_factory=dict)
+    cpu_s_per_s: dict[str, float] = field(default_factory=dict)
+    segments_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # kvpush: segment -> p50/p99/mean
+    handoff_overhead_ms: dict[str, float] = field(default_factory=dict)  # kvpush: p50/p99
+    error: str = ""
 
 
-def _stack_groups(connectors: list[str]) -> list[tuple[str, list[str]]]:
-    """(engine connector, bench connectors it serves), in a stable order."""
-    groups: list[tuple[str, list[str]]] = []
-    ours = [c for c in connectors if c.startswith("kvpush-")]
-    if ours:
-        groups.append(("kvpush", ours))
-    groups += [(c, [c]) for c in connectors if not c.startswith("kvpush-")]
-    return groups
+
+def within_capacity(point: Point, points: list[Point]) -> bool:
+    """Whether the system kept up at this point: its TTFT p50 is at most KNEE times its own
+    TTFT p50 at the workload's lightest rate (past capacity the queue, and TTFT with it,
+    grows with the length of the run). The targets apply only at such points."""
+    if point.error or not point.summary:
+        return False
+    mine = [p for p in points if p.variant == point.variant and p.workload == point.workload and p.summary]
+    lightest = min(mine, key=lambda p: p.rate)
+    return point.summary["p50_ttft_ms"] <= KNEE * lightest.summary["p50_ttft_ms"]
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, VOCAB) for _ in range(length)]
-
-
-async def _one_request(nc, body: dict) -> dict:
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    sent = time.perf_counter()
-    first = last = None
-    tokens = 0
-    try:
-        await nc.publish(wire.GENERATE_SUBJECT, json.dumps(body).encode(), reply=inbox)
-        while True:
-            reply = json.loads((await sub.next_msg(timeout=600)).data)
-            now = time.perf_counter()
-            if reply.get("finished"):
-                if "error" in reply:
-                    return {"ok": False, "error": reply["error"]["code"]}
-                break
-            first = first or now
-            last = now
-            tokens += len(reply["token_ids"])
-    except Exception as exc:
-        return {"ok": False, "error": type(exc).__name__}
-    finally:
-        await sub.unsubscribe()
-    ttft = (first - sent) * 1000
-    return {
-        "ok": True,
-        "ttft_ms": ttft,
-        "tpot_ms": (last - first) * 1000 / (tokens - 1) if tokens > 1 else math.nan,
-        "e2e_ms": (last - sent) * 1000,
-        "completion_tokens": tokens,
-    }
+KNEE = 3.0
 
 
 class Bench:
-    def __init__(self, config: BenchConfig, progress=None):
+    def __init__(self, config: BenchConfig, say=print):
         self.config = config
-        self.progress = progress
-        self.results: list[RequestResult] = []
-        self.points: list[PointSummary] = []
-        self.idle_cpu: list[dict] = []  # decode worker CPU while idle vs while a request waits for KV
-        self.errors: list[str] = []  # stacks that could not run
+        self.say = say
+        self.points: list[Point] = []
+        self.probes: list[Point] = []
+        self.idle_cpu: list[dict] = []
+        self.raw_nixl: list[dict] = []
+        self.errors: list[str] = []
+        self.run_id = uuid.uuid4().hex[:6]
+
+    # ------------------------------------------------------------------ the run
 
     async def run(self) -> None:
         c = self.config
         with OtlpReceiver() as receiver:
             self.receiver = receiver
-            for engine_connector, bench_connectors in _stack_groups(c.connectors):
-                try:
-                    await self._with_stack(engine_connector, bench_connectors)
-                except (RuntimeError, TimeoutError) as exc:  # one stack failing must not lose the others
-                    self.errors.append(f"{engine_connector}: {exc}")
-                    self._say(f"{engine_connector} stack failed: {exc} (logs in {c.out / 'logs'})")
+            for system in c.systems:
+                if system not in c.bindings:
+                    c.bindings[system] = await self._pick_binding(system)
+            if c.raw_bandwidth:
+                self.raw_nixl = await asyncio.to_thread(self._raw_bandwidth)
+            groups: dict[Topology, list[Workload]] = {}
+            for workload in c.workloads:
+                groups.setdefault(workload.topology, []).append(workload)
+            for turn, (topology, workloads) in enumerate(groups.items()):
+                systems = c.systems[turn % len(c.systems):] + c.systems[:turn % len(c.systems)]
+                for system in systems:
+                    await self._with_system(system, c.bindings[system], topology, workloads, self.points,
+                                            idle_probe=topology == Topology())
 
-    async def _with_stack(self, engine_connector: str, bench_connectors: list[str]) -> None:
-        import nats
+    async def _pick_binding(self, system: str) -> str:
+        scores = {}
+        for binding in BINDINGS:
+            before = len(self.probes)
+            await self._with_system(system, binding, self.config.probe.topology, [self.config.probe], self.probes)
+            ttfts = [p.summary.get("p50_ttft_ms") for p in self.probes[before:]]
+            if ttfts and all(t is not None and not p.error for t, p in zip(ttfts, self.probes[before:])):
+                scores[binding] = sum(ttfts) / len(ttfts)
+        if not scores:
+            self.errors.append(f"{system}: no binding worked; using auto")
+            return "auto"
+        best = min(scores, key=scores.get)
+        self.say(f"{system}: binding {best} (TTFT p50 by binding: "
+                 + ", ".join(f"{b} {s:.0f} ms" for b, s in scores.items()) + ")")
+        return best
 
+    def _system(self, system: str, binding: str, topology: Topology, max_model_len: int):
         c = self.config
-        env = {
-            "OTEL_EXPORTER_OTLP_ENDPOINT": self.receiver.endpoint,
-            "OTEL_METRICS_EXPORTER": "none",
-            "KVPUSH_LOG_LEVEL": "WARNING",
-        }
-        with LocalNatsServer() as server:
-            stack = Stack(c.model, nats_url=server.url, max_model_len=c.max_model_len, connector=engine_connector,
-                          log_dir=c.out / "logs" / engine_connector, extra_env=env)
-            self._say(f"starting the {engine_connector} stack")
-            stack.start()
-            try:
-                await stack.wait_ready(timeout=600)
-                nc = await nats.connect(server.url)
-                try:
-                    for input_len in c.input_lens:
-                        await self._warm_up(nc, bench_connectors, input_len)
-                        if input_len not in c.capacity_rps:
-                            c.capacity_rps[input_len] = await self._measure_capacity(nc, bench_connectors[0], input_len)
-                            self._say(f"prefill capacity at {input_len} tokens: {c.capacity_rps[input_len]:.2f} req/s")
-                        for rate in self._rates(input_len):
-                            for connector in bench_connectors:  # alternate push and pull on one stack
-                                await self._point(nc, connector, input_len, rate)
-                    if engine_connector in ("kvpush", "vllm-nixl-push"):
-                        self.idle_cpu.append(await self._idle_wait_cpu(nc, stack, engine_connector))
-                finally:
-                    await nc.close()
-            finally:
-                stack.stop()
+        log_dir = c.out / "logs" / f"{system}-{topology.label}-{binding}"
+        if system == "kvpush":
+            return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint)
+        return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir)
 
-    async def _idle_wait_cpu(self, nc, stack: Stack, engine_connector: str, seconds: float = 5.0) -> dict:
-        """CPU seconds per second the decode worker (with its engine processes) burns when
-        idle, and while one request waits for KV that never comes (push connectors only)."""
+    @property
+    def model_name(self) -> str:
+        return self.config.model.rstrip("/").rsplit("/", 1)[-1]  # what both gateways serve it as
+
+    async def _with_system(self, system: str, binding: str, topology: Topology, workloads: list[Workload],
+                           into: list[Point], idle_probe: bool = False) -> None:
+        c = self.config
+        max_model_len = max(w.longest for w in workloads) + c.output_len + 16
+        stack = self._system(system, binding, topology, max_model_len)
+        self.say(f"starting {system} ({topology.label}, binding {binding})")
+        started = time.monotonic()
+        try:
+            await stack.start()
+            self.say(f"{system} ready in {time.monotonic() - started:.0f} s")
+            for workload in workloads:
+                for rate in workload.rates:
+                    for variant in (v for v in c.variants if SYSTEM_OF[v] == system):
+                        into.append(await self._point(stack, variant, workload, rate, binding))
+            if idle_probe and system == "kvpush":
+                self.idle_cpu.append(await self._idle_wait_cpu(stack))
+        except (RuntimeError, TimeoutError, OSError) as exc:  # one system failing must not lose the others
+            self.errors.append(f"{system} {topology.label} {binding}: {exc}")
+            self.say(f"{system} failed: {exc} (logs in {c.out / 'logs'})")
+        finally:
+            stack.stop()
+
+    async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str) -> Point:
+        c = self.config
+        load = client.Load(workload.input_len, c.output_len, rate, workload.requests, workload.range_ratio,
+                           seed=c.seed, warmups=c.warmups)
+        slug = f"{workload.name}-{variant}-{rate:g}-{binding}".replace(" ", "_")
+        result_file = c.out / "raw" / f"{slug}.json"
+        prefix = f"bench-{self.run_id}-{slug}-"
+        point = Point(workload.name, workload.topology.label, SYSTEM_OF[variant], variant, binding,
+                      workload.input_len, rate, workload.requests, str(result_file.relative_to(c.out)))
+        self.say(f"{variant}: {workload.name} at {rate:g} req/s, {workload.requests} requests")
+        cpu_before, wall_before = _cpu_by_process(stack.processes()), time.monotonic()
+        try:
+            result = await asyncio.to_thread(client.run, stack.base_url, self.model_name, c.model, load, result_file,
+                                             prefix, stack.variants[variant], CLIENT_TIMEOUT_S)
+            point.summary = client.summary(result)
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            point.error = str(exc)[-500:]
+            self.say(f"{variant}: the point failed: {point.error}")
+        wall = time.monotonic() - wall_before
+        cpu_after = _cpu_by_process(stack.processes())
+        point.cpu_s_per_s = _cpu_rates(cpu_before, cpu_after, wall)
+        if SYSTEM_OF[variant] == "kvpush" and not point.error:
+            await asyncio.sleep(1.5)  # the last spans
+            self._spans_of(point, prefix, workload)
+        s = point.summary
+        if s:
+            self.say(f"{variant}: TTFT p50 {s['p50_ttft_ms']:.0f} ms p99 {s['p99_ttft_ms']:.0f} ms, "
+                     f"TPOT p50 {s['p50_tpot_ms']:.1f} ms, {s['completed']}/{workload.requests} ok")
+        return point
+
+    def _spans_of(self, point: Point, prefix: str, workload: Workload) -> None:
+        traces = view.group_traces(list(self.receiver.spans))
+        by_request: dict[str, list[dict]] = {}
+        for trace in traces.values():
+            for span in trace:
+                request_id = span["attributes"].get(A.REQUEST_ID, "")
+                if isinstance(request_id, str) and request_id.startswith(prefix):
+                    newest = by_request.get(request_id)
+                    if newest is None or min(s["start_ns"] for s in trace) > min(s["start_ns"] for s in newest):
+                        by_request[request_id] = trace
+                    break
+        segments: dict[str, list[float]] = {}
+        overheads = []
+        bandwidth = self._raw_bytes_per_ms()
+        for trace in by_request.values():
+            path = view.critical_path(trace)
+            if not path:
+                continue
+            ms = {s.name: s.ms for s in path}
+            for name, value in ms.items():
+                segments.setdefault(name, []).append(value)
+            if bandwidth:
+                handoff = sum(ms.get(k, 0.0) for k in ("handoff", "transfer", "kv notice"))
+                prompt = _prompt_tokens(trace) or workload.input_len
+                overheads.append(handoff - prompt * KV_BYTES_PER_TOKEN.get(self.config.profile, 0) / bandwidth)
+        point.segments_ms = {name: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "mean": sum(v) / len(v),
+                                    "n": len(v)} for name, v in segments.items()}
+        if overheads:
+            point.handoff_overhead_ms = {"p50": percentile(overheads, 0.5), "p99": percentile(overheads, 0.99)}
+
+    # ------------------------------------------------------------------ extra measurements
+
+    def _raw_bandwidth(self) -> list[dict]:
+        from tools.bench import transfer
+
+        self.say("raw NIXL WRITE bandwidth between two processes")
+        return transfer.run(progress=lambda line: self.say(line))
+
+    def _raw_bytes_per_ms(self) -> float:
+        """The best raw NIXL WRITE bandwidth of this run (bytes per ms), 0 if not measured."""
+        return max((r["raw_gib_s"] * 2**30 / 1000 for r in self.raw_nixl), default=0.0)
+
+    async def _idle_wait_cpu(self, system: KvpushSystem, seconds: float = 5.0) -> dict:
+        """CPU seconds per second of the decode worker (with its engine core) idle, and while
+        one request waits for pushed KV that never comes."""
         import nats
         import psutil
 
+        stack = system.stack
         decode = next(p for name, p in stack.children if name.startswith("decode"))
         root = psutil.Process(decode.pid)
         processes = [root, *root.children(recursive=True)]
 
-        def cpu() -> float:
-            total = 0.0
+        def per_process() -> dict[str, float]:
+            seconds_used = {}
             for process in processes:
                 try:
                     times = process.cpu_times()
-                    total += times.user + times.system
+                    name = "decode worker" if process is root else f"{process.name()} ({process.pid})"
+                    seconds_used[name] = times.user + times.system
                 except psutil.NoSuchProcess:
                     pass
-            return total
+            return seconds_used
 
-        beats: dict[str, wire.WorkerHeartbeat] = {}
-
-        async def on_beat(msg):
-            beat = wire.decode(msg.data, wire.WorkerHeartbeat)
-            beats[beat.role] = beat
-
-        sub = await nc.subscribe(wire.HEARTBEATS.wildcard, cb=on_beat)
-        while len(beats) < 2:
-            await asyncio.sleep(0.2)
-        await sub.unsubscribe()
-        start = cpu()
-        await asyncio.sleep(seconds)
-        idle = (cpu() - start) / seconds
-        transfer_id = f"idle-probe-{uuid.uuid4().hex}"
-        job = wire.DecodeJob(
-            request_id=transfer_id, transfer_id=transfer_id,
-            prompt_token_ids=_prompt(min(512, self.config.max_model_len // 2), 1),
-            sampling=wire.SamplingSpec(8, 0.0, True), prefill_engine_id=beats["prefill"].worker_id,
-            reply_to=nc.new_inbox(), received_at=time.time(),
-        )
-        job.kv_transfer_params = dict(beats["prefill"].kv_params)  # as the scheduler sends it
-        replies = await nc.subscribe(job.reply_to)
-        await nc.request(wire.decode_job_subject(beats["decode"].worker_id), wire.encode(job), timeout=5)
-        await asyncio.sleep(1.0)  # let it allocate and register
+        nc = await nats.connect(stack.nats_url)
         try:
-            early = await replies.next_msg(timeout=0.01)
-            raise RuntimeError(f"the idle probe request did not wait for KV: {early.data[:200]!r}")
-        except nats.errors.TimeoutError:
-            pass  # nothing yet: it is waiting, as intended
+            beats: dict[str, wire.WorkerHeartbeat] = {}
+
+            async def on_beat(msg):
+                beat = wire.decode(msg.data, wire.WorkerHeartbeat)
+                beats[beat.role] = beat
+
+            sub = await nc.subscribe(wire.HEARTBEATS.wildcard, cb=on_beat)
+            while len(beats) < 2:
+                await asyncio.sleep(0.2)
+            await sub.unsubscribe()
+            start = per_process()
+            await asyncio.sleep(seconds)
+            idle = sum(per_process().values()) - sum(start.values())
+            transfer_id = f"idle-probe-{uuid.uuid4().hex}"
+            job = wire.DecodeJob(
+                request_id=transfer_id, transfer_id=transfer_id,
+                prompt_token_ids=list(range(1, 1 + min(512, stack.max_model_len // 2))),
+                sampling=wire.SamplingSpec(8, 0.0, True), prefill_engine_id=beats["prefill"].worker_id,
+                reply_to=nc.new_inbox(), received_at=time.time(),
+            )
+            replies = await nc.subscribe(job.reply_to)
+            await nc.request(wire.decode_job_subject(beats["decode"].worker_id), wire.encode(job), timeout=5)
+            await asyncio.sleep(1.0)  # let it allocate and register
+            try:
+                early = await replies.next_msg(timeout=0.01)
+                raise RuntimeError(f"the idle probe request did not wait for KV: {early.data[:200]!r}")
+            except nats.errors.TimeoutError:
+                pass  # nothing yet: it is waiting, as intended
+            finally:
+                await replies.unsubscribe()
+            start = per_process()
+            await asyncio.sleep(seconds)
+            end = per_process()
         finally:
-            await replies.unsubscribe()
-        start = cpu()
-        await asyncio.sleep(seconds)
-        waiting = (cpu() - start) / seconds
-        self._say(f"{engine_connector} decode worker CPU: idle {idle:.2f} s/s, waiting for KV {waiting:.2f} s/s")
-        return {"connector": engine_connector, "idle_cpu_s_per_s": idle, "waiting_cpu_s_per_s": waiting}
-
-    def _rates(self, input_len: int) -> list[float]:
-        c = self.config
-        if c.rates:
-            return c.rates
-        return [round(f * c.capacity_rps[input_len], 3) for f in c.load_fractions]
-
-    def _body(self, connector: str, input_len: int, seed: int, request_id: str, max_tokens: int) -> dict:
-        body = {"prompt_token_ids": _prompt(input_len, seed), "max_tokens": max_tokens, "ignore_eos": True,
-                "request_id": request_id}
-        if connector.startswith("kvpush-"):
-            body["transfer_mode"] = connector.removeprefix("kvpush-")
-        return body
-
-    async def _warm_up(self, nc, connectors: list[str], input_len: int) -> None:
-        for connector in connectors:
-            for i in range(self.config.warmup):
-                await _one_request(nc, self._body(connector, input_len, 10_000 + i, f"warm-{connector}-{input_len}-{i}",
-                                                  self.config.output_len))
-
-    async def _measure_capacity(self, nc, connector: str, input_len: int) -> float:
-        """Requests per second one prefill worker completes back to back (1 output token)."""
-        ids = []
-        started = time.perf_counter()
-        for i in range(3):
-            request_id = f"capacity-{input_len}-{i}-{time.time_ns()}"
-            ids.append(request_id)
-            await _one_request(nc, self._body(connector, input_len, 20_000 + i, request_id, 1))
-        wall = time.perf_counter() - started
-        await asyncio.sleep(1.0)
-        computes = []
-        for request_id in ids:
-            trace = view.find_trace(list(self.receiver.spans), request_id)
-            span = next((s for s in trace or [] if s["name"] == "prefill.compute"), None)
-            if span is not None:
-                computes.append((span["end_ns"] - span["start_ns"]) / 1e9)
-        per_request = sorted(computes)[len(computes) // 2] if computes else wall / 3
-        return 1.0 / per_request
-
-    async def _point(self, nc, connector: str, input_len: int, rate: float) -> None:
-        c = self.config
-        # The same arrivals and prompts for every connector at this point.
-        rng = random.Random(zlib.crc32(f"{c.seed}-{input_len}-{rate}".encode()))
-        label = f"{connector}-{input_len}-{rate}"
-        arrivals, at = [], 0.0
-        for _ in range(c.requests):
-            at += rng.expovariate(rate)
-            arrivals.append(at)
-        self._say(f"{connector}: {input_len} tokens at {rate:.2f} req/s, {c.requests} requests")
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        tasks = []
-        for i, offset in enumerate(arrivals):
-            await asyncio.sleep(max(0.0, start + offset - loop.time()))
-            request_id = f"bench-{label}-{i}-{time.time_ns()}"
-            body = self._body(connector, input_len, c.seed * 100_000 + input_len + i, request_id, c.output_len)
-            tasks.append((request_id, loop.create_task(_one_request(nc, body))))
-        outcomes = []
-        for request_id, task in tasks:
-            outcomes.append((request_id, await task))
-            if self.progress is not None:
-                self.progress.update(1)
-        wall = loop.time() - start
-        await asyncio.sleep(1.5)  # let the last spans arrive
-        spans = list(self.receiver.spans)
-        point_results = []
-        for request_id, outcome in outcomes:
-            result = RequestResult(connector=connector, input_len=input_len, rate=rate, request_id=request_id,
-                                   ok=outcome["ok"], error=outcome.get("error", ""))
-            if outcome["ok"]:
-                result.ttft_ms = outcome["ttft_ms"]
-                result.tpot_ms = outcome["tpot_ms"]
-                result.e2e_ms = outcome["e2e_ms"]
-                result.completion_tokens = outcome["completion_tokens"]
-                trace = view.find_trace(spans, request_id)
-                segments = view.critical_path(trace) if trace else None
-                if segments:
-                    result.split = view.split(segments)
-                    result.segments = {s.name: s.ms for s in segments}
-            point_results.append(result)
-        self.results += point_results
-        self.points.append(summarize(point_results, wall))
-
-    def _say(self, message: str) -> None:
-        if self.progress is not None:
-            self.progress.write(f"[bench] {message}")
+            await nc.close()
+        waiting = {name: round((end[name] - used) / seconds, 3) for name, used in start.items() if name in end}
+        result = {"idle_cpu_s_per_s": round(idle / seconds, 3),
+                  "waiting_cpu_s_per_s": round(sum(waiting.values()), 3), "waiting_by_process": waiting}
+        self.say(f"kvpush decode worker CPU: idle {result['idle_cpu_s_per_s']:.3f} s/s, "
+                 f"waiting for KV {result['waiting_cpu_s_per_s']:.3f} s/s {waiting}")
+        return result
 
     # ------------------------------------------------------------------ output
 
     def write(self) -> None:
+        from tools.bench import report
+
         c = self.config
         c.out.mkdir(parents=True, exist_ok=True)
         machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                   "processor": platform.processor()}
+                   "processor": _cpu_model()}
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(c).items()}
         (c.out / "results.json").write_text(json.dumps(
-            {"machine": machine, "config": config, "errors": self.errors, "idle_cpu": self.idle_cpu, "points": [asdict(p) for p in self.points],
-             "requests": [asdict(r) for r in self.results]}, indent=1))
-        with open(c.out / "requests.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["connector", "input_len", "rate", "request_id", "ok", "ttft_ms", "tpot_ms", "e2e_ms",
-                             "completion_tokens", "error", "queueing_ms", "compute_ms", "coordination_ms",
-                             "transfer_ms"])
-            for r in self.results:
-                writer.writerow([r.connector, r.input_len, r.rate, r.request_id, r.ok, _f(r.ttft_ms), _f(r.tpot_ms),
-                                 _f(r.e2e_ms), r.completion_tokens, r.error,
-                                 *(_f(r.split.get(k, math.nan)) for k in
-                                   ("queueing", "compute", "coordination", "transfer"))])
+            {"machine": machine, "config": config, "errors": self.errors, "bindings": c.bindings,
+             "binding_probes": [asdict(p) for p in self.probes], "idle_cpu": self.idle_cpu,
+             "raw_nixl": self.raw_nixl, "points": [asdict(p) for p in self.points]}, indent=1, default=str))
         with open(c.out / "points.csv", "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["connector", "input_len", "rate", "requests", "failures", "throughput_rps",
-                             *(f"{m}_{s}" for m in ("ttft", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99"))])
+            columns = ["completed", "failed", "request_throughput", *(f"p{p}_{m}_ms" for m in ("ttft", "tpot", "e2el")
+                                                                      for p in client.PERCENTILES)]
+            writer.writerow(["workload", "topology", "variant", "binding", "input_len", "rate", "requests",
+                             *columns, "handoff_overhead_p99_ms", "error", "result_file"])
             for p in self.points:
-                writer.writerow([p.connector, p.input_len, p.rate, p.requests, p.failures, _f(p.throughput_rps),
-                                 *(_f(getattr(getattr(p, m), s)) for m in ("ttft", "tpot", "e2e")
-                                   for s in ("mean", "p50", "p90", "p99"))])
-        table = markdown_table(self.points)
-        if self.idle_cpu:
-            table += "\n| decode worker CPU (s per s) | idle | one request waiting for KV |\n|---|---:|---:|\n"
-            table += "".join(f"| {r['connector']} | {r['idle_cpu_s_per_s']:.2f} | {r['waiting_cpu_s_per_s']:.2f} |\n"
-                             for r in self.idle_cpu)
-        (c.out / "table.md").write_text(table)
-        plot(self.points, c.out / "plots")
+                writer.writerow([p.workload, p.topology, p.variant, p.binding, p.input_len, p.rate, p.requests,
+                                 *(_f(p.summary.get(k)) for k in columns),
+                                 _f(p.handoff_overhead_ms.get("p99")), p.error[:200], p.result_file])
+        (c.out / "tables.md").write_text(report.tables(self))
+        report.plots(self.points, c.out / "plots")
 
 
-def _f(value: float) -> str:
-    return "" if isinstance(value, float) and math.isnan(value) else f"{value:.3f}" if isinstance(value, float) else str(value)
+def _cpu_by_process(roots: dict[str, int]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of each named process and each of its descendants, by pid."""
+    import psutil
+
+    used: dict[str, dict[int, float]] = {}
+    for name, pid in roots.items():
+        try:
+            root = psutil.Process(pid)
+            tree = (root, *root.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+        used[name] = {}
+        for process in tree:
+            try:
+                times = process.cpu_times()
+                used[name][process.pid] = times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+    return used
 
 
-def plot(points: list[PointSummary], folder: Path) -> list[Path]:
-    import matplotlib
+def _cpu_rates(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall: float) -> dict:
+    """CPU seconds per second of each named tree over ``wall``: what each process alive at
+    the end used since the start (or since it was born)."""
+    rates = {}
+    for name, pids in after.items():
+        earlier = before.get(name, {})
+        rates[name] = round(sum(used - earlier.get(pid, 0.0) for pid, used in pids.items()) / wall, 3)
+    return rates
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for input_len in sorted({p.input_len for p in points}):
-        at_len = [p for p in points if p.input_len == input_len]
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-        for connector in sorted({p.connector for p in at_len}):
-            series = sorted((p for p in at_len if p.connector == connector), key=lambda p: p.rate)
-            rates = [p.rate for p in series]
-            axes[0].plot(rates, [p.ttft.p50 / 1000 for p in series], marker="o", label=connector)
-            axes[1].plot(rates, [p.ttft.p99 / 1000 for p in series], marker="o", label=connector)
-            axes[2].plot(rates, [p.tpot.p50 for p in series], marker="o", label=connector)
-        for ax, title, unit in zip(axes, ("TTFT p50", "TTFT p99", "TPOT p50"), ("s", "s", "ms")):
-            ax.set_title(f"{title}, {input_len}-token prompts")
-            ax.set_xlabel("arrival rate (req/s)")
-            ax.set_ylabel(unit)
-            ax.grid(alpha=0.3)
-        axes[0].legend()
-        fig.tight_layout()
-        path = folder / f"latency-{input_len}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
+def _prompt_tokens(trace: list[dict]) -> int:
+    for span in trace:
+        tokens = span["attributes"].get(A.PROMPT_TOKENS)
+        if tokens:
+            return int(tokens)
+    return 0
 
-        top_rate = max(p.rate for p in at_len)
-        top = sorted((p for p in at_len if p.rate == top_rate), key=lambda p: p.connector)
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        bottom = [0.0] * len(top)
-        for category in ("queueing", "compute", "coordination", "transfer"):
-            values = [p.split_mean.get(category, 0.0) for p in top]
-            ax.bar([p.connector for p in top], values, bottom=bottom, label=category)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_title(f"Mean TTFT split, {input_len}-token prompts at {top_rate:.2f} req/s")
-        ax.set_ylabel("ms")
-        ax.legend()
-        fig.tight_layout()
-        path = folder / f"ttft-split-{input_len}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _f(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.3f}" if isinstance(value, float) else str(value)

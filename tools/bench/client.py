@@ -1,0 +1,75 @@
+"""One load point, driven by ``vllm bench serve``: the client every system gets.
+
+Open-loop Poisson arrivals (``--request-rate``), vLLM's ``random`` dataset with a fixed
+seed (so every system gets the same prompts), ``--ignore-eos`` with a fixed output length,
+streaming ``/v1/completions`` through the OpenAI backend. The raw result file
+(``--save-result --save-detailed``: every request's TTFT, ITLs, lengths and errors) is
+kept as vLLM writes it; ``summary`` reads the figures the tables need out of it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Load:
+    input_len: int
+    output_len: int
+    rate: float
+    requests: int
+    range_ratio: float = 0.0  # >0: prompt lengths uniform in input_len * [1 - r, 1 + r]
+    seed: int = 0
+    warmups: int = 2
+
+
+def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
+            extra_body: dict) -> list[str]:
+    args = [sys.executable, "-m", "tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
+            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(load.input_len),
+            "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
+            "--num-prompts", str(load.requests), "--request-rate", str(load.rate), "--seed", str(load.seed),
+            "--num-warmups", str(load.warmups), "--ignore-eos", "--save-result", "--save-detailed",
+            "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--request-id-prefix", request_id_prefix, "--disable-tqdm"]
+    if extra_body:
+        args += ["--extra-body", json.dumps(extra_body)]
+    return args
+
+
+def run(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
+        extra_body: dict, timeout: float) -> dict:
+    """Run the point; the result file's contents. Raises if the client itself failed."""
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    log = result_file.with_suffix(".log")
+    with open(log, "w") as out:
+        done = subprocess.run(command(base_url, model_name, tokenizer, load, result_file, request_id_prefix,
+                                      extra_body), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    if done.returncode != 0 or not result_file.exists():
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"vllm bench serve exited with {done.returncode}: {tail}")
+    return json.loads(result_file.read_text())
+
+
+def summary(result: dict) -> dict:
+    """TTFT / TPOT / ITL / E2E percentiles (ms), throughput and failures of one result file."""
+    out = {
+        "completed": result.get("completed", 0),
+        "failed": result.get("failed", 0),
+        "request_throughput": result.get("request_throughput", 0.0),
+        "output_throughput": result.get("output_throughput", 0.0),
+        "duration_s": result.get("duration", 0.0),
+    }
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        out[f"mean_{metric}_ms"] = result.get(f"mean_{metric}_ms")
+        for p in PERCENTILES:
+            out[f"p{p}_{metric}_ms"] = result.get(f"p{p}_{metric}_ms")
+    return out

@@ -1,0 +1,140 @@
+"""``kvpush bench``'s tables and plots, from its points (``run.Point``).
+
+One table per workload: each variant at each rate, with its ratio to vLLM's NixlConnector
+at the same point (TTFT p50 / p99, TPOT p50); kvpush rows add the TTFT split and the
+handoff overhead from the spans. Then the per-process CPU, the binding probe, the decode's
+CPU while it waits for KV, and the raw NIXL bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+BASELINE = "vllm-nixl"
+
+
+def _ms(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
+def _ratio(value, base) -> str:
+    if not value or not base:
+        return "–"
+    return f"{value / base:.2f}"
+
+
+def workload_table(points: list) -> str:
+    from tools.bench.run import within_capacity
+
+    base = {p.rate: p.summary for p in points if p.variant == BASELINE and p.summary}
+    out = ["| system | rate (req/s) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | throughput (req/s) | failed | "
+           "TTFT p50 / vLLM | TTFT p99 / vLLM | TPOT p50 / vLLM | within capacity | TTFT split p50 "
+           "(queue / compute / coordination / transfer) | handoff overhead p99 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for p in sorted(points, key=lambda p: (p.rate, p.variant)):
+        s = p.summary
+        if not s:
+            out.append(f"| {p.variant} | {p.rate:g} | failed: {p.error[:80]} |" + " |" * 11)
+            continue
+        b = base.get(p.rate, {})
+        split = _split(p.segments_ms)
+        overhead = p.handoff_overhead_ms.get("p99")
+        out.append(
+            f"| {p.variant} | {p.rate:g} | {_ms(s['p50_ttft_ms'])} | {_ms(s['p99_ttft_ms'])} | {_ms(s['p50_tpot_ms'])} "
+            f"| {_ms(s['p99_tpot_ms'])} | {s['request_throughput']:.2f} | {s['failed']}/{p.requests} "
+            f"| {_ratio(s['p50_ttft_ms'], b.get('p50_ttft_ms'))} | {_ratio(s['p99_ttft_ms'], b.get('p99_ttft_ms'))} "
+            f"| {_ratio(s['p50_tpot_ms'], b.get('p50_tpot_ms'))} | {'yes' if within_capacity(p, points) else 'no'} "
+            f"| {split} | {_ms(overhead) if overhead is not None else '–'} |")
+    return "\n".join(out) + "\n"
+
+
+CATEGORY_OF = {"dispatch": "coordination", "prefill queue": "queue", "prefill compute": "compute",
+               "handoff": "coordination", "transfer": "transfer", "kv notice": "coordination",
+               "decode first token": "compute"}
+
+
+def _split(segments: dict) -> str:
+    if not segments:
+        return "–"
+    totals = {"queue": 0.0, "compute": 0.0, "coordination": 0.0, "transfer": 0.0}
+    for name, stats in segments.items():
+        totals[CATEGORY_OF.get(name, "coordination")] += stats["p50"]
+    return " / ".join(f"{totals[k]:.0f}" for k in ("queue", "compute", "coordination", "transfer")) + " ms"
+
+
+def cpu_table(points: list) -> str:
+    out = ["| workload | system | rate | CPU s/s by process |", "|---|---|---:|---|"]
+    for p in points:
+        if p.cpu_s_per_s:
+            cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
+            out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |")
+    return "\n".join(out) + "\n"
+
+
+def tables(bench) -> str:
+    parts = []
+    machine_cores = bench.config.bindings
+    parts.append("Bindings kept: " + ", ".join(f"{system} **{binding}**" for system, binding in machine_cores.items())
+                 + "\n")
+    if bench.probes:
+        parts.append("### Binding probe\n")
+        parts.append(workload_table(bench.probes).replace("| system |", "| system (binding in the next column) |", 1))
+        parts.append("\n| system | binding | TTFT p50 | TPOT p50 |\n|---|---|---:|---:|\n" + "".join(
+            f"| {p.variant} | {p.binding} | {_ms(p.summary.get('p50_ttft_ms'))} | {_ms(p.summary.get('p50_tpot_ms'))} |\n"
+            for p in bench.probes))
+    for workload in dict.fromkeys(p.workload for p in bench.points):
+        at = [p for p in bench.points if p.workload == workload]
+        parts.append(f"### {workload} ({at[0].topology}, {at[0].input_len}-token prompts)\n")
+        parts.append(workload_table(at))
+    parts.append("### CPU per process (CPU-seconds per second over the point)\n")
+    parts.append(cpu_table(bench.points))
+    if bench.idle_cpu:
+        parts.append("### kvpush decode worker CPU while idle, and while one request waits for KV\n")
+        parts.append("| idle (s/s) | waiting for KV (s/s) | waiting, by process |\n|---:|---:|---|\n" + "".join(
+            f"| {r['idle_cpu_s_per_s']:.3f} | {r['waiting_cpu_s_per_s']:.3f} | {r['waiting_by_process']} |\n"
+            for r in bench.idle_cpu))
+    if bench.raw_nixl:
+        from tools.bench import transfer
+
+        parts.append("### Our writer against a raw NIXL WRITE (same run)\n")
+        parts.append(transfer.markdown(bench.raw_nixl))
+    if bench.errors:
+        parts.append("### Errors\n" + "".join(f"- {e}\n" for e in bench.errors))
+    return "\n".join(parts)
+
+
+def plots(points: list, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload in dict.fromkeys(p.workload for p in points):
+        at = [p for p in points if p.workload == workload and p.summary]
+        if not at or len({p.rate for p in at}) < 1:
+            continue
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        for variant in sorted({p.variant for p in at}):
+            series = sorted((p for p in at if p.variant == variant), key=lambda p: p.rate)
+            rates = [p.rate for p in series]
+            axes[0].plot(rates, [p.summary["p50_ttft_ms"] / 1000 for p in series], marker="o", label=variant)
+            axes[1].plot(rates, [p.summary["p99_ttft_ms"] / 1000 for p in series], marker="o", label=variant)
+            axes[2].plot(rates, [p.summary["p50_tpot_ms"] for p in series], marker="o", label=variant)
+        for ax, title, unit in zip(axes, ("TTFT p50", "TTFT p99", "TPOT p50"), ("s", "s", "ms")):
+            ax.set_title(f"{title}, {workload}")
+            ax.set_xlabel("arrival rate (req/s)")
+            ax.set_ylabel(unit)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.tight_layout()
+        path = folder / f"latency-{workload.replace(' ', '_')}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written

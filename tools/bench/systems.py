@@ -1,0 +1,196 @@
+"""The systems ``kvpush bench`` compares, each started fresh and stopped whole.
+
+- ``KvpushSystem``: ``kvpush up`` as a user runs it (NATS, scheduler, workers, the OpenAI
+  gateway). Its two variants, push and pull, share the stack: the transfer mode is a field
+  of the request (``transfer_mode``).
+- ``VllmServeSystem``: vLLM's disaggregated serving as vLLM's docs run it: one ``vllm
+  serve`` per engine with ``NixlConnector`` or ``NixlPushConnector`` (roles: ``kv_role``)
+  behind the proxy of that connector's example (``vllm_proxy``).
+
+Both speak the same OpenAI API, so one client (``vllm bench serve``) drives them all.
+``binding`` places each engine's OpenMP threads: ``auto`` leaves it to vLLM, ``split``
+binds engine i to core i (mod the cores there are).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.launch.natsd import free_port
+from services.launch.stack import Stack
+
+BINDINGS = ("auto", "split")
+KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefill: int = 1
+    decode: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+def core_binding(binding: str, engine_index: int) -> dict[str, str]:
+    """The environment that places engine ``engine_index`` (prefills first, then decodes)."""
+    if binding == "auto":
+        return {}
+    if binding == "split":
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(engine_index % (os.cpu_count() or 1))}
+    raise ValueError(f"binding must be one of {BINDINGS}, not {binding!r}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _wait_until_answers(urls: list[str], processes: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(urls)
+    while waiting:
+        for name, process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {process.returncode} before it was ready")
+        waiting = [url for url in waiting if not _answers(url)]
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"not ready within {timeout:.0f} s: {', '.join(waiting)}")
+        if waiting:
+            time.sleep(1.0)
+
+
+class KvpushSystem:
+    name = "kvpush"
+    variants = {"kvpush-push": {"transfer_mode": "push"}, "kvpush-pull": {"transfer_mode": "pull"}}
+
+    def __init__(self, model: str, max_model_len: int, topology: Topology, binding: str, log_dir: Path,
+                 otlp_endpoint: str):
+        self.topology = topology
+        self.binding = binding
+        role_env = {}
+        for i in range(topology.prefill):
+            role_env[f"prefill-{i}"] = core_binding(binding, i)
+        for i in range(topology.decode):
+            role_env[f"decode-{i}"] = core_binding(binding, topology.prefill + i)
+        self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
+                           log_dir=log_dir, gateway_port=0, role_env=role_env,
+                           extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
+                                      "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB})
+
+    async def start(self, timeout: float = 600) -> None:
+        self.stack.start()
+        await self.stack.wait_ready(timeout=timeout)
+
+    @property
+    def base_url(self) -> str:
+        return self.stack.gateway_url
+
+    def processes(self) -> dict[str, int]:
+        """Process name -> pid of each process whose tree the CPU accounting covers."""
+        named = {name: process.pid for name, process in self.stack.children}
+        if self.stack.nats_server is not None and self.stack.nats_server.process is not None:
+            named["nats-server"] = self.stack.nats_server.process.pid
+        return named
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+class VllmServeSystem:
+    CONNECTORS = {"vllm-nixl": ("NixlConnector", "pull"), "vllm-nixl-push": ("NixlPushConnector", "push")}
+
+    def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
+                 binding: str, log_dir: Path):
+        self.name = variant
+        self.variants = {variant: {}}
+        self.connector, self.flow = self.CONNECTORS[variant]
+        self.model = model
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.topology = topology
+        self.binding = binding
+        self.log_dir = log_dir
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.proxy_port = 0
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{name}.log", "ab")
+        process = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, **env}, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append((name, process))
+        return process
+
+    def kv_role(self, role: str) -> str:
+        """NixlConnector: ``kv_producer`` / ``kv_consumer``, as its docs ask (``kv_both`` is
+        deprecated there). NixlPushConnector: ``kv_both``, as its demo runs it; with
+        ``kv_consumer`` on decode, the prefill's handshake back to the decode timed out here
+        and no WRITE was ever posted."""
+        if self.connector == "NixlPushConnector":
+            return "kv_both"
+        return "kv_producer" if role == "prefill" else "kv_consumer"
+
+    def serve_command(self, role: str, port: int, engine_id: str) -> list[str]:
+        config = {"kv_connector": self.connector, "kv_role": self.kv_role(role),
+                  "kv_buffer_device": "cpu", "engine_id": engine_id}
+        return ["tools.bench.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
+                "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32",
+                "--max-model-len", str(self.max_model_len)]
+
+    async def start(self, timeout: float = 600) -> None:
+        import asyncio
+
+        prefills, decodes, health = [], [], []
+        engines = [("prefill", i) for i in range(self.topology.prefill)] + \
+                  [("decode", i) for i in range(self.topology.decode)]
+        for index, (role, i) in enumerate(engines):
+            port, side_channel = free_port(), free_port()
+            engine_id = f"{role}-{i}"
+            env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+                   "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, index)}
+            self._spawn(engine_id, self.serve_command(role, port, engine_id), env)
+            health.append(f"http://127.0.0.1:{port}/health")
+            if role == "prefill":
+                prefills.append(f"127.0.0.1:{port}:{engine_id}:{side_channel}")
+            else:
+                decodes.append(f"127.0.0.1:{port}")
+        self.proxy_port = free_port()
+        self._spawn("proxy", ["tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
+                              "--prefill", *prefills, "--decode", *decodes], {})
+        health.append(f"{self.base_url}/healthcheck")
+        await asyncio.to_thread(_wait_until_answers, health, self.children, timeout)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def processes(self) -> dict[str, int]:
+        return {name: process.pid for name, process in self.children}
+
+    def stop(self, timeout: float = 60.0) -> None:
+        for _, process in self.children:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, process in self.children:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        self.children.clear()
