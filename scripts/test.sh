@@ -4,6 +4,7 @@
 #   scripts/test.sh -m unit         pure tests, seconds: the edit loop
 #   scripts/test.sh -m "not stack"  ...and the ones against a real nats-server
 #   scripts/test.sh -m stack        real NATS, vLLM engines and NIXL: minutes
+#   scripts/test.sh -m bench        kvpush bench against vllm serve, tiny: minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

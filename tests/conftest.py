@@ -19,7 +19,7 @@ from tools.model_build import build_model, default_model_dir
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TESTS = Path(__file__).resolve().parent
-FOLDER_MARKERS = ("unit", "nats", "stack")
+FOLDER_MARKERS = ("unit", "nats", "stack", "bench")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
         except ValueError:
             continue  # collected from outside tests/: not ours to mark
         if folder not in FOLDER_MARKERS:
-            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/nats or tests/stack")
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/unit, tests/nats, tests/stack or tests/bench")
         item.add_marker(getattr(pytest.mark, folder))
 
 

@@ -153,7 +153,7 @@ class Stack:
                     )
                 last = counts
                 if counts is not None and counts[0] >= self.num_prefill and counts[1] >= self.num_decode:
-                    if self.gateway_url is None or await asyncio.to_thread(_answers, self.gateway_url + "/health"):
+                    if self.gateway_url is None or await asyncio.to_thread(answers, self.gateway_url + "/health"):
                         return
                 await asyncio.sleep(0.5)
             raise TimeoutError(f"the stack was not ready within {timeout} s")
@@ -189,7 +189,8 @@ class Stack:
         self.stop()
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 within a second."""
     import urllib.request
 
     try:

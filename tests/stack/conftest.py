@@ -28,7 +28,7 @@ def otlp():
         yield receiver
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped before tests/bench starts engines of its own
 async def stack(model_dir, nats_server, stack_logs, otlp):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
     stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,

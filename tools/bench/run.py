@@ -66,13 +66,13 @@ class Workload:
 # load to beyond saturation), mixed lengths, and 1P2D / 2P1D as functional comparisons.
 GRID = (
     Workload("1k", 1024, (0.5, 2.0, 5.0), 16),
-    Workload("4k", 4096, (0.15, 0.5, 1.0), 10),
-    Workload("8k", 8192, (0.08,), 5),
-    Workload("mixed 200-3900", 2048, (0.3, 1.0), 12, range_ratio=0.9),
-    Workload("1k 1P2D", 1024, (2.0,), 12, topology=Topology(1, 2)),
-    Workload("1k 2P1D", 1024, (2.0,), 12, topology=Topology(2, 1)),
+    Workload("4k", 4096, (0.15, 0.6), 8),
+    Workload("8k", 8192, (0.1,), 3),
+    Workload("mixed 200-3900", 2048, (0.5,), 10, range_ratio=0.9),
+    Workload("1k 1P2D", 1024, (2.0,), 8, topology=Topology(1, 2)),
+    Workload("1k 2P1D", 1024, (2.0,), 8, topology=Topology(2, 1)),
 )
-BINDING_PROBE = Workload("binding probe, 1k", 1024, (1.0,), 8)
+BINDING_PROBE = Workload("binding probe, 1k", 1024, (1.0,), 5)
 
 
 @dataclass

@@ -20,12 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.launch.natsd import free_port
-from services.launch.stack import Stack
+from services.launch.stack import Stack, answers
 
 BINDINGS = ("auto", "split")
 KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
@@ -50,14 +49,6 @@ def core_binding(binding: str, engine_index: int) -> dict[str, str]:
     raise ValueError(f"binding must be one of {BINDINGS}, not {binding!r}")
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
 def _wait_until_answers(urls: list[str], processes: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     waiting = list(urls)
@@ -65,7 +56,7 @@ def _wait_until_answers(urls: list[str], processes: list[tuple[str, subprocess.P
         for name, process in processes:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {process.returncode} before it was ready")
-        waiting = [url for url in waiting if not _answers(url)]
+        waiting = [url for url in waiting if not answers(url)]
         if waiting and time.monotonic() > deadline:
             raise TimeoutError(f"not ready within {timeout:.0f} s: {', '.join(waiting)}")
         if waiting:
