@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -163,9 +164,9 @@ class Bench:
         for binding in BINDINGS:
             before = len(self.probes)
             await self._with_system(system, binding, self.config.probe.topology, [self.config.probe], self.probes)
-            ttfts = [p.summary.get("p50_ttft_ms") for p in self.probes[before:]]
-            if ttfts and all(t is not None and not p.error for t, p in zip(ttfts, self.probes[before:])):
-                scores[binding] = sum(ttfts) / len(ttfts)
+            probes = self.probes[before:]
+            if probes and all(not p.error and p.summary.get("completed") == p.requests for p in probes):
+                scores[binding] = sum(p.summary["p50_ttft_ms"] for p in probes) / len(probes)
         if not scores:
             self.errors.append(f"{system}: no binding worked; using auto")
             return "auto"
@@ -211,7 +212,7 @@ class Bench:
         c = self.config
         load = client.Load(workload.input_len, c.output_len, rate, workload.requests, workload.range_ratio,
                            seed=c.seed, warmups=c.warmups)
-        slug = f"{workload.name}-{variant}-{rate:g}-{binding}".replace(" ", "_")
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
         prefix = f"bench-{self.run_id}-{slug}-"
         point = Point(workload.name, workload.topology.label, SYSTEM_OF[variant], variant, binding,
