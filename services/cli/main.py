@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=16, help="with --input-lens: measured requests per point")
     bench.add_argument("--prefill", type=int, default=1, help="with --input-lens: prefill engines per system")
     bench.add_argument("--decode", type=int, default=1, help="with --input-lens: decode engines per system")
-    bench.add_argument("--binding", help="system=auto|split,... (default: each system's better one, measured)")
+    bench.add_argument("--binding", help="system=auto|split|all,... (default: each system's best, measured)")
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 5)")
     bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
     bench.add_argument("--warmup", type=int, default=2)

@@ -8,8 +8,10 @@
   behind the proxy of that connector's example (``vllm_proxy``).
 
 Both speak the same OpenAI API, so one client (``vllm bench serve``) drives them all.
-``binding`` places each engine's OpenMP threads: ``auto`` leaves it to vLLM, ``split``
-binds engine i to core i (mod the cores there are).
+``binding`` places each engine's OpenMP threads: ``auto`` leaves it to vLLM (a lone ``vllm
+serve`` binds its engine to all cores but one, kept for its API server; kvpush's workers
+get all of them), ``split`` binds engine i to core i (mod the cores there are), ``all``
+binds every engine to every core and keeps none back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from services.launch.natsd import free_port
 from services.launch.stack import Stack, answers
 
-BINDINGS = ("auto", "split")
+BINDINGS = ("auto", "split", "all")
 KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
 
 
@@ -44,8 +46,11 @@ def core_binding(binding: str, engine_index: int) -> dict[str, str]:
     """The environment that places engine ``engine_index`` (prefills first, then decodes)."""
     if binding == "auto":
         return {}
+    cores = os.cpu_count() or 1
     if binding == "split":
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(engine_index % (os.cpu_count() or 1))}
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(engine_index % cores)}
+    if binding == "all":  # every engine on every core, none kept back for vLLM's API server
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     raise ValueError(f"binding must be one of {BINDINGS}, not {binding!r}")
 
 
