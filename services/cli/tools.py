@@ -91,7 +91,8 @@ def cmd_bench(args) -> int:
         Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
     config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
                          workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
-                         out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl)
+                         out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
+                         try_bindings=tuple(args.try_bindings.split(",")))
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()
