@@ -3,7 +3,8 @@
 # disaggregated serving (vllm serve + NixlConnector / NixlPushConnector behind their
 # example proxies), one client (vllm bench serve) for all, on the kv-heavy model:
 # each system's binding probed, then 1k / 4k / 8k / mixed-length prompts (1P1D) and
-# 1P2D / 2P1D. About 45-60 minutes on a 2-core machine; keep it otherwise idle.
+# 1P2D / 2P1D. Over an hour on a 2-core machine (docs/benchmarks.md says what its
+# last run left out); keep the machine otherwise idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
