@@ -24,6 +24,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
+from connector import chaos
 from connector.block_ranges import byte_ranges, coalesce
 from connector.kv_layout import KvLayout
 from otel import attributes as A
@@ -232,44 +233,73 @@ class TransferThread:
     def _post(self, job: TransferJob) -> None:
         name = A.KV_WRITE if job.op == "WRITE" else A.KV_READ
         span = _tracer.start_span(name, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
-        started = time.perf_counter()
         try:
-            with trace.use_span(span, end_on_exit=False), _tracer.start_as_current_span(A.KV_TRANSFER_PREPARE):
-                remote = job.remote
-                if remote.agent_name not in self._known_agents:
-                    self._agent.add_remote_agent(remote.agent_metadata)
-                    self._forget_old_agents()
-                self._known_agents[remote.agent_name] = None
-                self._known_agents.move_to_end(remote.agent_name)
-                runs = coalesce(job.local_block_ids, job.remote_block_ids)
-                local, far = byte_ranges(runs, self.layout.regions, remote.regions)
-                local_descs = self._agent.get_xfer_descs(
-                    _as_array(local, self.layout.device_id), self.layout.mem_type
-                )
-                remote_descs = self._agent.get_xfer_descs(
-                    _as_array(far, remote.device_id), remote.mem_type
-                )
-                handle = self._agent.initialize_xfer(
-                    job.op, local_descs, remote_descs, remote.agent_name, job.notif
-                )
-            prepare_ms = (time.perf_counter() - started) * 1000
-            transfer_span = _tracer.start_span(A.KV_TRANSFER, context=trace.set_span_in_context(span))
-            posted_at = time.perf_counter()
-            state = self._agent.transfer(handle)
-            if state == "ERR":
-                transfer_span.end()
-                raise RuntimeError(f"NIXL refused to post the {job.op}")
+            try:
+                posted = self._prepare_and_post(job, span)
+            except Exception as exc:
+                if not _disconnected(exc):
+                    raise
+                # The connection to the peer failed since the last transfer (its link was
+                # cut, or UCX timed it out): forget the agent and meet it anew, once.
+                log.info("NIXL agent %s was disconnected; connecting again", job.remote.agent_name)
+                self._forget_agent(job.remote.agent_name)
+                posted = self._prepare_and_post(job, span)
         except Exception as exc:
             log.warning("%s %s could not be posted: %s", job.op, job.transfer_id, exc)
+            self._forget_agent(job.remote.agent_name)
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             with trace.use_span(span, end_on_exit=True):
                 job.on_done(TransferResult(job.transfer_id, ok=False, error=str(exc)))
             return
+        handle, local, prepare_ms, posted_at, transfer_span = posted
         nbytes = sum(n for _, n in local)
         span.set_attributes({A.BYTES: nbytes, A.DESCRIPTORS: len(local), A.BLOCKS: len(job.local_block_ids)})
         self._in_flight.append(
             _InFlight(job, handle, nbytes, len(local), prepare_ms, posted_at, span, transfer_span)
         )
+        # Posted, not yet progressed (this thread drives UCX): a test holds the write open here.
+        chaos.point("transfer.posted")
+
+    def _prepare_and_post(self, job: TransferJob, span) -> tuple:
+        started = time.perf_counter()
+        with trace.use_span(span, end_on_exit=False), _tracer.start_as_current_span(A.KV_TRANSFER_PREPARE):
+            remote = job.remote
+            if remote.agent_name not in self._known_agents:
+                self._agent.add_remote_agent(remote.agent_metadata)
+                self._forget_old_agents()
+            self._known_agents[remote.agent_name] = None
+            self._known_agents.move_to_end(remote.agent_name)
+            runs = coalesce(job.local_block_ids, job.remote_block_ids)
+            local, far = byte_ranges(runs, self.layout.regions, remote.regions)
+            local_descs = self._agent.get_xfer_descs(
+                _as_array(local, self.layout.device_id), self.layout.mem_type
+            )
+            remote_descs = self._agent.get_xfer_descs(
+                _as_array(far, remote.device_id), remote.mem_type
+            )
+            handle = self._agent.initialize_xfer(
+                job.op, local_descs, remote_descs, remote.agent_name, job.notif
+            )
+        prepare_ms = (time.perf_counter() - started) * 1000
+        transfer_span = _tracer.start_span(A.KV_TRANSFER, context=trace.set_span_in_context(span))
+        posted_at = time.perf_counter()
+        try:
+            state = self._agent.transfer(handle)
+        except Exception:
+            transfer_span.end()
+            self._release(handle)
+            raise
+        if state == "ERR":
+            transfer_span.end()
+            self._release(handle)
+            raise RuntimeError(f"NIXL refused to post the {job.op}")
+        return handle, local, prepare_ms, posted_at, transfer_span
+
+    def _release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:
+            pass
 
     def _forget_old_agents(self) -> None:
         busy = {flight.job.remote.agent_name for flight in self._in_flight}
@@ -280,6 +310,15 @@ class TransferThread:
                 self._agent.remove_remote_agent(name)
                 del self._known_agents[name]
 
+    def _forget_agent(self, name: str) -> None:
+        """Drop a peer whose connection failed, so the next transfer to it connects anew."""
+        if name in self._known_agents and not any(f.job.remote.agent_name == name for f in self._in_flight):
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                log.warning("could not forget NIXL agent %s: %s", name, exc)
+            del self._known_agents[name]
+
     def known_agents(self) -> list[str]:
         """The peers loaded into NIXL now, least recently used first."""
         return list(self._known_agents)
@@ -287,8 +326,17 @@ class TransferThread:
     def _poll_writes(self) -> bool:
         """Check every posted transfer; True if one ended."""
         still: list[_InFlight] = []
+        disconnected: set[str] = set()
         for flight in self._in_flight:
-            state = self._agent.check_xfer_state(flight.handle)
+            try:
+                state = self._agent.check_xfer_state(flight.handle)
+            except Exception as exc:
+                # NIXL raises for a peer that is gone (NIXL_ERR_REMOTE_DISCONNECT: its process
+                # died, or UCX timed out on a cut link). The transfer has ended, badly; this
+                # thread owns every NIXL call and must outlive it.
+                self._finish(flight, ok=False, error=f"{flight.job.op} failed: {type(exc).__name__}: {exc}")
+                disconnected.add(flight.job.remote.agent_name)
+                continue
             if state == "PROC":
                 if not flight.reported_stuck and time.perf_counter() - flight.posted_at > STUCK_AFTER_S:
                     flight.reported_stuck = True
@@ -296,8 +344,12 @@ class TransferThread:
                 still.append(flight)
             else:
                 self._finish(flight, ok=state == "DONE", error="" if state == "DONE" else f"{flight.job.op} failed")
+                if state != "DONE":
+                    disconnected.add(flight.job.remote.agent_name)  # whatever failed, meet the peer anew
         ended = len(still) < len(self._in_flight)
         self._in_flight = still
+        for name in disconnected:
+            self._forget_agent(name)
         return ended
 
     def _report_stuck(self, flight: _InFlight) -> None:
@@ -329,12 +381,22 @@ class TransferThread:
             )
 
     def _poll_notifications(self) -> None:
-        for messages in self._agent.get_new_notifs().values():
+        try:
+            notifications = self._agent.get_new_notifs()
+        except Exception as exc:  # a peer's connection failed; the others' come on the next poll
+            log.warning("NIXL could not read notifications: %s", exc)
+            return
+        for messages in notifications.values():
             for message in messages:
                 try:
                     self._on_notification(message)
                 except Exception:
                     log.exception("bad notification %r", message)
+
+
+def _disconnected(exc: Exception) -> bool:
+    """NIXL's error for a peer whose connection failed (``nixlRemoteDisconnectError``)."""
+    return "DISCONNECT" in f"{type(exc).__name__} {exc}".upper()
 
 
 def _as_array(ranges: list[tuple[int, int]], device_id: int) -> np.ndarray:

@@ -121,6 +121,58 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
         assert torch.all(got[[3, 4]] == 7.0)  # the late write did land: freeing these blocks early would be unsafe
 
 
+def test_a_write_to_a_peer_that_dies_fails_and_the_thread_goes_on_writing(monkeypatch):
+    """The peer's process dies with the write posted (SIGSTOP holds it there, then SIGKILL):
+    NIXL raises NIXL_ERR_REMOTE_DISCONNECT. The write is reported failed, not stuck (nothing
+    can land from a closed connection); the transfer thread, which owns every NIXL call,
+    lives on, forgets the dead peer, and writes to the next one."""
+    import os
+    import signal
+
+    from connector import transfer_thread
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setattr(transfer_thread, "STUCK_AFTER_S", 60.0)
+    ctx = mp.get_context("spawn")
+    peers = []
+    try:
+        for _ in range(2):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_decode_side, args=(child,))
+            proc.start()
+            peers.append((proc, parent, msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)))
+        (doomed, _, doomed_info), (live, live_conn, live_info) = peers
+        caches = _kv_caches(7.0)
+        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
+        writer.start()
+        os.kill(doomed.pid, signal.SIGSTOP)
+        results = []
+        writer.submit(TransferJob("WRITE", "t-dead", doomed_info, [0, 1], [3, 4],
+                                  notification("t-dead", 0, 1, "tag"), results.append))
+        time.sleep(0.5)  # posted; the stopped peer cannot take it
+        assert results == []
+        os.kill(doomed.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(r.ok, r.stuck) for r in results] == [(False, False)], results
+        assert doomed_info.agent_name not in writer.known_agents()
+        writer.submit(TransferJob("WRITE", "t-next", live_info, [0, 1], [3, 4],
+                                  notification("t-next", 0, 1, "tag"), results.append))
+        notes = live_conn.recv()
+        landed = live_conn.recv()
+        writer.stop()
+    finally:
+        for proc, _, _ in peers:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.join(timeout=30)
+    assert [(r.ok, r.transfer_id) for r in results] == [(False, "t-dead"), (True, "t-next")]
+    assert notes == ["t-next:0:1:tag"]
+    assert torch.all(torch.tensor(landed["model.layers.0.attn"])[[3, 4]] == 7.0)
+
+
 def _many_decode_sides(conn, count: int) -> None:
     """``count`` decode-side agents in one process, each expecting one write; the blocks
     each got, once all have their notification."""
