@@ -18,6 +18,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Awaitable, Callable, TypeVar
+
+import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import api
@@ -28,7 +33,29 @@ from shared import wire
 
 log = structlog.get_logger("kvpush.ledger")
 
-JS_TIMEOUT_S = 2.0
+JS_TIMEOUT_S = 5.0  # a JetStream ack under a burst of thousands of requests took over 2 s here
+# When the server leading a bucket's stream dies, the others elect a new leader (3-4 s seen
+# on the multi-host rig); until then a write meets no responder. It did not land, so it is
+# safe to send again: each call waits out an election this long before it gives up.
+ELECTION_S = 10.0
+LEADERLESS = (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError,
+              nats.js.errors.ServiceUnavailableError)
+
+T = TypeVar("T")
+
+
+async def through_elections(call: Callable[[], Awaitable[T]], within_s: float = ELECTION_S) -> T:
+    """``await call()``, again while the bucket has no leader (``LEADERLESS``), up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    pause = 0.05
+    while True:
+        try:
+            return await call()
+        except LEADERLESS:
+            if time.monotonic() + pause > deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
 
 class Ledger:
@@ -44,8 +71,10 @@ class Ledger:
         addresses them: it needs no JetStream API rights, only the bucket's subjects."""
         js = nc.jetstream(timeout=JS_TIMEOUT_S)
         configs = {
+            # A flight ends by its deadline; without a TTL each one would leave its delete
+            # marker for ever, and every scheduler's mirror reads them all at start.
             wire.FLIGHTS_BUCKET: api.KeyValueConfig(bucket=wire.FLIGHTS_BUCKET, replicas=replicas,
-                                                    storage=api.StorageType.FILE),
+                                                    ttl=deadline_s * 2 + 60, storage=api.StorageType.FILE),
             # A claim must outlive every message of its attempt; the deadline bounds those.
             wire.CLAIMS_BUCKET: api.KeyValueConfig(bucket=wire.CLAIMS_BUCKET, replicas=replicas,
                                                    ttl=deadline_s * 2 + 60, max_bytes=wire.CLAIMS_MAX_BYTES,
@@ -79,7 +108,7 @@ class Ledger:
         answer is sent rather than lost (a duplicate is possible only in that case)."""
         key = wire.claim_key(transfer_key)
         try:
-            await self.claims.create(key, who.encode())
+            await through_elections(lambda: self.claims.create(key, who.encode()))
             return who
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
@@ -87,7 +116,7 @@ class Ledger:
             log.warning("could not claim an answer; answering anyway", error=f"{type(exc).__name__}: {exc}")
             return who
         try:
-            return (await self.claims.get(key)).value.decode()
+            return (await through_elections(lambda: self.claims.get(key))).value.decode()
         except Exception as exc:
             log.warning("a claim was taken but cannot be read", error=f"{type(exc).__name__}: {exc}")
             return ""
@@ -96,10 +125,10 @@ class Ledger:
         """Take over a claim ``was`` held (a dead scheduler's); False if it changed meanwhile."""
         key = wire.claim_key(transfer_key)
         try:
-            entry = await self.claims.get(key)
+            entry = await through_elections(lambda: self.claims.get(key))
             if entry.value.decode() != was:
                 return False
-            await self.claims.update(key, who.encode(), last=entry.revision)
+            await through_elections(lambda: self.claims.update(key, who.encode(), last=entry.revision))
             return True
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
             return False
@@ -109,7 +138,7 @@ class Ledger:
     async def record(self, flight: wire.FlightRecord) -> int | None:
         """Write a new flight; its revision, or None if that request id is in flight already."""
         try:
-            return await self.flights.create(flight.request_id, wire.encode(flight))
+            return await through_elections(lambda: self.flights.create(flight.request_id, wire.encode(flight)))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
@@ -117,20 +146,21 @@ class Ledger:
         """Write the flight over the revision its writer last saw; None if another
         scheduler wrote it since (took it over): the writer no longer holds it."""
         try:
-            return await self.flights.update(flight.request_id, wire.encode(flight), last=revision)
+            return await through_elections(
+                lambda: self.flights.update(flight.request_id, wire.encode(flight), last=revision))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def forget(self, request_id: str, revision: int) -> None:
         """The flight ended; unless another scheduler holds it now."""
         try:
-            await self.flights.delete(request_id, last=revision)
+            await through_elections(lambda: self.flights.delete(request_id, last=revision))
         except nats.js.errors.APIError as exc:  # another revision: taken over, or gone
             log.debug("flight record not removed", request_id=request_id, error=str(exc))
 
     async def flight(self, request_id: str) -> tuple[wire.FlightRecord, int] | None:
         try:
-            entry = await self.flights.get(request_id)
+            entry = await through_elections(lambda: self.flights.get(request_id))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         return wire.decode(entry.value, wire.FlightRecord), entry.revision
@@ -143,13 +173,14 @@ class Ledger:
 
     async def keep_final(self, request_id: str, owner: str, body: bytes) -> None:
         try:
-            await self.finals.put(request_id, wire.encode(wire.StoredFinal(owner=owner, body=body)))
+            stored = wire.encode(wire.StoredFinal(owner=owner, body=body))
+            await through_elections(lambda: self.finals.put(request_id, stored))
         except Exception as exc:  # the client got it; only a fetch again is lost
             log.warning("could not keep a final", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
 
     async def final(self, request_id: str) -> wire.StoredFinal | None:
         try:
-            entry = await self.finals.get(request_id)
+            entry = await through_elections(lambda: self.finals.get(request_id))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         return wire.decode(entry.value, wire.StoredFinal) if entry.value else None
@@ -157,6 +188,6 @@ class Ledger:
     async def drop_final(self, request_id: str) -> None:
         """A new request reuses the id: the old one's final must not be fetched for it."""
         try:
-            await self.finals.purge(request_id)
+            await through_elections(lambda: self.finals.purge(request_id))
         except Exception as exc:
             log.warning("could not drop an old final", request_id=request_id, error=f"{type(exc).__name__}: {exc}")

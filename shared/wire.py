@@ -647,7 +647,10 @@ FLIGHTS_BUCKET = "kvpush_flights"
 CLAIMS_BUCKET = "kvpush_claims"
 FINALS_BUCKET = "kvpush_finals"
 FINALS_KEEP_S = 600.0  # how long a client can fetch a request's last message again
-FINALS_MAX_BYTES = 256 * 1024 * 1024  # past it the oldest stored finals go first
+# Past these, JetStream refuses new writes (nats-py makes KV buckets "discard new"): a final
+# then is not kept (only a fetch again is lost), a claim is not taken (the decode answers
+# anyway). Sized for ~1,400 and ~2,700 requests/s over their keep times (docs/scaling.md).
+FINALS_MAX_BYTES = 256 * 1024 * 1024
 CLAIMS_MAX_BYTES = 256 * 1024 * 1024
 
 
