@@ -161,7 +161,11 @@ def literal_password(identity: Identity) -> str:
 
 
 def new_password() -> str:
-    return secrets.token_urlsafe(18)
+    """A random password that nats-server reads as a string wherever it stands: a value
+    given through ``$VARIABLE`` is parsed as a config token, so one that starts with ``-``
+    or a digit can read as a broken number or date and stop the server (about 1 in 50 of
+    ``token_urlsafe``'s). This one starts with a letter."""
+    return "k" + secrets.token_urlsafe(18)
 
 
 def render_config(identities: list[Identity], password: Callable[[Identity], str] = env_password,

@@ -194,3 +194,21 @@ async def test_a_worker_added_by_a_config_reload_can_log_in_and_nobody_is_discon
         await sub.unsubscribe()
         for conn in (present, newcomer, scheduler):
             await conn.close()
+
+
+async def test_random_passwords_given_through_the_environment_all_start_the_server(tmp_path, monkeypatch):
+    """nats-server parses a ``$VARIABLE``'s value as a config token: a password that began
+    with a digit or ``-`` could read as a broken number and stop the server. Sixty fresh
+    ones at once (about one bad in fifty before ``new_password`` began with a letter)."""
+    from shared.permissions import env_password, new_password, password_variable
+
+    identities = [Identity("client", f"client-{i}", new_password()) for i in range(60)]
+    for identity in identities:
+        monkeypatch.setenv(password_variable(identity.name), identity.password)
+    config = tmp_path / "nats-server.conf"
+    config.write_text(render_config(identities, env_password))
+    with LocalNatsServer(config=config) as server:
+        last = identities[-1]
+        nc = await nats.connect(server.url, user=last.name, password=last.password, max_reconnect_attempts=0)
+        assert nc.is_connected
+        await nc.close()
