@@ -156,7 +156,15 @@ async def test_only_the_agent_asked_can_answer_an_agent_request(server):
 
         await victim.subscribe(wire.agent_subject("decode-0", 0), cb=answer)
         await victim.flush()
-        reply = await asker.request(wire.agent_subject("decode-0", 0), b"", timeout=2)
+        reply = None
+        for _ in range(40):
+            # as above, the victim's flush is no barrier for its SUB: ask again until it has landed
+            try:
+                reply = await asker.request(wire.agent_subject("decode-0", 0), b"", timeout=2)
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
+        assert reply is not None, "decode-0's agent subscription never reached the server"
         assert reply.data == b"decode-0"
         assert reply.subject.startswith("_KVPUSH_INBOX.prefill-0.")
     finally:
