@@ -125,6 +125,21 @@ class WorkerLost(KvpushError):
     http_status = 502
 
 
+class StreamLost(KvpushError):
+    """Token chunks of the stream were lost on the way (core NATS delivers at most once,
+    and a server that dies takes what it held): the output is incomplete."""
+
+    code = "stream_lost"
+    http_status = 502
+
+
+class InFlight(KvpushError):
+    """Asked for a request's last message (``kvpush.final``) before it ended: wait on."""
+
+    code = "in_flight"
+    http_status = 409
+
+
 class NotFound(KvpushError):
     code = "not_found"
     http_status = 404

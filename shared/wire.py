@@ -19,7 +19,8 @@ Public (JSON, for clients):
                                     cancels only its own requests
     kvpush.final[.<client>]         FinalRequest (request), reply: the request's last message
                                     again (FinalReply or ErrorReply), kept FINALS_KEEP_S after
-                                    it ended; ErrorReply ``not_found`` if there is none (yet)
+                                    it ended; ErrorReply ``in_flight`` if it has not ended,
+                                    ``not_found`` if no scheduler knows it (never arrived)
 
 Internal (msgpack):
 

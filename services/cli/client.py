@@ -6,7 +6,12 @@ A connection logged in as a named client (its inbox prefix ``_INBOX.<client>``, 
 
 Core NATS delivers at most once. When nothing has come for ``refetch_after_s``, the
 client asks for the request's final again (``kvpush.final``): a final it missed is kept
-for ``wire.FINALS_KEEP_S`` after the request ended."""
+for ``wire.FINALS_KEEP_S`` after the request ended. Token chunks lost on the way cannot be
+asked for again: each carries its ``seq`` and the final their count, so a gap ends the
+request with ``stream_lost`` instead of an answer with tokens missing. A request itself
+can be lost on its way too: when no scheduler knows it (``not_found``, not ``in_flight``)
+and nothing came back, the client sends it again, up to ``RESENDS`` times; the schedulers
+take a repeat (same id, same inbox) for the request they have."""
 
 from __future__ import annotations
 
@@ -15,11 +20,15 @@ import json
 import uuid
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from shared import wire
-from shared.errors import NoScheduler, PayloadTooLarge
+from shared.errors import NoScheduler, PayloadTooLarge, StreamLost
 
 
 REFETCH_AFTER_S = 5.0
+RESENDS = 2  # times a request no scheduler knows of is sent again
+FORGOTTEN_AFTER = 2  # "not_found" answers in a row that end a request which had streamed
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after_s: float = REFETCH_AFTER_S,
@@ -45,11 +54,14 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     finished = False
+    chunks = 0  # token chunks received: the next one's seq
     owner = client_of(nc)
     loop = asyncio.get_running_loop()
     try:
-        await nc.publish(wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT, data, reply=inbox,
-                         headers=headers or None)
+        subject = wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT
+        await nc.publish(subject, data, reply=inbox, headers=headers or None)
+        resent = 0
+        unknown = 0  # answers in a row, after the stream began, that no scheduler knows it
         heard_at = loop.time()
         while True:
             silent_for = loop.time() - heard_at
@@ -58,11 +70,24 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
             try:
                 msg = await sub.next_msg(timeout=min(refetch_after_s, timeout - silent_for))
             except asyncio.TimeoutError:  # nats raises its own subclass
-                final = await fetch_final(nc, request_id) if request_id else None
-                if final is None:
+                final = await ask_final(nc, request_id) if request_id else None
+                unknown = unknown + 1 if final == "not_found" and chunks else 0
+                if unknown >= FORGOTTEN_AFTER:
+                    # It streamed, so it arrived; now it is neither running nor kept: its end
+                    # was lost with a NATS server. Waiting on would only reach the timeout.
+                    finished = True
+                    yield _lost(request_id, "no scheduler knows it any more, and its end was never kept")
+                    return
+                if final == "not_found" and chunks == 0 and resent < RESENDS:
+                    # No scheduler knows it: the request was lost on its way (a NATS server
+                    # died with it). The same id on the same inbox: a scheduler that has it
+                    # after all takes this one for what it is, a repeat, and says nothing.
+                    await nc.publish(subject, data, reply=inbox, headers=headers or None)
+                    resent += 1
+                if not isinstance(final, dict):
                     continue
                 finished = True
-                yield final
+                yield _unless_lost(final, request_id, chunks)
                 return
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
                 raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
@@ -73,13 +98,35 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
             if received is not None and not received(reply):
                 continue
             finished = bool(reply.get("finished"))
-            yield reply
             if finished:
+                yield _unless_lost(reply, request_id, chunks)
                 return
+            if reply.get("seq", chunks) != chunks:
+                # A chunk before this one never came: what follows would be a wrong answer,
+                # so the request ends here with an error (and the finally cancels the rest).
+                yield _lost(request_id, f"token chunk {chunks} never arrived (chunk {reply.get('seq')} did)")
+                return
+            chunks += 1
+            yield reply
     finally:
         await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
         if not finished and request_id:
             await cancel(nc, request_id)
+
+
+def _unless_lost(final: dict, request_id: str | None, received: int) -> dict:
+    """The final, or an error if chunks it counts never came (the stream's end was lost)."""
+    sent = final.get("chunks", received)
+    if "error" in final or sent == received:
+        return final
+    return _lost(request_id or final.get("request_id", ""),
+                 f"{sent - received} of its {sent} token chunks never arrived")
+
+
+def _lost(request_id: str | None, what: str) -> dict:
+    error = StreamLost(f"the stream of request {request_id} lost tokens on the way: {what}; the output is "
+                       "incomplete, send the request again")
+    return msgspec.to_builtins(wire.ErrorReply(request_id or "", wire.ErrorBody(error.code, str(error))))
 
 
 async def cancel(nc, request_id: str) -> None:
@@ -92,6 +139,14 @@ async def cancel(nc, request_id: str) -> None:
 async def fetch_final(nc, request_id: str, timeout: float = 2.0) -> dict | None:
     """The request's final message again (``kvpush.final``); None if none is kept (the
     request has not ended, ended long ago, or no scheduler answers)."""
+    final = await ask_final(nc, request_id, timeout)
+    return final if isinstance(final, dict) else None
+
+
+async def ask_final(nc, request_id: str, timeout: float = 2.0) -> dict | str | None:
+    """The request's final message again, or what the schedulers know instead:
+    ``"in_flight"`` (not ended yet), ``"not_found"`` (no scheduler knows it: it never
+    arrived, or ended long ago); None if no scheduler answered."""
     owner = client_of(nc)
     subject = wire.OWNED_FINAL(client=owner) if owner else wire.FINAL_SUBJECT
     try:
@@ -99,9 +154,8 @@ async def fetch_final(nc, request_id: str, timeout: float = 2.0) -> dict | None:
     except Exception:  # no responders, or timeout: asked again on the next silence
         return None
     reply = json.loads(msg.data)
-    if reply.get("error", {}).get("code") == "not_found":
-        return None
-    return reply
+    code = reply.get("error", {}).get("code")
+    return code if code in ("in_flight", "not_found") else reply
 
 
 def client_of(nc) -> str:

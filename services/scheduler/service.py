@@ -45,6 +45,7 @@ from shared.errors import (
     DeadlineExceeded,
     DispatchFailed,
     EngineFailed,
+    InFlight,
     InvalidField,
     InvalidReply,
     KvpushError,
@@ -218,19 +219,38 @@ class Scheduler(Service):
         asked = await self.bus.decoded(msg, wire.FinalRequest, wire.decode_json)
         if asked is None:
             return
-        stored = await self.ledger.final(asked.request_id)
-        if stored is not None and stored.owner == owner:
-            await self.bus.nc.publish(msg.reply, stored.body)
+        try:
+            stored = await self.ledger.final(asked.request_id)
+            if stored is not None and stored.owner == owner:
+                await self.bus.nc.publish(msg.reply, stored.body)
+                return
+            flying = self.flights.by_request(asked.request_id) or await self._held_record(asked.request_id)
+        except Exception as exc:  # JetStream cannot say: the client asks again on its next silence
+            log.warning("could not look up a final", request_id=asked.request_id, error=f"{type(exc).__name__}: {exc}")
             return
         # Another client's request reads as not found: its ids are not this one's to probe.
-        missing = NotFound(f"no last message is kept for request {asked.request_id!r}: it has not ended yet, "
-                           f"or it ended over {wire.FINALS_KEEP_S:g} s ago")
-        await self.bus.nc.publish(msg.reply, wire.encode_json(wire.ErrorReply(asked.request_id, to_error_body(missing))))
+        if flying is not None and flying.owner == owner:
+            answer: KvpushError = InFlight(f"request {asked.request_id!r} is in flight: its last message is not "
+                                           "there yet")
+        else:
+            answer = NotFound(f"no request {asked.request_id!r} is in flight or kept: it never reached a "
+                              f"scheduler, or it ended over {wire.FINALS_KEEP_S:g} s ago")
+        await self.bus.nc.publish(msg.reply, wire.encode_json(wire.ErrorReply(asked.request_id, to_error_body(answer))))
+
+    async def _held_record(self, request_id: str) -> wire.FlightRecord | None:
+        """The request's flight record in JetStream (whichever scheduler holds it), if any."""
+        found = await self.ledger.flight(request_id)
+        return found[0] if found is not None else None
 
     async def _on_heartbeat(self, msg) -> None:
         beat = await self.bus.decoded(msg, wire.WorkerHeartbeat)
         if beat is not None:
             self.pool.observe(beat, time.monotonic())
+
+    async def _on_cache_events(self, msg) -> None:
+        events = await self.bus.decoded(msg, wire.CacheEvents)
+        if events is not None:
+            self.pool.cache_events(events)
 
     async def _on_status(self, msg) -> None:
         now = time.monotonic()
@@ -364,7 +384,8 @@ class Scheduler(Service):
         in_flight = InvalidField(f"request_id {request.request_id!r} is already in flight; "
                                  "use a new id for a new request")
         if not self.flights.add(flight):
-            await self._reply_error(msg.reply, request.request_id, in_flight)
+            if not _resent(self.flights.by_request(request.request_id), owner, msg.reply):
+                await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
         try:  # written down before any worker hears of it; a final kept from the id's last use goes
             revision, _ = await asyncio.gather(self.ledger.record(self._record(flight)),
@@ -377,7 +398,9 @@ class Scheduler(Service):
             return None
         if revision is None:  # another scheduler holds that id
             self.flights.remove(flight)
-            await self._reply_error(msg.reply, request.request_id, in_flight)
+            held = await self._held_record(request.request_id)
+            if not _resent(held, owner, msg.reply):
+                await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
         flight.revision = revision
         if self._early_cancels.take(owner, request.request_id, time.monotonic()):
@@ -716,3 +739,9 @@ def otel_context_of(flight: Flight):
     finally:
         if token is not None:
             otel_context.detach(token)
+
+
+def _resent(held, owner: str, reply_to: str) -> bool:
+    """Whether a request whose id is in flight already is the same request sent again (its
+    client heard nothing, and asked again on the same inbox): then the flight answers it."""
+    return held is not None and held.owner == owner and held.reply_to == reply_to

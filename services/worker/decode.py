@@ -31,7 +31,7 @@ from services.ledger import Ledger
 from services.worker.engine import EngineStages, decode_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
 from shared import wire
-from shared.errors import EngineFailed, KvTransferFailed, KvpushError, to_error_body
+from shared.errors import EngineFailed, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")
@@ -73,7 +73,12 @@ class DecodeRole:
         if msg.headers and msg.headers.get("Status") == "503":
             transfer_id = self._probes.get(msg.subject.rsplit(".", 1)[-1])
             if transfer_id is not None:
-                self.worker.cancel(transfer_id, "client_gone")
+                # The client may be back: in a NATS cluster its interest vanishes while it
+                # reconnects to another server. What it is told, there or by kvpush.final:
+                gone = StreamLost("nobody listened on the request's reply subject (the client's connection was "
+                                  "lost, or it went away), so it was stopped; the tokens sent meanwhile were lost: "
+                                  "send the request again")
+                self.worker.cancel(transfer_id, "client_gone", error=to_error_body(gone))
 
     async def serve(self, running: RunningJob, received_ns: int) -> None:
         job: wire.DecodeJob = running.job

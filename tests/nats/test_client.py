@@ -129,3 +129,116 @@ async def test_a_named_client_requests_and_cancels_on_its_own_subjects(nc, nats_
     assert [(s, json.loads(c)) for s, c in cancels] == [
         (wire.OWNED_CANCEL(client=name), {"request_id": "r-named"}),
         (wire.OWNED_CANCEL(client=name), {"request_id": "r-again"})]
+
+
+async def _stream_with(nc, replies: list, request_id: str) -> list[dict]:
+    """Play decode: answer the request with ``replies`` (TokenChunk / FinalReply), in order."""
+    async def fake_decode(msg):
+        for reply in replies:
+            await nc.publish(msg.reply, wire.encode_json(reply))
+
+    sched = await nc.subscribe(wire.GENERATE_SUBJECT, cb=fake_decode)
+    try:
+        return [reply async for reply in generate(nc, {"prompt": "hi", "request_id": request_id}, timeout=5)]
+    finally:
+        await sched.unsubscribe()
+
+
+def _chunk(request_id: str, seq: int) -> wire.TokenChunk:
+    return wire.TokenChunk(request_id=request_id, token_ids=[seq + 1], text="t", seq=seq)
+
+
+def _final(request_id: str, chunks: int) -> wire.FinalReply:
+    return wire.FinalReply(request_id=request_id, finish_reason="length", usage=wire.Usage(3, chunks),
+                           timings=wire.Timings(1.0, 1.0, 1.0), chunks=chunks)
+
+
+async def test_a_whole_stream_ends_with_its_final(nc):
+    replies = await _stream_with(nc, [_chunk("r-whole", 0), _chunk("r-whole", 1), _final("r-whole", 2)], "r-whole")
+    assert [r.get("token_ids") for r in replies[:-1]] == [[1], [2]]
+    assert replies[-1]["finish_reason"] == "length" and "error" not in replies[-1]
+
+
+async def test_a_chunk_lost_mid_stream_ends_the_request_with_stream_lost_not_a_short_answer(nc):
+    """A NATS server that dies mid-stream takes the chunks it held: chunk 1 never comes."""
+    cancels: list[bytes] = []
+    cancel_sub = await nc.subscribe(wire.CANCEL_SUBJECT, cb=_collect(cancels))
+    replies = await _stream_with(nc, [_chunk("r-gap", 0), _chunk("r-gap", 2), _final("r-gap", 3)], "r-gap")
+    assert [r.get("token_ids") for r in replies[:-1]] == [[1]]  # nothing after the gap is passed on
+    assert replies[-1]["finished"] and replies[-1]["error"]["code"] == "stream_lost"
+    assert "chunk 1 never arrived" in replies[-1]["error"]["message"]
+    await _until(lambda: cancels)  # the rest of the request is cancelled
+    await cancel_sub.unsubscribe()
+    assert json.loads(cancels[0])["request_id"] == "r-gap"
+
+
+async def test_chunks_lost_at_the_end_turn_the_final_into_stream_lost(nc):
+    replies = await _stream_with(nc, [_chunk("r-tail", 0), _final("r-tail", 3)], "r-tail")
+    assert replies[-1]["error"]["code"] == "stream_lost"
+    assert "2 of its 3 token chunks never arrived" in replies[-1]["error"]["message"]
+
+
+async def _generate_against(nc, request_id: str, on_generate, final_code: str) -> list[dict]:
+    """generate() against a scheduler played by ``on_generate`` that answers every
+    ``kvpush.final`` with ``final_code`` (``not_found`` or ``in_flight``)."""
+    async def final_requests(msg):
+        body = wire.ErrorReply(request_id, wire.ErrorBody(final_code, f"request {request_id!r}: {final_code}"))
+        await nc.publish(msg.reply, wire.encode_json(body))
+
+    subs = [await nc.subscribe(wire.GENERATE_SUBJECT, cb=on_generate),
+            await nc.subscribe(wire.FINAL_SUBJECT, cb=final_requests)]
+    try:
+        return [r async for r in generate(nc, {"prompt": "hi", "request_id": request_id}, timeout=5,
+                                          refetch_after_s=0.2)]
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def test_a_request_no_scheduler_got_is_sent_again_on_the_same_inbox(nc):
+    """The first publish is lost on its way (a NATS server died with it): on the client's
+    next silence the schedulers say ``not_found``, and it sends the same request again."""
+    arrived: list = []
+
+    async def scheduler_that_missed_the_first(msg):
+        arrived.append((json.loads(msg.data)["request_id"], msg.reply))
+        if len(arrived) == 1:
+            return  # lost
+        for reply in (_chunk("r-lost", 0), _final("r-lost", 1)):
+            await nc.publish(msg.reply, wire.encode_json(reply))
+
+    replies = await _generate_against(nc, "r-lost", scheduler_that_missed_the_first, "not_found")
+    assert [r.get("token_ids") for r in replies] == [[1], None] and "error" not in replies[-1]
+    assert len(arrived) == 2 and arrived[0] == arrived[1]  # the same id on the same inbox
+
+
+async def test_a_request_in_flight_is_not_sent_again(nc):
+    arrived: list = []
+
+    async def slow_scheduler(msg):
+        arrived.append(msg.reply)
+        await asyncio.sleep(0.8)
+        for reply in (_chunk("r-slow", 0), _final("r-slow", 1)):
+            await nc.publish(msg.reply, wire.encode_json(reply))
+
+    replies = await _generate_against(nc, "r-slow", slow_scheduler, "in_flight")
+    assert replies[-1]["finish_reason"] == "length"
+    assert len(arrived) == 1
+
+
+async def test_a_request_that_streamed_and_is_then_forgotten_ends_with_an_error_not_a_timeout(nc):
+    """Its end was lost with a NATS server (nothing kept it): every scheduler says
+    ``not_found``. The client ends it with stream_lost, and does not send it again."""
+    arrived: list = []
+
+    async def scheduler_whose_end_was_lost(msg):
+        arrived.append(msg.reply)
+        await nc.publish(msg.reply, wire.encode_json(_chunk("r-forgotten", 0)))
+
+    started = asyncio.get_running_loop().time()
+    replies = await _generate_against(nc, "r-forgotten", scheduler_whose_end_was_lost, "not_found")
+    assert asyncio.get_running_loop().time() - started < 5  # the timeout, had it waited on
+    assert replies[0]["token_ids"] == [1]
+    assert replies[-1]["finished"] and replies[-1]["error"]["code"] == "stream_lost"
+    assert "no scheduler knows it any more" in replies[-1]["error"]["message"]
+    assert len(arrived) == 1

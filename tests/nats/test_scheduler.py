@@ -730,3 +730,46 @@ async def test_a_request_whose_reply_subject_is_not_its_senders_inbox_is_refused
 
     token_ids, _, final = await generate_all(client, request_body("r-good-reply"), timeout=10)  # served on
     assert token_ids == REPLY_TOKENS and "error" not in final
+
+
+# --------------------------------------------------------------------------- a request sent again
+
+
+async def test_a_request_sent_again_on_its_inbox_is_taken_for_a_repeat_and_answered_once(server, client, running):
+    """A client that heard nothing and found no scheduler knowing its request sends it again
+    (services/cli/client.py): if it had arrived after all, the repeat changes nothing."""
+    sched = await running(scheduler(server, mode="push"))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    body = json.dumps(request_body("r-repeat")).encode()
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    await client.publish(wire.GENERATE_SUBJECT, body, reply=inbox)
+    await until(lambda: len(decode.jobs) == 1, what="decode holding the job")
+    asked = await client.request(wire.FINAL_SUBJECT, wire.encode_json(wire.FinalRequest("r-repeat")), timeout=2)
+    assert json.loads(asked.data)["error"]["code"] == "in_flight"
+
+    await client.publish(wire.GENERATE_SUBJECT, body, reply=inbox)  # the repeat
+    other_inbox = client.new_inbox()
+    other = await client.subscribe(other_inbox)
+    await client.publish(wire.GENERATE_SUBJECT, body, reply=other_inbox)  # the same id from elsewhere
+    refusal = json.loads((await other.next_msg(timeout=5)).data)
+    assert refusal["error"]["code"] == "invalid_field" and "already in flight" in refusal["error"]["message"]
+    await round_trip(sched.bus.nc)
+    await client.flush()
+    assert sub.pending_msgs == 0  # the repeat got no error: the flight answers it
+    assert len(decode.jobs) == 1 and len(sched.flights) == 1  # and it started nothing
+
+
+async def test_asking_for_the_final_of_a_request_no_scheduler_knows_says_not_found(server, client, running):
+    await running(scheduler(server, mode="push"))
+    for _ in range(200):  # until the scheduler's subscription is in place
+        try:
+            asked = await client.request(wire.FINAL_SUBJECT, wire.encode_json(wire.FinalRequest("r-never")),
+                                         timeout=2)
+            break
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.01)
+    error = json.loads(asked.data)["error"]
+    assert error["code"] == "not_found" and "never reached a scheduler" in error["message"]

@@ -18,7 +18,7 @@ import pytest
 
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, running_rig, wait_until
 from tools.reliability.soak import Soak
-from services.cli.client import cancel
+from services.cli.client import ask_final, cancel
 from shared import wire
 from tests import prompts
 
@@ -112,6 +112,15 @@ async def test_a_client_that_drops_its_reply_subscription_stops_the_request(rig,
                      "the decode worker noticing")
     ended = next(p for p in rig.progress if p.request_id == request_id and p.stage == "ended")
     assert ended.outcome == "client_gone"
+    # A client whose connection only blinked (in a NATS cluster, its interest vanishes
+    # while it moves to another server) comes back and asks: it is told why, not not_found.
+    final = None
+    for _ in range(20):  # the scheduler keeps the final in a task of its own, after the progress
+        if isinstance(final := await ask_final(rig.conns["client"], request_id), dict):
+            break
+        await asyncio.sleep(0.5)
+    assert isinstance(final, dict) and final["error"]["code"] == "stream_lost", final
+    assert "nobody listened on the request's reply subject" in final["error"]["message"]
     await assert_healthy(rig, reference)
 
 
