@@ -312,6 +312,11 @@ class Scheduler(Service):
             return
         if not self.flights.remove(flight):
             return
+        # Every decode's progress comes through this one subscription: writing the end down
+        # waits on JetStream, and must not hold up the next request's progress behind it.
+        self._requests.spawn(self._ended(flight, event))
+
+    async def _ended(self, flight: Flight, event: wire.RequestProgress) -> None:
         if event.final:
             await self.ledger.keep_final(flight.request_id, flight.owner, event.final)
         await self.ledger.forget(flight.request_id, flight.revision)
@@ -346,10 +351,11 @@ class Scheduler(Service):
     # ---------------------------------------------------------------- a request's life
 
     async def _serve(self, msg, received_ns: int) -> None:
+        validating = _Validating(self)
         try:
-            flight = await self._admit(msg, received_ns)
+            flight = await self._admit(msg, received_ns, validating)
         finally:
-            self._validating -= 1
+            validating.done()
         if flight is None:
             return
         request = flight.request
@@ -361,7 +367,7 @@ class Scheduler(Service):
             flight.task = asyncio.current_task()
             await self._attempt(flight)
 
-    async def _admit(self, msg, received_ns: int) -> Flight | None:
+    async def _admit(self, msg, received_ns: int, validating: "_Validating") -> Flight | None:
         """The request as a flight in the table, or None once it was refused."""
         _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
         if not msg.reply:
@@ -387,6 +393,7 @@ class Scheduler(Service):
             if not _resent(self.flights.by_request(request.request_id), owner, msg.reply):
                 await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
+        validating.done()  # it counts against the limit as a flight now, not twice
         try:  # written down before any worker hears of it; a final kept from the id's last use goes
             revision, _ = await asyncio.gather(self.ledger.record(self._record(flight)),
                                                self.ledger.drop_final(request.request_id))
@@ -728,6 +735,20 @@ class Scheduler(Service):
         if keep_for is not None:
             await self.ledger.keep_final(request_id, keep_for, data)
         await self.bus.publish(reply_to, data, template=TEMPORARY)
+
+
+class _Validating:
+    """A request counted in ``Scheduler._validating`` until it is a flight in the table or
+    refused, once."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._counted = True
+
+    def done(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._scheduler._validating -= 1
 
 
 @contextlib.contextmanager

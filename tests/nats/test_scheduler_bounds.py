@@ -5,6 +5,7 @@ workers (tests/nats/test_scheduler.py's): it refuses work past its in-flight lim
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import json
 import contextlib
 import threading
@@ -58,6 +59,33 @@ async def test_past_its_in_flight_limit_a_scheduler_refuses_with_overloaded_and_
     await until(lambda: len(sched.flights) == 1, what="the cancelled flight gone")
     await send(client, request_body("r-next"))
     await until(lambda: len(decode.jobs) == 3, what="the next request admitted")
+
+
+async def test_a_request_whose_record_is_being_written_counts_once_against_the_limit(server, client, running):
+    """A request is counted as being validated until it is a flight in the table, then as
+    a flight: never both. Held inside its JetStream write (a hook around the real ledger
+    call), the first of two requests at a limit of two leaves room for the second."""
+    sched = await running(scheduler(server, max_in_flight=2))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    await workers_seen(client, prefill, decode)
+    writing, release = asyncio.Event(), asyncio.Event()
+    real_record = sched.ledger.record
+
+    async def held_record(record):
+        writing.set()
+        await release.wait()
+        return await real_record(record)
+
+    sched.ledger.record = held_record
+    first = await send(client, request_body("r-being-written"))
+    await asyncio.wait_for(writing.wait(), 10)
+    sched.ledger.record = real_record
+    await send(client, request_body("r-next-to-it"))
+    await until(lambda: [job.request_id for job in decode.jobs] == ["r-next-to-it"], what="the second admitted")
+    release.set()
+    await until(lambda: len(decode.jobs) == 2, what="the first dispatched once written")
+    assert first is not None
 
 
 async def test_a_nats_outage_longer_than_the_worker_timeout_loses_no_worker():
@@ -173,8 +201,13 @@ async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_an
     for n in range(12_000):
         await client.publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(f"never-sent-{n}")))
     # The admitted ones are in the table once their tokenizing and their record are done.
-    await until(lambda: len(finals) >= FLOOD - MAX_IN_FLIGHT and len(sched.flights) == MAX_IN_FLIGHT, timeout=45,
-                what="a final for every refused request, and the admitted ones in flight")
+    try:
+        await until(lambda: len(finals) >= FLOOD - MAX_IN_FLIGHT and len(sched.flights) == MAX_IN_FLIGHT,
+                    timeout=45, what="a final for every refused request, and the admitted ones in flight")
+    except AssertionError as exc:
+        codes = Counter(f.get("error", {}).get("message", "ok")[:80] for f in finals.values())
+        raise AssertionError(f"{exc}; {len(finals)} finals ({dict(codes)}), {len(sched.flights)} in flight; "
+                             f"nats-server said: {server.log_tail()}") from None
     assert len(finals) == FLOOD - MAX_IN_FLIGHT
     assert {f["error"]["code"] for f in finals.values()} == {"overloaded"}
     assert len(sched._early_cancels) <= sched._early_cancels.max_entries == 10_000
@@ -187,3 +220,51 @@ async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_an
     decode.on_job = "answer"
     final = (await replies_to_final(await send(client, request_body("after-the-flood"))))[-1]
     assert "error" not in final and final["finished"], final
+
+
+async def test_a_request_ending_while_another_ends_into_a_slow_jetstream_leaves_the_table_at_once(
+        server, client, running):
+    """Every decode's progress reaches the scheduler through one subscription. The first
+    request's end is held inside its JetStream write (a hook around the real ledger call);
+    the second's end must still take its flight out of the table, or under load flights
+    would pile up behind slow writes to --max-in-flight while their answers were long sent."""
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decode = await running(FakeWorker(server.url, "decode"))
+    await workers_seen(client, prefill, decode)
+    writing, release = asyncio.Event(), asyncio.Event()
+    real_keep = sched.ledger.keep_final
+
+    async def held_keep(request_id, owner, body):
+        if request_id == "r-slow-end":
+            writing.set()
+            await release.wait()
+        return await real_keep(request_id, owner, body)
+
+    sched.ledger.keep_final = held_keep
+    try:
+        first = await send(client, request_body("r-slow-end"))
+        await replies_to_final(first)
+        await asyncio.wait_for(writing.wait(), 10)
+        second = await send(client, request_body("r-next-end"))
+        await replies_to_final(second)
+        await until(lambda: len(sched.flights) == 0, what="the second flight out of the table")
+        assert not release.is_set()  # while the first's write still waits
+    finally:
+        release.set()
+        sched.ledger.keep_final = real_keep
+
+
+async def test_the_flights_bucket_keeps_nothing_past_twice_the_deadline():
+    """Each ended flight leaves a delete marker; with no age limit they would pile up for
+    ever (138 B a request, docs/scaling.md) and every scheduler would read them all at start."""
+    from services.ledger import Ledger
+
+    with LocalNatsServer() as own:
+        nc = await nats.connect(own.url)
+        try:
+            await Ledger.open(nc, deadline_s=40.0)
+            info = await nc.jetstream().stream_info(f"KV_{wire.FLIGHTS_BUCKET}")
+            assert info.config.max_age == 140.0  # 2 x deadline + 60 s: no flight lives that long
+        finally:
+            await nc.close()
