@@ -1,4 +1,6 @@
-"""A process's ``/metrics`` (Prometheus text format) and ``/health``, on a port of its own.
+"""A process's ``/metrics`` (Prometheus text format), ``/health`` and ``/ready``, on a port
+of its own. ``/health``: the process runs. ``/ready``: it serves (a worker once its engine
+is up and it heartbeats, a scheduler once it takes requests: ``mark_ready``); 503 before.
 
 The metrics are kvpush's OpenTelemetry instruments (``otel.metrics``) read by
 OpenTelemetry's Prometheus exporter, so OTLP and Prometheus see the same numbers, named
@@ -17,6 +19,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 
+READY = threading.Event()
+
+
+def mark_ready() -> None:
+    """The process serves now: ``/ready`` answers 200 from here on."""
+    READY.set()
+
+
 class _Handler(BaseHTTPRequestHandler):
     service = "kvpush"
 
@@ -26,8 +36,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
         elif path == "/health":
             self._reply(200, json.dumps({"status": "ok", "service": self.service}).encode(), "application/json")
+        elif path == "/ready":
+            ready = READY.is_set()
+            self._reply(200 if ready else 503, json.dumps({"status": "ready" if ready else "starting",
+                                                           "service": self.service}).encode(), "application/json")
         else:
-            self._reply(404, b'{"error": "only /metrics and /health are here"}', "application/json")
+            self._reply(404, b'{"error": "only /metrics, /health and /ready are here"}', "application/json")
 
     def _reply(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -41,7 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(port: int, host: str = "127.0.0.1", service: str = "kvpush") -> ThreadingHTTPServer:
-    """Serve ``/metrics`` and ``/health`` on ``host:port`` (0: a free port) from a daemon thread."""
+    """Serve ``/metrics``, ``/health`` and ``/ready`` on ``host:port`` (0: a free port) from a daemon thread."""
     handler = type("Handler", (_Handler,), {"service": service})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True

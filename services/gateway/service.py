@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 
+from otel import endpoint
 from otel.metrics import instruments
 from services.cli.client import generate, scheduler_status
 from services.gateway import openai_api
@@ -85,6 +86,9 @@ class Gateway(Service):
             await asyncio.sleep(0.01)
         if self.port == 0:
             self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        # A metrics port of its own (KVPUSH_METRICS_PORT) says it serves HTTP; whether kvpush
+        # routes to workers is the gateway's own /ready.
+        endpoint.mark_ready()
         log.info("gateway ready", url=self.url, model=self.served_model_name)
 
     async def close(self) -> None:

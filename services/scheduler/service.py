@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from otel import attributes as A
+from otel import endpoint
 from otel.messaging import TEMPORARY, context_from_traceparent, current_traceparent
 from otel.metrics import instruments
 from services.bus import Bus
@@ -139,6 +140,7 @@ class Scheduler(Service):
         self._mirror = loop.create_task(self._mirror_flights())
         self._beats = loop.create_task(self._heartbeat_loop())
         self._watch = loop.create_task(self._watch_flights())
+        endpoint.mark_ready()  # /ready: it takes requests
         log.info("scheduler ready", scheduler_id=self.scheduler_id)
 
     async def close(self) -> None:

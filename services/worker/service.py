@@ -20,6 +20,7 @@ import structlog
 from opentelemetry import trace
 
 from otel import attributes as A
+from otel import endpoint
 from otel.messaging import TEMPORARY, trace_id_hex
 from otel.metrics import instruments
 from services.bus import Bus
@@ -108,6 +109,7 @@ class Worker(Service):
         self._job_sub = await self.bus.subscribe(self.role.job_subject(worker_id=self.worker_id), self._on_job)
         await self.role.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        endpoint.mark_ready()  # /ready: the engine is up and the worker takes jobs
 
     async def close(self) -> None:
         if self._closed:

@@ -123,3 +123,14 @@ async def test_every_panel_of_the_grafana_dashboard_returns_data(stack, promethe
                 break
             await asyncio.sleep(1)
     assert empty == []
+
+
+async def test_every_service_says_ready_on_its_metrics_port_once_it_serves(stack):
+    """/ready (otel/endpoint.py) is what a Kubernetes readiness probe asks: the scheduler
+    takes requests, each worker's engine is up. The stack is ready, so all say 200."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        for name, addresses in sorted(stack.metrics_targets.items()):
+            if name == "gateway":
+                continue  # its /ready is the gateway's own (tests/stack/test_gateway.py)
+            reply = await http.get(f"http://{addresses[0]}/ready")
+            assert (reply.status_code, reply.json()["status"]) == (200, "ready"), name
