@@ -102,8 +102,9 @@ class Chaos:
 # --------------------------------------------------------------------------- hold points
 # A race test holds a thread at a named point in the connector, does what must happen in
 # between (say, deliver a Revoke), and lets it go: the interleaving is then certain, not
-# a matter of sleeps. Points are in-process; when no test holds one, ``point`` is a dict
-# lookup and returns at once.
+# a matter of sleeps. In-process with ``hold``; across processes (an engine the test
+# started), while the file named by KVPUSH_HOLD_FILE lists the point's name. When no test
+# holds one, ``point`` is a dict lookup and returns at once.
 
 class Gate:
     def __init__(self) -> None:
@@ -116,6 +117,8 @@ class Gate:
 
 _gates: dict[str, Gate] = {}
 _GATE_TIMEOUT_S = 30.0  # a forgotten gate stalls a thread this long at most
+_HOLD_FILE = os.environ.get("KVPUSH_HOLD_FILE")
+_HOLD_POLL_S = 0.02
 
 
 def point(name: str) -> None:
@@ -123,6 +126,33 @@ def point(name: str) -> None:
     if gate is not None:
         gate.reached.set()
         gate.opened.wait(_GATE_TIMEOUT_S)
+    if _HOLD_FILE is not None and _held_by_file(name):
+        _say_reached(name)
+        deadline = time.monotonic() + _GATE_TIMEOUT_S
+        while _held_by_file(name) and time.monotonic() < deadline:
+            time.sleep(_HOLD_POLL_S)
+
+
+def reached_file(hold_file: str) -> str:
+    """Where a process held by ``hold_file`` writes the name of each point it stopped at
+    (one line each), so the test in another process knows the hold has begun."""
+    return hold_file + ".reached"
+
+
+def _say_reached(name: str) -> None:
+    try:
+        with open(reached_file(_HOLD_FILE), "a") as reached:
+            reached.write(name + "\n")
+    except OSError:
+        pass
+
+
+def _held_by_file(name: str) -> bool:
+    try:
+        with open(_HOLD_FILE) as held:
+            return name in held.read().split()
+    except OSError:
+        return False
 
 
 class hold:

@@ -7,7 +7,7 @@ carries the NATS URL). Secrets do not belong in that config (it is logged and pi
 and its schema is vLLM's. The environment, by contrast, is inherited by every child
 process. So the CLI turns its ``--nats-*`` flags into ``KVPUSH_NATS_*`` variables
 (``export_arguments``) and every place that opens a NATS connection, in whichever
-process, calls ``nats.connect(url, **connect_options())``.
+process, calls ``nats.connect(server_urls(url), **connect_options())``.
 
     KVPUSH_NATS_USER, KVPUSH_NATS_PASSWORD   user and password
     KVPUSH_NATS_TOKEN                        a token
@@ -64,6 +64,21 @@ class NatsConfigError(KvpushError, ValueError):
     """The NATS security settings contradict each other or name a missing file."""
 
     code = "nats_config"
+
+
+def server_urls(urls: str) -> list[str]:
+    """``--nats-url`` / ``KVPUSH_NATS_URL`` as nats-py's server list: one URL, or several
+    members of one NATS cluster separated by commas (``nats://h1:4222,nats://h2:4222``).
+    nats-py tries them in random order and moves to another member when one goes away; it
+    also learns members the cluster announces."""
+    servers = [url.strip() for url in urls.split(",") if url.strip()]
+    if not servers:
+        raise NatsConfigError(f"no NATS URL in {urls!r}: give one URL or a comma-separated list")
+    for url in servers:
+        scheme = url.split("://", 1)[0] if "://" in url else None
+        if scheme not in ("nats", "tls"):
+            raise NatsConfigError(f"{url!r} is not a NATS URL: write nats://host:port (or tls://host:port)")
+    return servers
 
 
 def connect_options(env: Mapping[str, str] = os.environ, service: str | None = None) -> dict:

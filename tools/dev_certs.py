@@ -33,8 +33,11 @@ SERVER_NAME = "kvpush nats-server"
 CLIENT_NAME = "kvpush client"
 
 
-def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False) -> Path:
-    """Make sure ``folder`` holds the six PEM files; return the folder."""
+def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False, server_ips: tuple[str, ...] = ()) -> Path:
+    """Make sure ``folder`` holds the six PEM files; return the folder. ``server_ips``:
+    addresses the server certificate is valid for besides loopback (the multi-host rig's
+    NATS servers)."""
+    ips = SERVER_IPS + tuple(server_ips)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not force and all((folder / name).exists() for name in FILES):
@@ -42,9 +45,9 @@ def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False) -> Path:
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        _generate_with_openssl(folder)
+        _generate_with_openssl(folder, ips)
     else:
-        _generate_with_cryptography(folder)
+        _generate_with_cryptography(folder, ips)
     for name in FILES:
         if name.endswith("-key.pem"):
             os.chmod(folder / name, 0o600)
@@ -54,7 +57,7 @@ def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False) -> Path:
 # --------------------------------------------------------------------------- cryptography
 
 
-def _generate_with_cryptography(folder: Path) -> None:
+def _generate_with_cryptography(folder: Path, ips: tuple[str, ...]) -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -86,7 +89,7 @@ def _generate_with_cryptography(folder: Path) -> None:
 
     leaves = {
         "server": (SERVER_NAME, ExtendedKeyUsageOID.SERVER_AUTH, x509.SubjectAlternativeName(
-            [x509.DNSName(n) for n in SERVER_NAMES] + [x509.IPAddress(ipaddress.ip_address(i)) for i in SERVER_IPS])),
+            [x509.DNSName(n) for n in SERVER_NAMES] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])),
         "client": (CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, x509.SubjectAlternativeName(
             [x509.DNSName("kvpush-client")])),
     }
@@ -113,7 +116,7 @@ def _key_usage(x509, cert_sign: bool):
 # --------------------------------------------------------------------------- openssl CLI
 
 
-def _generate_with_openssl(folder: Path) -> None:
+def _generate_with_openssl(folder: Path, ips: tuple[str, ...]) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         raise RuntimeError("neither the cryptography package nor the openssl command is available")
@@ -130,7 +133,7 @@ def _generate_with_openssl(folder: Path) -> None:
         "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
         "-addext", "keyUsage=critical,digitalSignature,keyCertSign,cRLSign")
 
-    server_alt = ",".join([f"DNS:{n}" for n in SERVER_NAMES] + [f"IP:{i}" for i in SERVER_IPS])
+    server_alt = ",".join([f"DNS:{n}" for n in SERVER_NAMES] + [f"IP:{i}" for i in ips])
     leaves = {
         "server": (SERVER_NAME, "serverAuth", server_alt),
         "client": (CLIENT_NAME, "clientAuth", "DNS:kvpush-client"),
@@ -155,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default=str(DEFAULT_FOLDER), help=f"where to write (default {DEFAULT_FOLDER})")
     parser.add_argument("--force", action="store_true", help="regenerate even if the files exist")
+    parser.add_argument("--server-ips", default="", metavar="IP,IP",
+                        help="more addresses the server certificate is valid for (NATS servers on other hosts)")
     args = parser.parse_args(argv)
-    folder = generate(args.folder, force=args.force)
+    ips = tuple(ip.strip() for ip in args.server_ips.split(",") if ip.strip())
+    folder = generate(args.folder, force=args.force, server_ips=ips)
     print(f"dev certificates in {folder}")
     return 0
 

@@ -35,6 +35,6 @@ async def until_signalled() -> None:
 async def connect(nats_url: str, **kwargs):
     import nats
 
-    from shared.nats_security import connect_options
+    from shared.nats_security import connect_options, server_urls
 
-    return await nats.connect(nats_url, **kwargs, **connect_options())
+    return await nats.connect(server_urls(nats_url), **kwargs, **connect_options())

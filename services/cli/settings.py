@@ -35,7 +35,8 @@ class Setting:
 _FAULTS = defaults.FAULTS
 
 SETTINGS: dict[str, Setting] = {s.flag: s for s in [
-    Setting("--nats-url", "KVPUSH_NATS_URL", defaults.DEFAULT_NATS_URL, "NATS server URL"),
+    Setting("--nats-url", "KVPUSH_NATS_URL", defaults.DEFAULT_NATS_URL,
+            "NATS server URL, or several members of one cluster separated by commas"),
     Setting("--model", "KVPUSH_MODEL", None,
             "a local Hugging Face model folder (default: the built-in small model)"),
     Setting("--max-model-len", "KVPUSH_MAX_MODEL_LEN", defaults.MAX_MODEL_LEN,
@@ -79,6 +80,9 @@ ENVIRONMENT = {
     "KVPUSH_TRACE_DIR": "where local OTLP-JSON span files go (default <cache>/traces)",
     "KVPUSH_NATS_USER / _PASSWORD / _TOKEN / _NKEY_SEED / _CREDS": "NATS login (--nats-user ...); see deploy/README.md",
     "KVPUSH_NATS_TLS_CA / _TLS_CERT / _TLS_KEY": "NATS TLS: the CA to trust, the client certificate and key",
+    "KVPUSH_ADVERTISE_HOST": "the address other hosts reach this worker at, for vLLM's NIXL side channel "
+                             "(--connector vllm-nixl*; default 127.0.0.1); kvpush's connector needs none",
+    "UCX_TLS / UCX_NET_DEVICES": "UCX's own: which transports and interfaces carry the KV (docs/multi-host.md)",
 }
 OTEL_ENVIRONMENT = {
     "OTEL_EXPORTER_OTLP_ENDPOINT": "send spans and metrics there (OTLP/HTTP) instead of local files",

@@ -33,7 +33,7 @@ from services.gateway import openai_api
 from services.lifecycle import Service
 from shared import settings, wire
 from shared.errors import InvalidField, KvpushError, NoScheduler, PayloadTooLarge, RequestError
-from shared.nats_security import connect_options
+from shared.nats_security import connect_options, server_urls
 
 log = structlog.get_logger("kvpush.gateway")
 _tracer = trace.get_tracer("kvpush.gateway")
@@ -73,7 +73,7 @@ class Gateway(Service):
 
         self.tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, AutoTokenizer.from_pretrained, self.model)
-        self.nc = await nats.connect(self.nats_url, name="kvpush-gateway", max_reconnect_attempts=-1,
+        self.nc = await nats.connect(server_urls(self.nats_url), name="kvpush-gateway", max_reconnect_attempts=-1,
                                      **connect_options())
         config = uvicorn.Config(build_app(self), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", access_log=False)

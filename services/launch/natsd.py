@@ -25,6 +25,18 @@ def server_binary() -> str:
     )
 
 
+def terminate(process: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -94,6 +106,9 @@ class LocalNatsServer:
             self._tmp = None
             self._store = None
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def log_tail(self, chars: int = 500) -> str:
         """The end of what nats-server wrote to stderr (its log) since the last start."""
         if self._log is None or self._log.closed:
@@ -108,13 +123,8 @@ class LocalNatsServer:
         return command + ["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", os.path.abspath(self._store)]
 
     def _terminate(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            terminate(self.process)
         if self._log is not None:
             self._log.close()
             self._log = None

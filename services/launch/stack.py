@@ -15,7 +15,7 @@ import nats
 
 from services.launch.natsd import LocalNatsServer, free_port
 from shared import settings
-from shared.nats_security import connect_options
+from shared.nats_security import connect_options, server_urls
 from services.cli.client import scheduler_status
 
 PR_SET_PDEATHSIG = 1
@@ -44,7 +44,9 @@ class Stack:
         role_env: dict[str, dict[str, str]] | None = None,
         schedulers: int = 1,
         gateway_port: int | None = None,
+        gateway_host: str = "127.0.0.1",
         metrics: bool = False,
+        launchers: dict[str, list[str]] | None = None,
     ):
         self.model = model
         self.nats_url = nats_url
@@ -52,6 +54,7 @@ class Stack:
         self.num_decode = decode
         self.num_schedulers = schedulers
         self.gateway_port = gateway_port  # None: no gateway
+        self.gateway_host = gateway_host  # the address it binds and clients use
         self.metrics = metrics  # each service serves /metrics on a port of its own
         self.metrics_targets: dict[str, list[str]] = {}  # child name -> host:port to scrape
         self.max_model_len = max_model_len
@@ -61,6 +64,9 @@ class Stack:
         self.extra_env = extra_env or {}
         # Per worker name (prefill-0, ...), else per role (scheduler, prefill, decode, client): e.g. its NATS user.
         self.role_env = role_env or {}
+        # Per child name, else per role: a command prefix that starts it elsewhere, e.g.
+        # ["ip", "netns", "exec", "h2"] (the multi-host rig's "hosts").
+        self.launchers = launchers or {}
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
 
@@ -75,7 +81,7 @@ class Stack:
         if self.gateway_port is not None:
             if self.gateway_port == 0 or not _port_free(self.gateway_port):
                 self.gateway_port = free_port()
-            self._spawn("gateway", "gateway", ["gateway", *common, "--host", "127.0.0.1",
+            self._spawn("gateway", "gateway", ["gateway", *common, "--host", self.gateway_host,
                                                "--port", str(self.gateway_port)])
         for i in range(self.num_prefill):
             self.spawn_worker("prefill", f"prefill-{i}")
@@ -85,7 +91,7 @@ class Stack:
 
     @property
     def gateway_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port is not None else None
+        return f"http://{self.gateway_host}:{self.gateway_port}" if self.gateway_port is not None else None
 
     def spawn_scheduler(self, name: str = "scheduler") -> subprocess.Popen:
         """Start a scheduler (one more, or one again after a crash); they share the load."""
@@ -122,8 +128,9 @@ class Stack:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")
+        launcher = self.launchers.get(name, self.launchers.get(role, []))
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", *args],
+            [*launcher, sys.executable, "-m", "services.cli.main", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
@@ -134,7 +141,7 @@ class Stack:
 
     async def wait_ready(self, timeout: float = 300.0, progress=None) -> None:
         """Return once the scheduler routes to every worker; raise if a child died."""
-        nc = await nats.connect(self.nats_url, **connect_options(self._env("client")))
+        nc = await nats.connect(server_urls(self.nats_url), **connect_options(self._env("client")))
         try:
             deadline = time.monotonic() + timeout
             last = None

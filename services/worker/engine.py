@@ -143,18 +143,42 @@ def decode_request(connector: str, job: wire.DecodeJob, traceparent: str) -> tup
     return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
 
 
+def port_outside_ephemeral_range() -> int:
+    """A free port below the kernel's ephemeral range. vLLM's engine binds the side channel
+    seconds after it is chosen, while it and its peer pick their own ports with bind(0),
+    which the kernel takes from that range: a port chosen there could be handed out again
+    meanwhile (CI saw "Address already in use"). None of theirs lands below it."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} for vLLM's NIXL side channel")
+
+
 def side_channel(engine_id: str, connector: str) -> dict:
     """vLLM's NIXL connectors talk over a side channel of their own, one port per engine:
     set it up for this process's engine, and return what peers need to reach it (the
     heartbeat's ``kv_params``). kvpush's connector needs none: it speaks NATS."""
     if connector == "kvpush":
         return {}
-    from services.launch.natsd import free_port
-
-    port = free_port()
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    port = port_outside_ephemeral_range()
+    host = os.environ.get("KVPUSH_ADVERTISE_HOST") or "127.0.0.1"  # where other hosts reach this one
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-    return {"remote_engine_id": engine_id, "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1}
+    return {"remote_engine_id": engine_id, "remote_host": host, "remote_port": port, "tp_size": 1}
 
 
 # --------------------------------------------------------------------------- load and stages

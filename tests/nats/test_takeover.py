@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import msgspec
 import nats
@@ -79,6 +80,13 @@ async def send(client, request_id: str, **body) -> Replies:
     return replies
 
 
+async def until_async(probe, timeout: float = 10.0, what: str = "it") -> None:
+    deadline = time.monotonic() + timeout
+    while not await probe():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.05)
+
+
 async def one_final(replies: Replies, timeout: float = 15.0, settle_s: float = 1.0) -> dict:
     """The one final the client got; fails on none, or on a second one within ``settle_s``."""
     await until(lambda: replies.finals(), timeout=timeout, what="a final message")
@@ -127,6 +135,9 @@ async def test_a_flight_whose_scheduler_died_while_it_waited_for_a_worker_is_dis
     await asyncio.sleep(WORKER_TIMEOUT_S + 0.3)
     replies = await send(client, "r-queued")
     await until(lambda: first.flights.by_request("r-queued") is not None, what="the flight")
+    # Accepted means written down: a flight enters the table a moment before its record
+    # lands in JetStream, and a scheduler dead in between leaves nothing to take over.
+    await until_async(lambda: first.ledger.flight("r-queued"), what="the flight's record")
     await die(first)
 
     spare = await running(FakeWorker(server.url, "prefill", "answer"))

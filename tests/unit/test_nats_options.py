@@ -17,6 +17,7 @@ import pytest
 
 from tools import dev_certs
 from shared.errors import KvpushError
+from shared import nats_security
 from shared.nats_security import ENV_VARS, NatsConfigError, add_arguments, connect_options, export_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -225,11 +226,26 @@ def test_dev_certs_are_idempotent_and_chain_to_the_ca(tmp_path):
 def test_dev_certs_openssl_fallback_chains_to_the_ca(tmp_path):
     if shutil.which("openssl") is None:
         with pytest.raises(RuntimeError, match="openssl"):
-            dev_certs._generate_with_openssl(tmp_path)
+            dev_certs._generate_with_openssl(tmp_path, dev_certs.SERVER_IPS)
         return
-    dev_certs._generate_with_openssl(tmp_path)
+    dev_certs._generate_with_openssl(tmp_path, dev_certs.SERVER_IPS + ("198.18.0.2",))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(dev_certs.FILES)
     _assert_chain(tmp_path)
+    assert "198.18.0.2" in _server_ips(tmp_path)
+
+
+def test_dev_certs_name_the_extra_server_addresses_of_a_multi_host_rig(tmp_path):
+    folder = dev_certs.generate(tmp_path, server_ips=("198.18.0.1", "198.18.0.3"))
+    assert _server_ips(folder) == {"127.0.0.1", "::1", "198.18.0.1", "198.18.0.3"}
+    _assert_chain(folder)
+
+
+def _server_ips(folder: Path) -> set[str]:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((folder / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
 
 
 def _assert_chain(folder: Path) -> None:
@@ -240,3 +256,15 @@ def _assert_chain(folder: Path) -> None:
         if shutil.which("openssl"):
             subprocess.run(["openssl", "verify", "-CAfile", str(folder / "ca.pem"), str(folder / f"{leaf}.pem")],
                            check=True, capture_output=True)
+
+
+def test_one_url_or_a_cluster_list():
+    assert nats_security.server_urls("nats://127.0.0.1:4222") == ["nats://127.0.0.1:4222"]
+    assert nats_security.server_urls(" nats://198.18.0.1:4222, nats://198.18.0.2:4222 ,tls://h3:4222,") == [
+        "nats://198.18.0.1:4222", "nats://198.18.0.2:4222", "tls://h3:4222"]
+
+
+@pytest.mark.parametrize("urls", ["", " , ", "198.18.0.1:4222", "http://h:4222", "nats://h1:4222,ws://h2:80"])
+def test_a_bad_url_list_is_refused_with_a_sentence(urls):
+    with pytest.raises(nats_security.NatsConfigError, match="NATS URL"):
+        nats_security.server_urls(urls)

@@ -26,12 +26,13 @@ from pathlib import Path
 import msgspec
 import nats
 
+from connector import chaos
 from tools import dev_certs
 from services.cli.client import generate, scheduler_status
 from services.launch.natsd import LocalNatsServer
 from services.launch.stack import Stack
 from shared import wire
-from shared.nats_security import connect_options
+from shared.nats_security import connect_options, server_urls
 from shared.permissions import Identity, literal_password, new_password, render_config
 
 # (role, NATS user): the stack's own services, the rig's watcher, and the hostile peers.
@@ -40,6 +41,7 @@ IDENTITIES = [
     Identity("scheduler", "scheduler-1", new_password()),
     Identity("prefill", "prefill-0", new_password()),
     Identity("decode", "decode-0", new_password()),
+    Identity("decode", "decode-1", new_password()),  # a second decode, for rigs that start two
     Identity("client", "client-0", new_password()),
     Identity("scheduler", "scheduler-rig", new_password()),
     Identity("prefill", "prefill-9", new_password()),
@@ -63,6 +65,8 @@ FAULT_ENV = {
     "KVPUSH_LOG_LEVEL": "INFO",
 }
 DEADLINE_S = float(FAULT_ENV["KVPUSH_DEADLINE_S"])
+# nats-server resolves these against its config file's folder.
+TLS_FILES = {"cert_file": "certs/server.pem", "key_file": "certs/server-key.pem", "ca_file": "certs/ca.pem"}
 
 
 @dataclass
@@ -91,6 +95,8 @@ class FaultRig:
     folder: Path
     model: str
     max_model_len: int
+    decodes: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every service, over FAULT_ENV
     nats: LocalNatsServer | None = None
     stack: Stack | None = None
     certs: Path | None = None
@@ -116,21 +122,18 @@ class FaultRig:
         }
 
     async def start(self, extra_env: dict[str, str] | None = None) -> "FaultRig":
-        config_dir = self.folder / "nats"
-        config_dir.mkdir(parents=True, exist_ok=True)
-        self.certs = dev_certs.generate(config_dir / "certs")
-        tls = {"cert_file": "certs/server.pem", "key_file": "certs/server-key.pem", "ca_file": "certs/ca.pem"}
-        config = config_dir / "nats-server.conf"
-        config.write_text(render_config(IDENTITIES, literal_password, tls=tls))
-        config.chmod(0o600)
-        self.nats = LocalNatsServer(config=config).start()
+        self.nats = self.start_nats()
+        options = self.stack_options()
         self.stack = Stack(
-            self.model, nats_url=self.nats.url, prefill=1, decode=1, max_model_len=self.max_model_len,
-            log_dir=self.folder / "logs", extra_env={**FAULT_ENV, **self.chaos_env(), **(extra_env or {})},
+            self.model, nats_url=self.nats.url, prefill=1, decode=self.decodes, max_model_len=self.max_model_len,
+            log_dir=self.folder / "logs",
+            extra_env={**FAULT_ENV, **self.chaos_env(), **self.extra_env, **(extra_env or {})},
             schedulers=2,  # sharing the load; either may die, and the other takes its requests over
             role_env={"scheduler": self.identity_env("scheduler-0"), "scheduler-1": self.identity_env("scheduler-1"),
-                      "prefill-0": self.identity_env("prefill-0"),
-                      "decode-0": self.identity_env("decode-0"), "client": self.identity_env("client-0")},
+                      "prefill-0": self.identity_env("prefill-0"), "client": self.identity_env("client-0"),
+                      **{f"decode-{i}": self.identity_env(f"decode-{i}") for i in range(self.decodes)},
+                      **options.pop("role_env", {})},
+            **options,
         )
         self.stack.start()
         for purpose in CONNECTIONS:
@@ -145,6 +148,21 @@ class FaultRig:
             self.start_free[role] = await self.idle_free_blocks(role)
         return self
 
+    def start_nats(self):
+        """The rig's NATS (something with ``url``, ``stop()``, ``alive()``): one server
+        with mutual TLS and the identities' users."""
+        config_dir = self.folder / "nats"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        self.certs = dev_certs.generate(config_dir / "certs")
+        config = config_dir / "nats-server.conf"
+        config.write_text(render_config(IDENTITIES, literal_password, tls=TLS_FILES))
+        config.chmod(0o600)
+        return LocalNatsServer(config=config).start()
+
+    def stack_options(self) -> dict:
+        """More of ``Stack``'s arguments, for a rig that places the services elsewhere."""
+        return {}
+
     async def connect(self, purpose: str, errors: list[str] | None = None):
         """A connection for ``purpose`` (a key of CONNECTIONS), logged in as its identity;
         what the server refuses it (permission violations) is appended to ``errors``."""
@@ -155,7 +173,7 @@ class FaultRig:
             if errors is not None:
                 errors.append(str(exc))
 
-        return await nats.connect(self.nats.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+        return await nats.connect(server_urls(self.nats.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                   error_cb=on_error,
                                   **connect_options(self.identity_env(identity.name), service=service))
 
@@ -195,7 +213,30 @@ class FaultRig:
 
     def chaos_env(self) -> dict[str, str]:
         return {"KVPUSH_CHAOS_FILE": str(self.folder / "chaos.json"), "KVPUSH_CHAOS_SEED": "7",
-                "KVPUSH_CHAOS_LOG": str(self.folder / "chaos.log")}
+                "KVPUSH_CHAOS_LOG": str(self.folder / "chaos.log"), "KVPUSH_HOLD_FILE": str(self.holds)}
+
+    # ------------------------------------------------------------------ held points
+
+    @property
+    def holds(self) -> Path:
+        """The file naming the connector's points (``connector.chaos.point``) where every
+        engine's threads stop until it no longer names them."""
+        return self.folder / "holds"
+
+    def hold(self, *points: str) -> None:
+        """Stop every engine's threads at ``points`` from now on (also engines started later)."""
+        Path(chaos.reached_file(str(self.holds))).unlink(missing_ok=True)
+        self.holds.write_text("".join(f"{point}\n" for point in points))
+
+    def release(self) -> None:
+        """Let every held thread go on."""
+        self.holds.write_text("")
+
+    async def wait_held(self, point: str, timeout: float) -> None:
+        """Until some engine's thread stopped at ``point``."""
+        reached = Path(chaos.reached_file(str(self.holds)))
+        await wait_until(lambda: reached.exists() and point in reached.read_text().split(), timeout,
+                         f"a thread held at {point}")
 
     def set_chaos(self, rates: dict | None) -> None:
         """Turn message faults on (rates per subject prefix) or off in every engine."""
@@ -227,19 +268,23 @@ class FaultRig:
         now = time.monotonic()
         return {wid: b for wid, b in self.beats.items() if b.role == role and now - b.seen <= within_s}
 
+    def _count(self, role: str) -> int:
+        return self.decodes if role == "decode" else 1
+
     async def idle_free_blocks(self, role: str, timeout: float = 60.0) -> int:
-        """Free KV blocks of the one live worker of ``role`` once two beats agree."""
+        """Free KV blocks of each live worker of ``role`` (all the same: one model, one
+        KV budget) once two beats agree."""
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
             live = self.live_workers(role)
-            if len(live) == 1:
-                free = next(iter(live.values())).free
+            free = {b.free for b in live.values()}
+            if len(live) == self._count(role) and len(free) == 1:
                 if free == last:
-                    return free
+                    return free.pop()
                 last = free
             await asyncio.sleep(1.1)
-        raise TimeoutError(f"no steady {role} heartbeat within {timeout} s")
+        raise TimeoutError(f"no steady {role} heartbeats within {timeout} s")
 
     async def assert_blocks_back(self, timeout: float = 45.0) -> None:
         """Both engines' free KV block counts return to their starting values."""
@@ -249,11 +294,28 @@ class FaultRig:
             for role in ("prefill", "decode"):
                 live = self.live_workers(role)
                 now_free[role] = [b.free for b in live.values()]
-            if all(v == [self.start_free[r]] for r, v in now_free.items()):
+            if all(v == [self.start_free[r]] * self._count(r) for r, v in now_free.items()):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks not back: free now {now_free}, at start {self.start_free}")
             await asyncio.sleep(0.5)
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP the stack's worker ``name`` and its engine processes: it stalls (no
+        heartbeat, no reply) with everything it holds, until ``resume``."""
+        self._signal_tree(name, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self._signal_tree(name, signal.SIGCONT)
+
+    def _signal_tree(self, name: str, signum: int) -> None:
+        import psutil
+
+        process = dict(self.stack.children)[name]
+        tree = psutil.Process(process.pid)
+        for member in [tree, *tree.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.send_signal(signum)
 
     def kill(self, role: str) -> str:
         """kill -9 the live worker of ``role`` with its engine processes (a crash of the
@@ -330,7 +392,7 @@ class FaultRig:
         for name, process in self.stack.children:
             if process.poll() is not None and process not in self.killed_processes:
                 raise AssertionError(f"{name} died (exit {process.returncode})")
-        assert self.nats.process.poll() is None, "nats-server died"
+        assert self.nats.alive(), "nats-server died"
 
     # ------------------------------------------------------------------ requests
 
@@ -436,9 +498,10 @@ class FaultRig:
 
 
 @contextlib.asynccontextmanager
-async def running_rig(folder: Path, model: str, max_model_len: int):
+async def running_rig(folder: Path, model: str, max_model_len: int, decodes: int = 1,
+                      extra_env: dict[str, str] | None = None):
     """A started rig for a test module; on a failed start its services' logs go to stderr."""
-    rig = FaultRig(folder, model, max_model_len)
+    rig = FaultRig(folder, model, max_model_len, decodes=decodes, extra_env=extra_env or {})
     try:
         await rig.start()
         yield rig
@@ -467,9 +530,11 @@ def _decoded(msg, kind):
         return None
 
 
-async def wait_until(predicate, timeout: float, what: str) -> None:
+async def wait_until(predicate, timeout: float, what: str):
+    """What ``predicate()`` returned, once it is true."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout} s")
         await asyncio.sleep(0.05)
+    return value
