@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--out", default="soak-results")
     soak.set_defaults(func=tools.cmd_soak)
 
+    from tools.bench import scheduler_rate
+
+    bench_scheduler = sub.add_parser("bench-scheduler", help="one real scheduler's request rate against idle "
+                                                             "stand-in workers (real nats-server and client)")
+    scheduler_rate.add_arguments(bench_scheduler)
+    bench_scheduler.set_defaults(func=scheduler_rate.cmd)
+
     bench_transfer = sub.add_parser("bench-transfer", help="our transfer thread vs a raw NIXL WRITE, 1-256 MiB")
     bench_transfer.add_argument("--out", help="write the rows as JSON here")
     bench_transfer.set_defaults(func=tools.cmd_bench_transfer)
