@@ -19,4 +19,19 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "[test] no prometheus server: install it (apt-get install prometheus) or the metrics test fails"
   fi
 fi
+# The compose check (tests/stack/test_compose_up.py) starts a private Docker engine and
+# builds its base image: Debian's docker.io and debootstrap. Without them it fails, saying so.
+if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing Debian's docker.io and debootstrap (the compose check runs a private engine)"
+    export DEBIAN_FRONTEND=noninteractive
+    # and no system engine (default socket, private-range bridge): no service may start meanwhile
+    policy=""; [ -e /usr/sbin/policy-rc.d ] || { policy=/usr/sbin/policy-rc.d; printf '#!/bin/sh\nexit 101\n' > $policy; chmod +x $policy; }
+    apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null; }
+    [ -z "$policy" ] || rm -f "$policy"
+  else
+    echo "[test] no dockerd/debootstrap: install them as root (apt-get install docker.io debootstrap) or the compose check fails"
+  fi
+fi
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

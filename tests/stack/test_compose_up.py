@@ -1,0 +1,168 @@
+"""`docker compose up` for real (scripts/compose-check.sh, run once for the module): a
+private Docker engine, kvpush's image built from the Dockerfile, compose.yaml brought up by
+the real Compose binary, outputs through the gateway's OpenAI API and the kvpush.generate
+subject equal to a plain vLLM run, one trace per request in the OTLP receiver that stands in
+for Jaeger, and nothing left once it is over. No engine is a failure, never a skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tools.compose_check import engine as private_engine
+from tools.compose_check import prepare
+from tools.compose_check.check import GATEWAY_SERVICE, HELPERS, SERVICES, WORKER_SERVICES
+
+pytestmark = pytest.mark.timeout(2400)
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "compose-check"
+CHECK_TIMEOUT_S = 1800
+
+
+def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "tools.compose_check", "--dockerd", str(tmp_path / "no-dockerd"),
+                             "--work-parent", str(tmp_path), "--report", str(tmp_path / "report.json")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no Docker engine" in result.stdout and "apt-get install docker.io" in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not report["ok"] and report["no_engine"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "report.json"]  # its folder went too
+
+
+@pytest.fixture(scope="module")
+def run():
+    """scripts/compose-check.sh, as CI and a newcomer run it; its report, output and what
+    the host looked like before."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    report_path = ARTIFACTS / "report.json"
+    report_path.unlink(missing_ok=True)
+    before = private_engine.links()
+    process = subprocess.Popen(["bash", "scripts/compose-check.sh", "--report", str(report_path),
+                                "--logs", str(ARTIFACTS / "logs")], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # SIGTERM: the check stops the stack and removes its engine
+        output, _ = process.communicate(timeout=300)
+    (ARTIFACTS / "output.log").write_text(output)
+    sys.stderr.write(output[-6000:])
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    return {"rc": process.returncode, "output": output, "report": report, "links_before": before}
+
+
+def _report(run) -> dict:
+    report = run["report"]
+    if not report:
+        pytest.fail(f"the compose check wrote no report (exit {run['rc']}):\n{run['output'][-3000:]}")
+    if report.get("no_engine"):
+        pytest.fail(report["no_engine"])  # no engine: a failure, with what to do
+    return report
+
+
+def test_the_image_builds_from_the_dockerfile(run):
+    report = _report(run)
+    assert "image build" in report["times_s"], report["failures"]
+    assert {"kvpush:latest", "kvpush-check/nats:local", "kvpush-check/prometheus:local",
+            "kvpush-check/otlp-receiver:local"} <= set(report["images"])
+    assert report["kvpush_image_built_from_dockerfile"]
+    same = report["model"]["same"]  # `kvpush model build` in the image: the host's default small model
+    assert same["weights_sha256"] and same["profile_params"] and same["seed"], same
+    if not same["tokenizer_sha256"]:  # only where the interpreters' standard libraries differ (see findings)
+        assert report["model"]["image_corpus"]["sha256"] != report["model"]["host_corpus"]["sha256"]
+
+
+def test_compose_up_brings_up_nats_the_scheduler_one_prefill_one_decode_and_the_gateway(run):
+    report = _report(run)
+    containers = report.get("containers")
+    assert containers, report["failures"]
+    for service in SERVICES + HELPERS:
+        mine = [c for c in containers if c["service"] == service]
+        assert len(mine) == 1 and mine[0]["state"] == "running", (service, mine)
+        if service in SERVICES:
+            assert mine[0]["health"] == "healthy", mine
+    assert {c["image"] for c in containers if c["service"] in SERVICES[1:]} == {"kvpush:latest"}
+    assert not [c for c in containers if c["service"] == "grafana"]
+    assert all(report["start_order"]["rules"].values()), report["start_order"]
+
+
+def test_outputs_through_the_gateway_and_nats_equal_a_single_instance(run):
+    report = _report(run)
+    rows = report.get("requests")
+    assert rows, report["failures"]
+    assert {row["via"] for row in rows} == {"gateway (openai)", "nats kvpush.generate"}
+    for row in rows:
+        assert row.get("token_ids") == row["reference"], row
+
+
+def test_the_otlp_receiver_got_one_trace_per_request_with_spans_from_every_service(run):
+    report = _report(run)
+    traces = report.get("traces")
+    assert traces and len(traces) == len(report["requests"]), report["failures"]
+    via = {row["request_id"]: row["via"] for row in report["requests"]}
+    for request_id, trace in traces.items():
+        assert len(trace["trace_ids"]) == 1, (request_id, trace)
+        wanted = WORKER_SERVICES | ({GATEWAY_SERVICE} if via[request_id].startswith("gateway") else set())
+        assert wanted <= set(trace["services"]), (request_id, trace)
+
+
+def test_prometheus_scrapes_every_kvpush_service_by_its_compose_name(run):
+    targets = _report(run).get("prometheus_targets")
+    assert targets and set(targets.values()) == {"up"}, targets
+    hosts = {url.split("//")[1].split("/")[0] for url in targets}
+    assert {"scheduler:9100", "prefill:9100", "prefill:9101", "decode:9100", "decode:9101", "gateway:8000"} <= hosts
+
+
+def test_compose_down_and_the_engines_removal_leave_nothing_behind(run):
+    report = _report(run)
+    assert report.get("after_down") == {"containers": [], "networks": [], "volumes": []}, report["failures"]
+    left = report["leftovers"]
+    assert left["processes"] == [] and left["links"] == [] and left["mounts"] == [] and left["work_folder"] is None
+    # and seen from here, after the script ended
+    work = report["work"]
+    assert not Path(work).exists()
+    assert private_engine._processes_mentioning(work) == []
+    pid = left["engine_pid"]
+    assert pid is None or not os.path.exists(f"/proc/{pid}") or not private_engine._alive(pid)
+    assert not {n for n in private_engine.links() - run["links_before"] if n == "docker0" or n.startswith("br-")}
+    with open("/proc/self/mounts") as f:
+        assert work not in f.read()
+    assert sorted(p.name for p in prepare.WHEELS.iterdir()) == [".gitignore", "README.md"]
+
+
+def test_the_compose_check_passed_and_says_what_it_took(run):
+    report = _report(run)
+    assert run["rc"] == 0 and report["ok"], report["failures"]
+    for step in ("engine start", "base image and wheels", "image build", "compose up", "requests", "compose down",
+                 "engine stop"):
+        assert report["times_s"][step] >= 0, step
+    assert report["times_s"]["total"] < CHECK_TIMEOUT_S
+
+
+def test_an_engine_that_refuses_a_storage_driver_falls_back_and_is_removed_by_its_pid(monkeypatch):
+    monkeypatch.setattr(private_engine, "STORAGE_DRIVERS", ("no-such-driver", "vfs"))
+    folder = Path(tempfile.mkdtemp(prefix="kvpush-engine."))  # short: its sockets' paths must fit
+    engine = private_engine.PrivateEngine(folder / "engine", start_timeout=30)
+    before = private_engine.links()
+    try:
+        try:
+            engine.start()
+            assert engine.storage_driver == "vfs" and "no-such-driver" in engine.attempts[0]
+            assert engine.version()["ApiVersion"]
+            pid = int(engine.pidfile.read_text())
+            assert private_engine._alive(pid)
+        finally:
+            left = engine.stop()
+        assert left == {"processes": [], "links": [], "mounts": []}
+        assert not private_engine._alive(pid) and not (folder / "engine").exists()
+    finally:
+        private_engine.remove_folder(folder)
+    assert not {n for n in private_engine.links() - before if n == "docker0" or n.startswith("br-")}
