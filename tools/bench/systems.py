@@ -159,6 +159,11 @@ class VllmServeSystem:
             env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, index)}
+            if self.connector == "NixlPushConnector":
+                # The push proxy sends both legs at once, so decode knows prefill's request id only as
+                # the proxy named it; prefill renews its lease on blocks decode has not received yet
+                # only for heartbeats with its exact id, which the engine otherwise suffixes at random.
+                env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
             self._spawn(engine_id, self.serve_command(role, port, engine_id), env)
             health.append(f"http://127.0.0.1:{port}/health")
             if role == "prefill":
