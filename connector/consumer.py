@@ -205,8 +205,8 @@ class Consumer:
     # ---------------------------------------------------------------- NATS
 
     def on_completion(self, event: wire.Completion) -> None:
-        if event.prefill_engine_id == self.engine_id:
-            return
+        if event.prefill_engine_id == self.engine_id or isinstance(event, wire.TransferMoved):
+            return  # a TransferMoved is for the scheduler: our registration, when it comes, is what counts
         if not isinstance(event, wire.TransferFailed):
             # Our KV's arrival is its notification, not this message; but the message says
             # the notification is due, so the transfer thread polls for it now.
@@ -264,7 +264,7 @@ class Consumer:
             return self._ended.get(transfer_id)
 
     def _submit_read(self, read: PullRead, remote: wire.AgentInfo) -> None:
-        problem = kv_layout.copy_problem(self.transfer.layout, remote, read.local_block_ids, read.remote_block_ids)
+        problem = kv_layout.copy_problem(self.transfer.layout, remote, read.local_block_ids, read.sources)
         if problem is not None:
             self._read_failed(read, problem)
             return
@@ -282,7 +282,7 @@ class Consumer:
                 read.transfer_id,
                 remote,
                 read.local_block_ids,
-                read.remote_block_ids,
+                read.sources,
                 notification(read.transfer_id, self.rank, self.tp_size,
                              block_tag(read.transfer_key, read.remote_block_ids)),
                 on_done,

@@ -71,10 +71,6 @@ class KvpushConnector(KVConnectorBase_V1):
         if not config.nats_url:
             raise ValueError("KvpushConnector needs kv_connector_extra_config['nats_url']")
         FaultSettings(lease_s=config.lease_s, kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)  # checks
-        if vllm_config.cache_config.enable_prefix_caching:
-            # A prompt's blocks could be shared with another request: a push would overwrite them.
-            raise ValueError("KvpushConnector does not support prefix caching yet: start the engine with "
-                             "enable_prefix_caching=False (vllm serve --no-enable-prefix-caching)")
         engine_id = transfer_config.engine_id
         # The engine core is a process of its own: its metrics get a port of their own.
         otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector",

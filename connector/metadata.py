@@ -39,7 +39,9 @@ class ExpectedKv:
 
 @dataclass(frozen=True, slots=True)
 class PullRead:
-    """Pull: decode allocated ``local_block_ids``; READ the prefill's blocks into them."""
+    """Pull: decode allocated ``local_block_ids`` for the prompt's blocks from
+    ``first_block`` on (those before it are in decode's prefix cache); READ the prefill's
+    blocks (all the prompt's, ``remote_block_ids``, as prefill returned them) into them."""
 
     request_id: str
     transfer_id: str
@@ -49,6 +51,11 @@ class PullRead:
     traceparent: str = ""
     transfer_key: str = ""
     prefill_incarnation: str = ""  # read through that start's agent only
+    first_block: int = 0
+
+    @property
+    def sources(self) -> list[int]:
+        return self.remote_block_ids[self.first_block:]
 
 
 @dataclass

@@ -20,6 +20,7 @@ Decode's READ notifications (pull) count only with a tag made with that key over
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -68,9 +69,28 @@ def pair_problem(registration: wire.Registration, ready: ReadyPrefill) -> str | 
         return "the registration does not carry the transfer's key"
     if ready.num_tokens and registration.num_tokens != ready.num_tokens:
         return f"registration for {registration.num_tokens} tokens, the prompt has {ready.num_tokens}"
-    if len(registration.block_ids) != len(ready.block_ids):
-        return f"registration names {len(registration.block_ids)} blocks, the prompt fills {len(ready.block_ids)}"
+    if not 0 <= registration.first_block < len(ready.block_ids):
+        return f"registration starts at block {registration.first_block}, the prompt fills {len(ready.block_ids)}"
+    if len(registration.block_ids) != len(ready.block_ids) - registration.first_block:
+        return (f"registration names {len(registration.block_ids)} blocks from block {registration.first_block}, "
+                f"the prompt fills {len(ready.block_ids)}")
     return None
+
+
+@dataclasses.dataclass
+class _Move:
+    """Where a transfer goes now that a scheduler moved it, and the keys it had before
+    (each move's proves it is the transfer's): a Revoke from another decode with one of
+    them comes from a decode it moved away from, and is answered at once."""
+
+    decode_engine_id: str
+    transfer_key: str
+    earlier_keys: list[str]
+
+
+def sources(registration: wire.Registration, ready: ReadyPrefill) -> list[int]:
+    """Our blocks to write into the registration's: those decode does not hold already."""
+    return ready.block_ids[registration.first_block:]
 
 
 class Producer:
@@ -96,6 +116,7 @@ class Producer:
         self._keys: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         # Revokes that came before either half, so could not be checked: checked when one comes.
         self._unchecked_revokes: OrderedDict[str, wire.Revoke] = OrderedDict()
+        self._moves: OrderedDict[str, _Move] = OrderedDict()  # transfer id -> where a scheduler moved it
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when blocks may go back."""
@@ -104,14 +125,17 @@ class Producer:
 
     def subscriptions(self):
         """(subject, message kind, handler) for the worker to subscribe."""
-        return [(wire.KV_CONTROL.partly(engine_id=self.engine_id), wire.KvControl, self.on_kv_control)]
+        return [(wire.KV_CONTROL.partly(engine_id=self.engine_id), wire.KvControl, self.on_kv_control),
+                (wire.KV_MOVES.partly(engine_id=self.engine_id), wire.MoveTransfer, self.on_move)]
 
     # ---------------------------------------------------------------- vLLM's worker thread
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         """After the forward pass: these prefills' KV is now in their blocks."""
         for ready in meta.ready_prefills:
+            chaos.point("producer.ready")
             with self._lock:
+                ready = self._moved(ready)
                 self._pushing.add(ready.request_id)
                 self._keys[ready.transfer_id] = (ready.transfer_key, ready.block_ids if ready.mode == "pull" else [])
                 while len(self._keys) > MAX_KEYS:
@@ -198,7 +222,78 @@ class Producer:
             case wire.Registration():
                 self._on_registration(message)
 
+    # ---------------------------------------------------------------- moves
+
+    def _moved(self, ready: ReadyPrefill) -> ReadyPrefill:
+        """The prefill as the newest move of its transfer says. Called under _lock."""
+        move = self._moves.get(ready.transfer_id)
+        if move is None or ready.mode != "push":
+            return ready
+        return dataclasses.replace(ready, decode_engine_id=move.decode_engine_id, transfer_key=move.transfer_key)
+
+    def _current_key(self, transfer_id: str) -> str | None:
+        """The transfer's key now, if a half or an earlier move shows it. Called under _lock."""
+        move = self._moves.get(transfer_id)
+        if move is not None:
+            return move.transfer_key
+        half = self._rendezvous.peek(transfer_id)
+        if half is not None and half.prefill is not None:
+            return half.prefill.transfer_key
+        if half is not None and half.registration is not None:
+            return half.registration.transfer_key
+        return None
+
+    def on_move(self, move: wire.MoveTransfer) -> None:
+        """A scheduler moves a transfer to another decode: its first decode was lost or
+        overloaded. Only before its write: once it began, the KV is that decode's."""
+        transfer_id = move.transfer_id
+        with self._lock:  # the critical section of a match, its "writing" mark and a Revoke
+            key = self._current_key(transfer_id)
+            problem = why = dropped = None
+            if key is not None and not keys_match(move.transfer_key, key):
+                problem = "a MoveTransfer without the transfer's key"
+            elif transfer_id in self._writing:
+                why = "its write has begun"
+            elif self._served.holds(transfer_id):
+                why = "a pull transfer: the decode chosen after prefill reads it"
+            else:
+                why, dropped = self._rendezvous.retarget(transfer_id, lambda ready: dataclasses.replace(
+                    ready, decode_engine_id=move.decode_engine_id, transfer_key=move.new_transfer_key))
+                if why is None:
+                    earlier = self._moves.pop(transfer_id, None)
+                    keys = [*(earlier.earlier_keys if earlier is not None else []), move.transfer_key]
+                    self._moves[transfer_id] = _Move(move.decode_engine_id, move.new_transfer_key, keys)
+                    while len(self._moves) > MAX_KEYS:
+                        self._moves.popitem(last=False)
+                    if transfer_id in self._keys:
+                        self._keys[transfer_id] = (move.new_transfer_key, self._keys[transfer_id][1])
+        if problem is not None:
+            self._refuse(transfer_id, problem)
+            return
+        if why is None and dropped is not None:  # its blocks go back through its revoke, answered at once
+            log.info("transfer %s moved from %s to %s", transfer_id, dropped.decode_engine_id, move.decode_engine_id)
+        self.bridge.publish(
+            wire.completion_subject(move.decode_engine_id, self.engine_id),
+            wire.encode(wire.TransferMoved(transfer_id=transfer_id, prefill_engine_id=self.engine_id,
+                                           decode_engine_id=move.decode_engine_id, moved=why is None,
+                                           reason=why or "")),
+        )
+
+    def _moved_away(self, revoke: wire.Revoke) -> bool:
+        """A Revoke from a decode this transfer was moved away from, with the key it had:
+        no write of ours goes to it, so it is answered now. Called under _lock."""
+        move = self._moves.get(revoke.transfer_id)
+        if move is None or revoke.decode_engine_id == move.decode_engine_id:
+            return False
+        return any(keys_match(revoke.transfer_key, key) for key in move.earlier_keys)
+
     def _on_registration(self, registration: wire.Registration) -> None:
+        with self._lock:
+            move = self._moves.get(registration.transfer_id)
+        if move is not None and registration.decode_engine_id != move.decode_engine_id:
+            self._fail(registration.transfer_id, registration.decode_engine_id,
+                       BadRegistration(f"the transfer moved to {move.decode_engine_id}"))
+            return
         with self._lock:
             revoke = self._unchecked_revokes.get(registration.transfer_id)
             if revoke is not None and revoke.decode_engine_id != registration.decode_engine_id:
@@ -265,11 +360,16 @@ class Producer:
 
     def _on_revoke(self, revoke: wire.Revoke) -> None:
         with self._lock:  # the same critical section as a match and its "writing" mark
-            problem = self._revoke_problem(revoke)
-            if problem is None:
+            moved_away = self._moved_away(revoke)
+            problem = None if moved_away else self._revoke_problem(revoke)
+            if not moved_away and problem is None:
                 half, matched = self._rendezvous.close(revoke.transfer_id, "revoked")
                 writing = revoke.transfer_id in self._writing
                 served = self._served.release(revoke.transfer_id)
+        if moved_away:
+            self._fail(revoke.transfer_id, revoke.decode_engine_id,
+                       Revoked("the transfer moved to another decode; nothing was written to yours"))
+            return
         if problem is not None:
             self._refuse(revoke.transfer_id, problem)
             return
@@ -316,7 +416,8 @@ class Producer:
 
     def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
         registration, ready = match.registration, match.prefill
-        problem = kv_layout.copy_problem(self.transfer.layout, remote, ready.block_ids, registration.block_ids)
+        problem = kv_layout.copy_problem(self.transfer.layout, remote, sources(registration, ready),
+                                         registration.block_ids)
         if problem is not None:
             self._fail_match(match, BadRegistration(problem))
             return
@@ -359,7 +460,7 @@ class Producer:
                 "WRITE",
                 match.transfer_id,
                 remote,
-                ready.block_ids,
+                sources(registration, ready),
                 registration.block_ids,
                 notification(match.transfer_id, self.rank, self.tp_size,
                              block_tag(ready.transfer_key, registration.block_ids)),

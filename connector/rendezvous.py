@@ -123,6 +123,26 @@ class Rendezvous(Generic[R, P]):
                 now - half.first_at,
             )
 
+    def retarget(self, transfer_id: str, update: Callable[[P], P]) -> tuple[str | None, R | None]:
+        """Point a transfer that has not matched at another decode: the registration
+        waiting for it (if any) is dropped and returned, a waiting prefill is replaced by
+        ``update(prefill)`` (checked against the next registration) with a fresh lease.
+        Returns (why not, or None; the registration dropped)."""
+        with self._lock:
+            closed = self._closed.get(transfer_id)
+            if closed is not None:
+                return f"the transfer is {closed}" if closed != "matched" else "its write has begun", None
+            half = self._pending.get(transfer_id)
+            if half is None:
+                return None, None
+            dropped, half.registration = half.registration, None
+            if half.prefill is None:
+                del self._pending[transfer_id]  # nothing waits any more
+            else:
+                half.prefill = update(half.prefill)
+                half.expires_at = min(self._clock() + self.lease_s, half.first_at + self.max_life_s)
+            return None, dropped
+
     def reopen(self, transfer_id: str) -> bool:
         """Undo a "revoked" close that turned out forged (no half had arrived to check it
         against); False if the transfer is not closed that way."""

@@ -112,20 +112,37 @@ class ConnectorScheduler:
             self._prefills[request.request_id] = _Prefill(request, prefill)
         decode = decode_params(params)
         if decode is not None and num_external_tokens > 0:
-            block_ids = blocks.get_block_ids()[0]
+            first_block, block_ids = self._destinations(request, blocks, num_external_tokens)
             if decode.mode == "pull":
-                self._read(request, block_ids, decode)
+                self._read(request, first_block, block_ids, decode)
             else:
-                self._register(request, block_ids, decode)
+                self._register(request, first_block, block_ids, decode)
             params["do_remote_prefill"] = False  # a re-entry must not register again
 
-    def _read(self, request: "Request", block_ids: list[int], params: wire.DecodeKvParams) -> None:
-        needed = blocks_for(len(request.prompt_token_ids or ()), self.block_size)
+    def _destinations(self, request: "Request", blocks: "KVCacheBlocks",
+                      num_external_tokens: int) -> tuple[int, list[int]]:
+        """The prompt's blocks the KV is to fill: after the prefix our own cache holds
+        (``get_num_new_matched_tokens`` asked for everything after it, and a cache hit is
+        whole blocks). Cached blocks are shared with other requests: never a destination."""
+        num_tokens = len(request.prompt_token_ids or ())
+        local_tokens = num_tokens - num_external_tokens
+        if local_tokens % self.block_size:
+            raise RuntimeError(f"a local prefix of {local_tokens} tokens is not whole blocks of {self.block_size}")
+        first_block = local_tokens // self.block_size
+        prompt_blocks = blocks.blocks[0][first_block:blocks_for(num_tokens, self.block_size)]
+        taken = [block.block_id for block in prompt_blocks if block.block_hash is not None or block.ref_cnt != 1]
+        if taken:  # vLLM allocates fresh blocks after a hit and caches them only once loaded
+            raise RuntimeError(f"blocks {taken} hold cached or shared KV: they cannot receive a transfer")
+        return first_block, [block.block_id for block in prompt_blocks]
+
+    def _read(self, request: "Request", first_block: int, block_ids: list[int],
+              params: wire.DecodeKvParams) -> None:
         self._reads.append(
             PullRead(
                 request_id=request.request_id,
                 transfer_id=params.transfer_id,
-                local_block_ids=list(block_ids[:needed]),
+                local_block_ids=block_ids,
+                first_block=first_block,
                 prefill_engine_id=params.prefill_engine_id,
                 remote_block_ids=list(params.remote_block_ids),  # what prefill's request_finished returned
                 traceparent=params.traceparent,
@@ -134,7 +151,8 @@ class ConnectorScheduler:
             )
         )
 
-    def _register(self, request: "Request", block_ids: list[int], params: wire.DecodeKvParams) -> None:
+    def _register(self, request: "Request", first_block: int, block_ids: list[int],
+                  params: wire.DecodeKvParams) -> None:
         num_tokens = len(request.prompt_token_ids or ())
         registration = wire.Registration(
             transfer_id=params.transfer_id,
@@ -142,7 +160,8 @@ class ConnectorScheduler:
             decode_engine_id=self.engine_id,
             decode_request_id=request.request_id,
             decode_tp_size=self.tp_size,
-            block_ids=list(block_ids[: blocks_for(num_tokens, self.block_size)]),
+            block_ids=block_ids,
+            first_block=first_block,
             num_tokens=num_tokens,
             registered_at=time.time(),
             transfer_key=params.transfer_key,

@@ -17,8 +17,13 @@ DESCRIPTORS = "kvpush.kv.descriptors"  # descriptor ranges a WRITE used (after c
 RENDEZVOUS_SECOND = "kvpush.rendezvous.second"  # "registration" or "prefill": which half came last
 RENDEZVOUS_WAIT_MS = "kvpush.rendezvous.wait_ms"  # how long the first half waited for the second
 ERROR_CODE = "kvpush.error.code"  # the error code sent to the client or in a failure event
-TRANSFER_MODE = "kvpush.transfer_mode"  # push or pull
+TRANSFER_MODE = "kvpush.transfer_mode"  # push, pull or local
+PLACEMENT_REASON = "kvpush.placement.reason"  # why the scheduler served the request that way
+PLACEMENT_PREFIX = "kvpush.placement."  # + the numbers the decision rested on (prefill_finish_s, ...)
+CACHED_TOKENS = "kvpush.cached_tokens"  # prompt tokens an engine's prefix cache held
 ATTEMPT = "kvpush.attempt"  # which try at serving the request (retries after a lost worker)
+MOVED_FROM = "kvpush.moved_from"  # the decode worker a transfer moved away from
+MOVE_REASON = "kvpush.move.reason"  # lost (silent) or overloaded
 
 ATTRIBUTES: dict[str, str] = {
     REQUEST_ID: "the client's request id (or the one the scheduler made)",
@@ -35,8 +40,20 @@ ATTRIBUTES: dict[str, str] = {
     RENDEZVOUS_SECOND: "which half of the rendezvous arrived second: registration or prefill",
     RENDEZVOUS_WAIT_MS: "how long the first half of the rendezvous waited for the second, in ms",
     ERROR_CODE: "the error code of a failed request or transfer",
-    TRANSFER_MODE: "push (decode registers, prefill writes) or pull (prefill first, decode reads)",
+    TRANSFER_MODE: "push (decode registers, prefill writes), pull (prefill first, decode reads) or local "
+                   "(decode computes the prompt)",
+    PLACEMENT_REASON: "why the scheduler served the request that way (services/scheduler/placement.py)",
+    PLACEMENT_PREFIX + "prefill_finish_s": "predicted seconds until the chosen prefill would compute the prompt",
+    PLACEMENT_PREFIX + "prefill_wait_s": "predicted seconds the prompt would queue on that prefill",
+    PLACEMENT_PREFIX + "prefill_tokens_per_s": "that prefill's measured throughput",
+    PLACEMENT_PREFIX + "prefill_cached_tokens": "of the prompt, what that prefill's prefix cache likely holds",
+    PLACEMENT_PREFIX + "prompt_tokens": "the prompt's length",
+    PLACEMENT_PREFIX + "decode_running": "requests the chosen decode runs (and was sent since its heartbeat)",
+    PLACEMENT_PREFIX + "decode_waiting": "requests waiting in the chosen decode's engine",
+    CACHED_TOKENS: "prompt tokens the engine's prefix cache held (neither computed nor transferred)",
     ATTEMPT: "which try at serving the request: 2 and up are retries after a worker was lost",
+    MOVED_FROM: "the decode worker a transfer moved away from (scheduler.move)",
+    MOVE_REASON: "why it moved: its decode was lost (silent) or overloaded",
 }
 
 # ----------------------------------------------------------------------------- business spans
@@ -44,11 +61,13 @@ SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts 
 SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get both acks
 SCHEDULER_WAIT_PREFILL = "scheduler.wait_prefill"  # pull: prefill job sent -> its handoff arrived
 SCHEDULER_TAKEOVER = "scheduler.takeover"  # a flight whose scheduler was lost, taken over by another
+SCHEDULER_MOVE = "scheduler.move"  # push: the transfer moved to another decode before its write
 PREFILL = "prefill"  # a prefill job on its worker
 PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
 PREFILL_COMPUTE = "prefill.compute"  # vLLM computes the prompt
 DECODE = "decode"  # a decode job on its worker, to the final reply
 DECODE_WAIT_KV = "decode.wait_kv"  # job received -> vLLM schedules it with all KV present
+DECODE_QUEUE = "decode.queue"  # local: job received -> vLLM schedules the prompt
 DECODE_FIRST_TOKEN = "decode.first_token"  # scheduled -> first token out
 DECODE_GENERATE = "decode.generate"  # first token -> last token
 KV_REGISTER = "kv.register"  # decode allocated blocks and sent the registration
@@ -64,11 +83,14 @@ SPANS: dict[str, str] = {
     SCHEDULER_DISPATCH: "pick workers and send the jobs (push: both at once; pull: prefill, then decode)",
     SCHEDULER_WAIT_PREFILL: "pull: prefill job sent -> the prefill's handoff arrived",
     SCHEDULER_TAKEOVER: "a flight whose scheduler was lost: fence its attempt, then finish it here",
+    SCHEDULER_MOVE: "push: its decode was lost before the KV was written; the transfer moved to another decode "
+                    "(kvpush.decode_worker) with nothing recomputed, or (kvpush.error.code) could not",
     PREFILL: "a prefill job on its worker",
     PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
     PREFILL_COMPUTE: "vLLM computes the prompt",
     DECODE: "a decode job on its worker, to the final reply",
     DECODE_WAIT_KV: "job received -> vLLM schedules it with all KV present",
+    DECODE_QUEUE: "local: job received -> vLLM schedules the prompt (decode computes it)",
     DECODE_FIRST_TOKEN: "scheduled with KV -> first token out",
     DECODE_GENERATE: "first token -> last token",
     KV_REGISTER: "decode allocated blocks and published the registration",

@@ -86,12 +86,14 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.HANDOFFS.wildcard,
                 wire.KV_COMPLETIONS.wildcard,
                 wire.PROGRESS.wildcard,
+                wire.CACHE_EVENTS.wildcard,
                 wire.INVALID_SUBJECT,
                 own_inbox,
             ],
             publish=[
                 wire.PREFILL_JOBS.wildcard,
                 wire.DECODE_JOBS.wildcard,
+                wire.KV_MOVES.partly(sender=name),
                 wire.SCHEDULER_HEARTBEATS(sender=name),
                 wire.INVALID_SUBJECT,
                 wire.CLIENT_INBOX_PREFIX + ".>",  # error finals to clients
@@ -104,12 +106,14 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
             subscribe=[
                 wire.PREFILL_JOBS(worker_id=name),
                 wire.KV_CONTROL.partly(engine_id=name),
+                wire.KV_MOVES.partly(engine_id=name),
                 wire.KV_AGENT.partly(engine_id=name),
                 wire.KV_AGENTS.wildcard,
                 own_inbox,
             ],
             publish=[
                 wire.HEARTBEATS(sender=name),
+                wire.CACHE_EVENTS(sender=name),
                 wire.HANDOFFS(sender=name),
                 wire.KV_COMPLETIONS.partly(sender=name),
                 wire.KV_AGENTS(sender=name),
@@ -129,6 +133,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
             ],
             publish=[
                 wire.HEARTBEATS(sender=name),
+                wire.CACHE_EVENTS(sender=name),
                 wire.PROGRESS(sender=name),
                 wire.KV_CONTROL.partly(sender=name),
                 wire.KV_COMPLETIONS(engine_id=name, sender=name),  # its own READ failed

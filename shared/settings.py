@@ -11,8 +11,9 @@ from dataclasses import dataclass
 DEFAULT_NATS_PORT = 4222
 DEFAULT_NATS_URL = f"nats://127.0.0.1:{DEFAULT_NATS_PORT}"
 MAX_MODEL_LEN = 2048  # context the engines serve
-TRANSFER_MODE = "push"  # how KV moves unless a request says: push or pull
+TRANSFER_MODE = "push"  # how a request is served unless it says: push, pull, or auto (decided per request)
 CONNECTOR = "kvpush"  # the workers' KV connector: kvpush, vllm-nixl or vllm-nixl-push
+PREFIX_CACHING = "on"  # the engines' prefix caching (vLLM's default): on or off
 
 # The scheduler
 DEADLINE_S = 300.0  # every accepted request gets its final message within this
@@ -20,6 +21,17 @@ WORKER_TIMEOUT_S = 3.0  # a worker without a heartbeat this long is lost; its re
 MAX_ATTEMPTS = 3  # tries at a request whose workers were lost before it streamed
 MAX_IN_FLIGHT = 512  # requests one scheduler holds at once; past it new ones get `overloaded`
 SCHEDULER_TIMEOUT_S = 3.0  # a scheduler without a heartbeat this long is lost; others take its flights over
+
+# Placement (--mode auto): services/scheduler/placement.py
+# Measured (docs/benchmarks.md, mixed lengths, 1P1D, 0.5 req/s): below ~1000 tokens the decode
+# computing the prompt itself beat push and pull; 1000-1500 even; above, pull was faster.
+LOCAL_PREFILL_TOKENS = 1024  # prompts shorter than this are computed by their decode
+PUSH_WITHIN_S = 1.0  # push when prefill should end within this; later, pull (decode chosen when it ends)
+OVERLOADED_WAITING = 4  # a decode with this many requests queued in its engine, while another has none, is
+# overloaded: a push transfer bound to it and not yet written moves to the other
+HANDOFF_S = 0.03  # what disaggregating adds to a prompt's prefill: dispatch, transfer, noticing it (p50 measured)
+DECODE_ROOM = 4  # a decode running fewer requests than this has room to compute a prompt
+PREFIX_WEIGHT = 1.0  # routing: a decode holding a whole prompt cached counts one request less busy
 
 # The workers
 HEARTBEAT_INTERVAL_S = 1.0  # also how often decode renews prefill's leases

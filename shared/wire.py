@@ -32,16 +32,21 @@ Internal (msgpack):
     kvpush.kv.register.<engine_id>.<sender>  Registration | LeaseRenewal | Revoke
                                                       decode -> prefill connector: blocks to push
                                                       into; keep my prefill's blocks; give up
+    kvpush.kv.move.<engine_id>.<sender>  MoveTransfer  scheduler -> prefill connector: push
+                                                      this transfer to another decode instead
     kvpush.kv.agent.<engine_id>.<rank>  AgentInfo     reply to an empty request: a worker
                                                        rank's NIXL agent and KV layout
     kvpush.kv.agents.<sender>       AgentInfo         announced once when a rank is ready
     kvpush.handoff.<sender>         Handoff           prefill worker: prefill finished (in pull
                                                        mode the scheduler then picks decode)
-    kvpush.kv.completion.<decode_engine_id>.<sender>  TransferDone | TransferFailed
-                                                      prefill connector -> that decode and the
-                                                      schedulers (``kvpush.kv.completion.*.*``)
+    kvpush.kv.completion.<decode_engine_id>.<sender>  TransferDone | TransferFailed |
+                                                      TransferMoved   prefill connector -> that
+                                                      decode and the schedulers
+                                                      (``kvpush.kv.completion.*.*``)
     kvpush.scheduler.heartbeat.<sender>  SchedulerHeartbeat  scheduler -> schedulers, every
                                                       second: whose flights are orphans
+    kvpush.cache.<sender>           CacheEvents       worker -> schedulers: blocks its engine's
+                                                      prefix cache stored and evicted
     kvpush.invalid                  InvalidMessage    any service: a message it refused
 
 Durable (JetStream KV buckets, msgpack values; see "durable state" below):
@@ -83,9 +88,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+
+from shared.block_keys import KEY_BYTES
 
 PROTOCOL_VERSION = 5
 
@@ -101,6 +108,10 @@ SERVICE_INBOX_PREFIX = "_KVPUSH_INBOX"
 
 Role = Literal["prefill", "decode"]
 TransferMode = Literal["push", "pull"]
+ServeMode = Literal["push", "pull", "local"]
+"""How a request is served: its KV pushed or pulled from a prefill worker, or its prompt
+computed by the decode worker itself (``local``)."""
+RequestedMode = Literal["push", "pull", "local", "auto"]  # what a request may ask; auto: decided from load
 
 IDENTITY_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 """A worker, scheduler or client name: one NATS subject token, no wildcards, no dots."""
@@ -167,8 +178,10 @@ PROGRESS = SubjectTemplate("kvpush.request.progress.{sender}")
 HANDOFFS = SubjectTemplate("kvpush.handoff.{sender}")
 KV_CONTROL = SubjectTemplate("kvpush.kv.register.{engine_id}.{sender}")
 KV_COMPLETIONS = SubjectTemplate("kvpush.kv.completion.{engine_id}.{sender}")
+KV_MOVES = SubjectTemplate("kvpush.kv.move.{engine_id}.{sender}")
 KV_AGENT = SubjectTemplate("kvpush.kv.agent.{engine_id}.{rank}")
 KV_AGENTS = SubjectTemplate("kvpush.kv.agents.{sender}")
+CACHE_EVENTS = SubjectTemplate("kvpush.cache.{sender}")
 COMPLETION_SUBJECTS = KV_COMPLETIONS.wildcard
 
 
@@ -182,6 +195,10 @@ def decode_job_subject(worker_id: str) -> Subject:
 
 def registration_subject(prefill_engine_id: str, decode_engine_id: str) -> Subject:
     return KV_CONTROL(engine_id=prefill_engine_id, sender=decode_engine_id)
+
+
+def move_subject(prefill_engine_id: str, scheduler_id: str) -> Subject:
+    return KV_MOVES(engine_id=prefill_engine_id, sender=scheduler_id)
 
 
 def completion_subject(decode_engine_id: str, sender: str) -> Subject:
@@ -254,7 +271,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 0.0
     ignore_eos: bool = False
     request_id: str | None = None
-    transfer_mode: TransferMode | None = None  # default: the scheduler's --mode
+    transfer_mode: RequestedMode | None = None  # default: the scheduler's --mode
     stop: list[str] | None = None  # strings that end the answer (not included in it)
 
 
@@ -332,6 +349,8 @@ class WorkerHeartbeat(Internal):
     connector: Connector = "kvpush"
     kv_params: dict[str, Any] = msgspec.field(default_factory=dict)  # vLLM connectors: how to reach us
     incarnation: str = ""  # new on every start: a restarted worker keeps its id, not its incarnation
+    queued_prompt_tokens: int = 0  # prompt tokens of the jobs it holds, not yet computed (decode: local ones)
+    prefill_tokens_per_s: float = 0.0  # prompt tokens it computes per second (decode: local ones; 0: unmeasured)
 
 
 class SamplingSpec(msgspec.Struct):
@@ -359,7 +378,7 @@ class DecodeJob(Internal):
     prefill_engine_id: str
     reply_to: str
     received_at: float
-    mode: TransferMode = "push"
+    mode: ServeMode = "push"  # local: no prefill, the engine computes the prompt
     # What the prefill side said about itself: in push its heartbeat's kv_params (for
     # vLLM's push, its address); in pull what its engine returned (for kvpush, a
     # PrefilledKv: its block ids). The worker makes the engine's kv_transfer_params from it.
@@ -398,6 +417,26 @@ class RequestProgress(Internal):
     final: bytes = b""  # ended: the last message the client was sent (JSON), for kvpush.final
 
 
+MAX_CACHE_KEYS = 4096  # block keys in one CacheEvents: 64 KiB of keys, well under max_payload
+BlockKey = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+CacheKeys = Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_CACHE_KEYS)]
+
+
+class CacheEvents(Internal):
+    """Worker -> schedulers: blocks its engine's prefix cache stored and evicted, by their
+    keys (``shared.block_keys``, at the engine's block size), as vLLM's KV cache events
+    reported them; ``cleared``: it dropped everything first. A worker that relays none
+    (prefix caching off) holds nothing a scheduler routes by."""
+
+    sender_field: ClassVar[str] = "worker_id"
+
+    worker_id: str
+    incarnation: str
+    stored: CacheKeys = []
+    removed: CacheKeys = []
+    cleared: bool = False
+
+
 class JobAck(Internal):
     accepted: bool
     error: ErrorBody | None = None
@@ -429,7 +468,11 @@ class AgentInfo(Internal):
 class Registration(Internal):
     """Decode allocated ``block_ids`` for the prompt of ``transfer_id``; push into them,
     through the agent of ``decode_incarnation`` only (an earlier process of the same
-    engine id has other memory)."""
+    engine id has other memory).
+
+    With prefix caching, decode already holds the prompt's first ``first_block`` blocks
+    (its own cache, shared with other requests: never a destination); ``block_ids`` are
+    for the prompt's blocks from ``first_block`` on."""
 
     sender_field: ClassVar[str] = "decode_engine_id"
 
@@ -443,6 +486,7 @@ class Registration(Internal):
     registered_at: float
     transfer_key: str = ""
     decode_incarnation: str = ""
+    first_block: int = 0
 
 
 class LeaseRenewal(Internal):
@@ -467,6 +511,21 @@ class Revoke(Internal):
 
 
 KvControl = Registration | LeaseRenewal | Revoke
+
+
+class MoveTransfer(Internal):
+    """The decode chosen for ``transfer_id`` was lost or overloaded before its KV was
+    written: push it to ``decode_engine_id`` instead, whose registration carries
+    ``new_transfer_key``; nothing is recomputed. Only a scheduler may send it (NATS
+    permissions on ``kvpush.kv.move.*.<scheduler>``). Answered with a TransferMoved."""
+
+    sender_field: ClassVar[str] = "scheduler_id"
+
+    transfer_id: str
+    scheduler_id: str
+    transfer_key: str  # the transfer's key until now: proves the scheduler is the transfer's
+    decode_engine_id: str
+    new_transfer_key: str
 
 
 class Handoff(Internal):
@@ -513,7 +572,20 @@ class TransferFailed(Internal):
     reason: str
 
 
-Completion = TransferDone | TransferFailed
+class TransferMoved(Internal):
+    """Prefill's answer to a MoveTransfer, on the new decode's completion subject:
+    ``moved``, or why not (its write had begun, or the transfer was over)."""
+
+    sender_field: ClassVar[str] = "prefill_engine_id"
+
+    transfer_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    moved: bool
+    reason: str = ""
+
+
+Completion = TransferDone | TransferFailed | TransferMoved
 
 
 class InvalidMessage(Internal):

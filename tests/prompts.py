@@ -42,12 +42,42 @@ STREAM_PROMPT = token_prompt(600, 300)
 STREAM_MAX_TOKENS = 150
 
 
+# The prefix-caching suite: prompts that share a prefix of SHARED (or of OTHER), each with
+# a tail of its own; (name, prompt), in the order the suite sends them.
+SHARED = token_prompt(900, 400)
+OTHER = token_prompt(900, 401)
+PREFIX_MAX_TOKENS = 16
+
+
+def _sharing(source: list[int], prefix_len: int, tail_seed: int, tail_len: int = 40) -> list[int]:
+    return source[:prefix_len] + token_prompt(tail_len, tail_seed)
+
+
+PREFIX_CASES = [
+    ("no-shared-prefix", _sharing(SHARED, 700, 410)),  # the first: nothing cached anywhere
+    ("warm-decode", _sharing(OTHER, 650, 411)),  # computed on decode alone (local)
+    ("cached-on-decode-only", _sharing(OTHER, 600, 412)),  # decode holds 4 blocks, prefill none
+    ("pulled-with-a-decode-hit", _sharing(OTHER, 620, 413)),
+    ("cached-on-prefill-only", _sharing(SHARED, 500, 414)),  # after decode restarted: prefill holds 3
+    ("cached-on-both-prefill-longer", _sharing(SHARED, 690, 415)),  # prefill 5 blocks, decode 3
+    ("warm-decode-longer", _sharing(OTHER, 890, 416)),  # local: decode holds 7 blocks of OTHER
+    ("cached-on-both-decode-longer", _sharing(OTHER, 880, 417)),  # decode 6 blocks, prefill 4
+    ("prefix-ending-mid-block", _sharing(SHARED, 200, 418)),  # 1 block cached, 72 shared tokens are not
+    ("same-prefix-ending-mid-block", _sharing(SHARED, 200, 419)),
+]
+
+
 def reference_requests() -> list[dict]:
     requests = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in CORRECTNESS]
     for prompt in (CROSS_TARGET, CROSS_PUSHED, ORDER_PROMPT):
         requests.append({"prompt_token_ids": prompt, "max_tokens": CROSS_MAX_TOKENS, "ignore_eos": True})
     requests.append({"prompt_token_ids": STREAM_PROMPT, "max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True})
+    for _, prompt in PREFIX_CASES:
+        requests.append({"prompt_token_ids": prompt, "max_tokens": PREFIX_MAX_TOKENS, "ignore_eos": True})
     return requests
+
+
+PREFIX = len(CORRECTNESS) + 4  # the first of PREFIX_CASES in the reference
 
 
 # The gateway's chat test: its reference is these messages through the model's chat

@@ -33,6 +33,12 @@ _MILESTONES = [
     ("kv notice", "coordination", A.DECODE_FIRST_TOKEN, "start"),
     ("decode first token", "compute", A.DECODE_FIRST_TOKEN, "end"),
 ]
+# A local request (its decode computed the prompt): no prefill, no transfer.
+_LOCAL_MILESTONES = [
+    ("dispatch", "coordination", A.DECODE_QUEUE, "start"),
+    ("decode queue", "queueing", A.DECODE_QUEUE, "end"),
+    ("decode prompt and first token", "compute", A.DECODE_FIRST_TOKEN, "end"),
+]
 CATEGORIES = ("queueing", "compute", "coordination", "transfer")
 
 
@@ -82,7 +88,9 @@ def critical_path(trace: list[dict]) -> list[Segment] | None:
     if root is None:
         return None
     milestones = _MILESTONES
-    if _first(trace, _TRANSFER) is None:
+    if _first(trace, A.DECODE_QUEUE) is not None:
+        milestones = _LOCAL_MILESTONES
+    elif _first(trace, _TRANSFER) is None:
         milestones = [m for m in _MILESTONES if m[2] != _TRANSFER]
         milestones = [("handoff + transfer", "coordination", *m[2:]) if m[0] == "kv notice" else m
                       for m in milestones]

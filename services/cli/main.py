@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def stack_options(p):
         engine_options(p, nats_url=None)  # default: start a local NATS server
-        cli_settings.add(p, "--mode", "--connector")
+        cli_settings.add(p, "--mode", "--connector", "--prefix-caching")
         p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
         p.add_argument("--decode", type=int, default=1, help="number of decode workers")
         p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
-    cli_settings.add(scheduler, "--mode", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
+    cli_settings.add(scheduler, "--mode", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=serve.cmd_scheduler)
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
                                             "keeps the id and gets a new incarnation")
-    cli_settings.add(worker, "--connector", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
+    cli_settings.add(worker, "--connector", "--prefix-caching", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=serve.cmd_worker)
 
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=16, help="with --input-lens: measured requests per point")
     bench.add_argument("--prefill", type=int, default=1, help="with --input-lens: prefill engines per system")
     bench.add_argument("--decode", type=int, default=1, help="with --input-lens: decode engines per system")
+    bench.add_argument("--range-ratio", type=float, default=0.0,
+                       help="with --input-lens: prompt lengths uniform in len * [1 - r, 1 + r]")
+    bench.add_argument("--burstiness", type=float, default=1.0, help="with --input-lens: 1 Poisson, lower bursts")
+    bench.add_argument("--background", type=int, default=0,
+                       help="with --input-lens: long generations sent at each point's start, beside it")
+    bench.add_argument("--background-output-len", type=int, default=1024)
     bench.add_argument("--binding", help="system=auto|split|all,... (default: each system's best, measured)")
     bench.add_argument("--try-bindings", default="auto,split,all", help="the bindings the probe tries")
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
@@ -119,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", default="soak-results")
     soak.set_defaults(func=tools.cmd_soak)
+
+    multiturn = sub.add_parser("bench-multiturn", help="closed-loop conversations (each turn appends to the last) "
+                                                       "against kvpush with prefix caching on and off")
+    multiturn.add_argument("--conversations", type=int, default=6)
+    multiturn.add_argument("--turns", type=int, default=4)
+    multiturn.add_argument("--first-len", type=int, default=1024, help="tokens of each conversation's opening")
+    multiturn.add_argument("--turn-len", type=int, default=128, help="new tokens of each later turn")
+    multiturn.add_argument("--output-len", type=int, default=32)
+    multiturn.add_argument("--concurrency", type=int, default=2, help="conversations at once")
+    multiturn.add_argument("--systems", default="kvpush-push",
+                           help="kvpush-push|pull|auto|local and vllm-nixl|vllm-nixl-push, comma-separated")
+    multiturn.add_argument("--prefill", type=int, default=1)
+    multiturn.add_argument("--decode", type=int, default=1)
+    multiturn.add_argument("--max-model-len", type=int, default=4096)
+    multiturn.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
+    multiturn.add_argument("--model", help="a local model folder instead of a built-in profile")
+    multiturn.add_argument("--seed", type=int, default=0)
+    multiturn.add_argument("--out", default="bench-results/multiturn")
+    multiturn.set_defaults(func=tools.cmd_bench_multiturn)
 
     from tools.bench import scheduler_rate
 

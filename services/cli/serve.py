@@ -52,7 +52,8 @@ def cmd_scheduler(args) -> int:
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
         args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
         worker_timeout_s=args.worker_timeout_s, max_in_flight=args.max_in_flight,
-        scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas),
+        scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas,
+        local_below_tokens=args.local_below_tokens, push_within_s=args.push_within_s),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
@@ -77,7 +78,7 @@ def cmd_worker(args) -> int:
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
-        faults=faults), metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        faults=faults, prefix_caching=args.prefix_caching == "on"), metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 def _start_stack(args, quiet: bool = False):
@@ -92,6 +93,7 @@ def _start_stack(args, quiet: bool = False):
         max_model_len=args.max_model_len,
         mode=args.mode,
         connector=args.connector,
+        prefix_caching=args.prefix_caching,
         extra_env=env,
         gateway_port=None if args.gateway_port < 0 else args.gateway_port,
     )

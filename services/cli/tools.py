@@ -81,8 +81,13 @@ def cmd_bench(args) -> int:
         bindings[system] = binding
     if args.input_lens:
         topology = Topology(args.prefill, args.decode)
-        workloads = [Workload(f"{n} tokens" if topology == Topology() else f"{n} tokens {topology.label}", n,
-                              tuple(float(r) for r in args.rates.split(",")), args.requests, topology)
+        shape = "".join([f" mixed ±{args.range_ratio:g}" if args.range_ratio else "",
+                         f" burstiness {args.burstiness:g}" if args.burstiness != 1.0 else "",
+                         f" with {args.background} long generations" if args.background else ""])
+        workloads = [Workload(f"{n} tokens{shape}" if topology == Topology() else f"{n} tokens {topology.label}{shape}",
+                              n, tuple(float(r) for r in args.rates.split(",")), args.requests, topology,
+                              range_ratio=args.range_ratio, burstiness=args.burstiness, background=args.background,
+                              background_output_len=args.background_output_len)
                      for n in (int(x) for x in args.input_lens.split(","))]
     else:
         workloads = list(GRID)
@@ -112,6 +117,28 @@ def cmd_soak(args) -> int:
     clean = not (report["requests_lost"] or report["wrong_outputs"] or report["unexpected_errors"]
                  or any(report["leaked_blocks"].values()) or report["processes_died_unexpectedly"])
     return 0 if clean else 1
+
+
+def cmd_bench_multiturn(args) -> int:
+    from tools.bench import multiturn, multiturn_run
+    from tools.bench.systems import Topology
+    from tools.model_build import build_model, default_model_dir
+
+    systems = tuple(args.systems.split(","))
+    known = {"kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push"}
+    if unknown := [s for s in systems if s not in known]:
+        print(f"unknown systems {unknown}; choose from {', '.join(sorted(known))}", file=sys.stderr)
+        return 2
+    model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
+    load = multiturn.Conversations(count=args.conversations, turns=args.turns, first_len=args.first_len,
+                                   turn_len=args.turn_len, output_len=args.output_len,
+                                   concurrency=args.concurrency, seed=args.seed)
+    results = multiturn_run.bench(model, Path(args.out), load, args.max_model_len,
+                                  Topology(args.prefill, args.decode), systems,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(multiturn_run.markdown(results))
+    wrong = sum(len(run["wrong_outputs"]) + run["failed"] for run in results["runs"].values())
+    return 1 if wrong else 0
 
 
 def cmd_bench_transfer(args) -> int:

@@ -99,8 +99,8 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
         if body.get(flag) is not None:
             generate[flag] = _bool(body, flag)
     if body.get("transfer_mode") is not None:
-        if body["transfer_mode"] not in ("push", "pull"):
-            raise InvalidField("'transfer_mode' must be \"push\" or \"pull\"")
+        if body["transfer_mode"] not in ("push", "pull", "local", "auto"):
+            raise InvalidField("'transfer_mode' must be \"push\", \"pull\", \"local\" or \"auto\"")
         generate["transfer_mode"] = body["transfer_mode"]
     stop = _stop(body.get("stop"))
     if stop:

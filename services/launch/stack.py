@@ -39,6 +39,7 @@ class Stack:
         max_model_len: int = settings.MAX_MODEL_LEN,
         mode: str = settings.TRANSFER_MODE,
         connector: str = settings.CONNECTOR,
+        prefix_caching: str = settings.PREFIX_CACHING,
         log_dir: Path | None = None,
         extra_env: dict[str, str] | None = None,
         role_env: dict[str, dict[str, str]] | None = None,
@@ -60,6 +61,7 @@ class Stack:
         self.max_model_len = max_model_len
         self.mode = mode
         self.connector = connector
+        self.prefix_caching = prefix_caching  # "on" or "off"
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
         # Per worker name (prefill-0, ...), else per role (scheduler, prefill, decode, client): e.g. its NATS user.
@@ -104,7 +106,8 @@ class Stack:
     def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one more worker (a replacement after a crash, say); it joins on its own."""
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
-        args = ["worker", "--role", role, *common, "--connector", self.connector]
+        args = ["worker", "--role", role, *common, "--connector", self.connector,
+                "--prefix-caching", self.prefix_caching]
         if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
             # Our own NATS: nobody else's workers can share these names. (With per-worker
             # NATS users the user is the id; on a shared server without, each gets a new one.)

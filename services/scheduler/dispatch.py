@@ -22,13 +22,6 @@ CONNECTOR_MODES: dict[str, tuple[wire.TransferMode, ...]] = {
 }
 
 
-def transfer_mode(connector: str, requested: str | None, default: str) -> wire.TransferMode:
-    """The mode of an attempt: the request's (or the scheduler's) if the connector does it."""
-    modes = CONNECTOR_MODES.get(connector, CONNECTOR_MODES["kvpush"])
-    wanted = requested or default
-    return wanted if wanted in modes else modes[0]
-
-
 def prefill_job(flight: Flight) -> wire.PrefillJob:
     """Push: decode is already chosen (its registration is the only one prefill may write
     to). Pull: decode is chosen after prefill."""
@@ -45,7 +38,8 @@ def prefill_job(flight: Flight) -> wire.PrefillJob:
 
 def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None) -> wire.DecodeJob:
     """``prefill_kv``: push, the prefill's heartbeat ``kv_params`` (how to reach it); pull,
-    what its engine returned in the handoff (where the prompt's blocks are)."""
+    what its engine returned in the handoff (where the prompt's blocks are); local, None
+    (no prefill: the decode computes the prompt)."""
     request = flight.request
     return wire.DecodeJob(
         request_id=request.request_id,

@@ -20,7 +20,8 @@ from typing import Any, Callable, Literal
 from services.scheduler.validation import ValidRequest
 from shared import settings, wire
 
-Verdict = Literal["deadline", "retry", "lost"]
+Verdict = Literal["deadline", "move", "retry", "lost"]
+MAX_MOVES = 2  # moves of one attempt's transfer to another decode
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Flight:
     streaming: bool = False  # decode sent the first token
     kv_pushed: bool = False  # push: prefill reported the KV written
     decode_took_job: bool = False
+    moves: int = 0  # times this attempt's transfer went to another decode
+    moving: bool = False  # a move is under way
+    prompt: Any = None  # services.scheduler.prefixes.Prompt, made at dispatch
     context: Any = None  # the request's trace context, for spans of later attempts
     task: Any = None  # the attempt under way
     revision: int = 0  # of its record in the flights bucket, as this scheduler last wrote it
@@ -57,7 +61,8 @@ class Flight:
         self.transfer_id = transfer_id
         self.transfer_key = secrets.token_hex(16)
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
-        self.streaming = self.kv_pushed = self.decode_took_job = False
+        self.streaming = self.kv_pushed = self.decode_took_job = self.moving = False
+        self.moves = 0
 
     def record(self, holder: str, incarnation: str, now_wall: float, now: float) -> wire.FlightRecord:
         """The flight as its record in the flights bucket (wall-clock deadline)."""
@@ -81,6 +86,12 @@ class Flight:
                    transfer_key=record.transfer_key, prefill_id=record.prefill_id, decode_id=record.decode_id,
                    prefill_incarnation=record.prefill_incarnation, decode_incarnation=record.decode_incarnation,
                    revision=revision, traceparent=record.traceparent)
+
+    def can_move(self) -> bool:
+        """Push, its decode chosen, and its KV not written yet: another decode can take it
+        without the prompt computed again."""
+        return (self.mode == "push" and self.decode_took_job and not self.kv_pushed and not self.streaming
+                and bool(self.prefill_id) and self.moves < MAX_MOVES)
 
     def needs_prefill(self) -> bool:
         if self.kv_pushed or self.streaming:
@@ -136,21 +147,30 @@ class FlightTable:
     def __iter__(self):
         return iter(list(self._flights.values()))
 
-    def check(self, now: float, is_live: Callable[[str, str], bool]) -> list[tuple[Flight, Verdict, str]]:
+    def check(self, now: float, is_live: Callable[[str, str], bool],
+              overloaded: Callable[[str], bool] = lambda decode_id: False) -> list[tuple[Flight, Verdict, str]]:
         """What must happen to each flight now: (flight, verdict, the worker concerned).
-        ``is_live(worker_id, incarnation)``: that start of the worker still heartbeats."""
+        ``is_live(worker_id, incarnation)``: that start of the worker still heartbeats;
+        ``overloaded(decode_id)``: its transfers not yet written would do better elsewhere."""
         verdicts: list[tuple[Flight, Verdict, str]] = []
         for flight in self:
             if now >= flight.deadline:
                 verdicts.append((flight, "deadline", ""))
                 continue
+            if flight.moving:
+                continue
             lost = ""
             if flight.decode_id and not is_live(flight.decode_id, flight.decode_incarnation):
                 lost = flight.decode_id
+                if flight.can_move() and is_live(flight.prefill_id, flight.prefill_incarnation):
+                    verdicts.append((flight, "move", lost))
+                    continue
             elif (flight.prefill_id and flight.needs_prefill()
                   and not is_live(flight.prefill_id, flight.prefill_incarnation)):
                 lost = flight.prefill_id
             if not lost:
+                if flight.can_move() and overloaded(flight.decode_id):
+                    verdicts.append((flight, "move", flight.decode_id))
                 continue
             if flight.streaming or flight.attempt >= self.max_attempts:
                 verdicts.append((flight, "lost", lost))

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared import wire
+from services.scheduler.placement import DecodeLoad, PromptLoad
+from services.scheduler.prefixes import PrefixIndex, Prompt
+from shared import settings, wire
 from shared.errors import NoWorkers
 
 
@@ -23,10 +25,23 @@ class _Entry:
     beat: wire.WorkerHeartbeat
     seen_at: float
     dispatched: int = 0  # jobs sent since this heartbeat, not yet reflected in it
+    dispatched_tokens: int = 0  # their prompt tokens
+
+    def queued_tokens(self) -> int:
+        return self.beat.queued_prompt_tokens + self.dispatched_tokens
+
+    def busy(self) -> int:
+        return self.beat.running + self.beat.waiting + self.dispatched
 
 
 class WorkerPool:
-    def __init__(self, stale_after_s: float = 5.0, forget_after_s: float = 600.0, max_workers: int = 10_000):
+    """``prefixes``: what each worker holds in its prefix cache, from its engine's events;
+    with a ``prompt``, a pick prefers the workers that hold more of it."""
+
+    def __init__(self, stale_after_s: float = 5.0, forget_after_s: float = 600.0, max_workers: int = 10_000,
+                 prefixes: PrefixIndex | None = None, prefix_weight: float = settings.PREFIX_WEIGHT):
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex()
+        self.prefix_weight = prefix_weight
         self.stale_after_s = stale_after_s
         self.forget_after_s = forget_after_s  # a worker silent this long is dropped from the pool
         self.max_workers = max_workers
@@ -37,6 +52,7 @@ class WorkerPool:
 
     def observe(self, beat: wire.WorkerHeartbeat, now: float) -> None:
         self._workers.pop(beat.worker_id, None)  # re-inserted last: the dict stays ordered by last heartbeat
+        self.prefixes.started(beat.worker_id, beat.incarnation)  # a new start has an empty cache
         self._workers[beat.worker_id] = _Entry(beat, now)
         self._roles_seen.add(beat.role)
         self._prune(now)
@@ -47,6 +63,7 @@ class WorkerPool:
             if len(self._workers) <= self.max_workers and now - oldest.seen_at <= self.forget_after_s:
                 return
             del self._workers[oldest.beat.worker_id]
+            self.prefixes.forget(oldest.beat.worker_id)
 
     def pause_evidence(self) -> None:
         """Heartbeats cannot arrive now (NATS is down): declare no worker lost."""
@@ -75,7 +92,29 @@ class WorkerPool:
             if e.beat.role == role and now - e.seen_at <= self.stale_after_s
         ]
 
-    def pick(self, num_prompt_tokens: int, now: float) -> tuple[str, str]:
+    def _cached_blocks(self, entry: _Entry, prompt: Prompt | None) -> int:
+        if prompt is None:
+            return 0
+        return self.prefixes.cached_blocks(entry.beat.worker_id, prompt.keys(entry.beat.block_size))
+
+    def cache_events(self, event: wire.CacheEvents) -> None:
+        """What a worker's engine cached and evicted (its heartbeat's block size keys them).
+        Only from the start its heartbeats come from: a dead one's late events are stale,
+        and a worker is sent nothing to cache before its first heartbeat."""
+        entry = self._workers.get(event.worker_id)
+        if entry is None or entry.beat.incarnation != event.incarnation:
+            return
+        if event.cleared:
+            self.prefixes.forget(event.worker_id)
+        self.prefixes.removed(event.worker_id, event.incarnation, event.removed)
+        self.prefixes.stored(event.worker_id, event.incarnation, event.stored, capacity=entry.beat.total_kv_blocks)
+
+    def cached_tokens(self, worker_id: str, prompt: Prompt) -> int:
+        """How much of the prompt ``worker_id`` likely holds in its prefix cache."""
+        entry = self._workers.get(worker_id)
+        return self._cached_blocks(entry, prompt) * entry.beat.block_size if entry is not None else 0
+
+    def pick(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None) -> tuple[str, str]:
         """(prefill worker id, decode worker id) for a new request."""
         prefills = self._live_entries("prefill", now)
         decodes = self._live_entries("decode", now)
@@ -83,25 +122,75 @@ class WorkerPool:
             raise NoWorkers(
                 f"no live workers to serve the request: {len(prefills)} prefill, {len(decodes)} decode"
             )
-        return self.pick_prefill(now), self.pick_decode(num_prompt_tokens, now)
+        return (self.pick_prefill(now, num_prompt_tokens, prompt=prompt),
+                self.pick_decode(num_prompt_tokens, now, prompt=prompt))
 
     def require(self, role: str, now: float) -> None:
         """Raise NoWorkers unless a worker of ``role`` is live."""
         if not self._live_entries(role, now):
             raise NoWorkers(f"no live {role} worker to serve the request")
 
-    def pick_prefill(self, now: float) -> str:
-        prefills = self._live_entries("prefill", now)
-        if not prefills:
+    def pick_prefill(self, now: float, num_prompt_tokens: int = 0, prompt: Prompt | None = None) -> str:
+        prefill = self._best_prefill(now, prompt)
+        if prefill is None:
             raise NoWorkers("no live prefill worker to serve the request")
-        prefill = min(prefills, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, e.beat.worker_id))
         prefill.dispatched += 1
+        prefill.dispatched_tokens += num_prompt_tokens
         return prefill.beat.worker_id
 
-    def pick_decode(self, num_prompt_tokens: int, now: float) -> str:
-        decodes = self._live_entries("decode", now)
-        if not decodes:
+    def _best_prefill(self, now: float, prompt: Prompt | None = None) -> _Entry | None:
+        """The prefill that would end a new prompt first: the fewest tokens to compute
+        before it and of it (its cache holds some of them), then the fewest requests."""
+        prefills = self._live_entries("prefill", now)
+        return min(prefills, key=lambda e: (e.queued_tokens() - self._cached_blocks(e, prompt) * e.beat.block_size,
+                                            e.busy(), e.beat.worker_id), default=None)
+
+    def prefill_load(self, now: float, prompt: Prompt | None = None) -> PromptLoad | None:
+        """The load of the prefill ``pick_prefill`` would choose now, if any is live."""
+        prefill = self._best_prefill(now, prompt)
+        if prefill is None:
+            return None
+        return PromptLoad(prefill.queued_tokens(), prefill.beat.prefill_tokens_per_s,
+                           self._cached_blocks(prefill, prompt) * prefill.beat.block_size)
+
+    def decode_load(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None) -> DecodeLoad | None:
+        """The load of the decode ``pick_decode`` would choose now, if any is live."""
+        decode = self._best_decode(num_prompt_tokens, now, prompt)
+        if decode is None:
+            return None
+        return DecodeLoad(decode.queued_tokens(), decode.beat.prefill_tokens_per_s,
+                          self._cached_blocks(decode, prompt) * decode.beat.block_size,
+                          running=decode.beat.running + decode.dispatched, waiting=decode.beat.waiting)
+
+    def overloaded(self, decode_id: str, now: float, waiting: int = settings.OVERLOADED_WAITING) -> bool:
+        """``decode_id`` has ``waiting`` requests queued in its engine while another live
+        decode has none queued."""
+        entry = self._workers.get(decode_id)
+        if entry is None or entry.beat.waiting < waiting:
+            return False
+        return any(e.beat.waiting == 0 for e in self._live_entries("decode", now) if e.beat.worker_id != decode_id)
+
+    def pick_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
+                    exclude: str = "") -> str:
+        decode = self._best_decode(num_prompt_tokens, now, prompt, exclude)
+        if decode is None:
             raise NoWorkers("no live decode worker to serve the request")
+        decode.dispatched += 1
+        return decode.beat.worker_id
+
+    def _best_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
+                     exclude: str = "") -> _Entry | None:
+        decodes = [e for e in self._live_entries("decode", now) if e.beat.worker_id != exclude]
+        if not decodes:
+            return None
+
+        def score(e: _Entry) -> float:
+            """Its load, less the share of the prompt its cache likely holds (worth
+            ``prefix_weight`` requests when all of it is there)."""
+            if prompt is None:
+                return e.busy()
+            held = self._cached_blocks(e, prompt) / max(prompt.blocks(e.beat.block_size), 1)
+            return e.busy() - self.prefix_weight * held
 
         def free_after(e: _Entry) -> int:
             blocks_needed = -(-num_prompt_tokens // max(e.beat.block_size, 1))
@@ -110,11 +199,8 @@ class WorkerPool:
         # Among decode workers with room for the prompt, the least busy; else the emptiest.
         with_room = [e for e in decodes if free_after(e) >= 0]
         if with_room:
-            decode = min(with_room, key=lambda e: (e.beat.running + e.beat.waiting + e.dispatched, -free_after(e), e.beat.worker_id))
-        else:
-            decode = max(decodes, key=lambda e: (free_after(e), e.beat.worker_id))
-        decode.dispatched += 1
-        return decode.beat.worker_id
+            return min(with_room, key=lambda e: (score(e), -free_after(e), e.beat.worker_id))
+        return max(decodes, key=lambda e: (free_after(e), e.beat.worker_id))
 
     def is_live(self, worker_id: str, incarnation: str, now: float) -> bool:
         """That start of the worker heartbeats still (a restart under the same id is a new start)."""
@@ -136,3 +222,4 @@ class WorkerPool:
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self.prefixes.forget(worker_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import secrets
 import time
 import uuid
 
@@ -35,6 +36,8 @@ from services.bus import Bus
 from services.ledger import Ledger
 from services.scheduler import dispatch
 from services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from services.scheduler.placement import Placement, PlacementSettings, place
+from services.scheduler.prefixes import Prompt
 from services.scheduler.routing import WorkerPool
 from services.scheduler.takeover import Holding, SchedulerLiveness, orphans
 from services.lifecycle import BackgroundTasks, Service
@@ -65,6 +68,7 @@ log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")
 
 DISPATCH_TIMEOUT_S = 5.0
+MOVE_TIMEOUT_S = 2.0  # for prefill's answer to a MoveTransfer
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
 HEARD_A_ROUND_S = 1.5 * settings.HEARTBEAT_INTERVAL_S  # up this long, a scheduler has heard every live worker
 
@@ -82,12 +86,15 @@ class Scheduler(Service):
                  mode: str = settings.TRANSFER_MODE, deadline_s: float = settings.DEADLINE_S,
                  worker_timeout_s: float = settings.WORKER_TIMEOUT_S, max_attempts: int = settings.MAX_ATTEMPTS,
                  max_in_flight: int = settings.MAX_IN_FLIGHT,
-                 scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1):
-        if mode not in ("push", "pull"):
-            raise ValueError(f"mode must be push or pull, not {mode!r}")
+                 scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1,
+                 local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
+                 push_within_s: float = settings.PUSH_WITHIN_S):
+        self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
+                                           push_within_s=push_within_s)
         self.mode = mode
         self.deadline_s = deadline_s
         self._handoffs: dict[str, asyncio.Future] = {}  # pull: transfer id -> its prefill's handoff
+        self._move_answers: dict[str, asyncio.Future] = {}  # transfer id -> its prefill's TransferMoved
         self.nats_url = nats_url
         self.scheduler_id = scheduler_id or nats_user() or f"scheduler-{uuid.uuid4().hex[:10]}"
         if (problem := wire.identity_problem(self.scheduler_id)) is not None:
@@ -123,6 +130,7 @@ class Scheduler(Service):
         # Heartbeats and status polls are periodic, not part of any request: not traced.
         await self.bus.subscribe_plain(wire.HEARTBEATS.wildcard, self._on_heartbeat)
         await self.bus.subscribe_plain(wire.SCHEDULER_HEARTBEATS.wildcard, self._on_scheduler_heartbeat)
+        await self.bus.subscribe_plain(wire.CACHE_EVENTS.wildcard, self._on_cache_events)
         for final in (wire.FINAL_SUBJECT, wire.OWNED_FINAL.wildcard):
             await self.bus.nc.subscribe(final, queue=wire.SCHEDULER_QUEUE_GROUP, cb=self._on_final_request)
         await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
@@ -285,20 +293,26 @@ class Scheduler(Service):
 
     async def _on_completion(self, msg) -> None:
         event = await self.bus.decoded(msg, wire.Completion)
-        match event:
-            case wire.TransferDone():
-                flight = self.flights.by_transfer(event.transfer_id)
-                if flight is not None and event.prefill_engine_id != flight.prefill_id:
-                    await self.bus.wrong_party(msg, f"a TransferDone from {event.prefill_engine_id} for "
-                                                    f"{event.transfer_id}, whose prefill is {flight.prefill_id}")
-                    return
-                if flight is not None:
-                    flight.kv_pushed = True
-                log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
-                          bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
-            case wire.TransferFailed():
-                # Decode hears it too and recomputes or fails the request, per its policy.
-                log.warning("kv transfer failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
+        if isinstance(event, wire.TransferFailed):
+            # Decode hears it too and recomputes or fails the request, per its policy.
+            log.warning("kv transfer failed", transfer_id=event.transfer_id, code=event.code, reason=event.reason)
+            return
+        if event is None:
+            return
+        flight = self.flights.by_transfer(event.transfer_id)
+        if flight is not None and event.prefill_engine_id != flight.prefill_id:
+            await self.bus.wrong_party(msg, f"a {type(event).__name__} from {event.prefill_engine_id} for "
+                                            f"{event.transfer_id}, whose prefill is {flight.prefill_id}")
+            return
+        if isinstance(event, wire.TransferDone):
+            if flight is not None:
+                flight.kv_pushed = True
+            log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
+                      bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
+            return
+        waiting = self._move_answers.get(event.transfer_id)  # a TransferMoved
+        if waiting is not None and not waiting.done():
+            waiting.set_result(event)
 
     async def _on_progress(self, msg) -> None:
         event = await self.bus.decoded(msg, wire.RequestProgress)
@@ -474,6 +488,81 @@ class Scheduler(Service):
         await self._cancel_jobs(flight, f"retried: worker {lost_worker} was lost")
         self._attempt_again(flight)
 
+    async def _move(self, flight: Flight, lost: str) -> None:
+        """Push: the decode chosen at arrival went silent, or is overloaded, before its KV
+        was written. Move the transfer to another decode: prefill writes into the new
+        decode's registration, the first decode's blocks come back through its revoke, and
+        nothing is recomputed. A silent decode whose transfer cannot move (prefill says its
+        write began, or no other decode is live) is retried as before; an overloaded one
+        keeps it."""
+        with _tracer.start_as_current_span(
+            A.SCHEDULER_MOVE, context=flight.context,
+            attributes={A.REQUEST_ID: flight.request_id, A.TRANSFER_ID: flight.transfer_id, A.MOVED_FROM: lost,
+                        A.MOVE_REASON: "overloaded" if self.pool.is_live(lost, flight.decode_incarnation,
+                                                                          time.monotonic()) else "lost"},
+        ) as span:
+            try:
+                why_not = await self._move_transfer(flight, lost)
+            except DispatchFailed as exc:
+                why_not = str(exc)
+            finally:
+                flight.moving = False
+            if why_not is None:
+                span.set_attribute(A.DECODE_WORKER, flight.decode_id)
+                return
+            span.set_status(Status(StatusCode.ERROR, why_not))
+        if self.pool.is_live(lost, flight.decode_incarnation, time.monotonic()) and flight.decode_id == lost:
+            log.info("could not move the transfer; it stays", request_id=flight.request_id, reason=why_not)
+            flight.moves += 1  # asked once: the next check does not ask again at once
+            return
+        log.info("could not move the transfer; retrying", request_id=flight.request_id, reason=why_not)
+        await self._retry(flight, lost)
+
+    async def _move_transfer(self, flight: Flight, lost: str) -> str | None:
+        """Why the transfer could not move, or None once it did."""
+        now = time.monotonic()
+        if not self.pool.is_live(lost, flight.decode_incarnation, now):
+            self.pool.forget(lost)
+        try:
+            decode_id = self.pool.pick_decode(len(flight.request.prompt_token_ids), now, prompt=flight.prompt,
+                                              exclude=lost)
+        except NoWorkers:
+            return "no other decode worker is live"
+        new_key = secrets.token_hex(16)
+        answer = asyncio.get_running_loop().create_future()
+        self._move_answers[flight.transfer_id] = answer
+        try:
+            await self.bus.publish(wire.move_subject(flight.prefill_id, self.scheduler_id), wire.encode(
+                wire.MoveTransfer(transfer_id=flight.transfer_id, scheduler_id=self.scheduler_id,
+                                  transfer_key=flight.transfer_key, decode_engine_id=decode_id,
+                                  new_transfer_key=new_key)))
+            moved: wire.TransferMoved = await asyncio.wait_for(answer, MOVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return f"prefill {flight.prefill_id} did not answer the move within {MOVE_TIMEOUT_S:g} s"
+        finally:
+            self._move_answers.pop(flight.transfer_id, None)
+        if not moved.moved:
+            return f"prefill {flight.prefill_id} did not move it: {moved.reason}"
+        # Fence the first decode: from now on it can never answer this attempt.
+        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
+        if answering.startswith("decode:"):  # it answers already (it computed the prompt itself)
+            flight.streaming = True
+            return None
+        if answering != self._claimant():  # another scheduler fenced it: the flight is its now
+            self.flights.remove(flight)
+            return None
+        await self.bus.publish(wire.decode_job_subject(lost), wire.encode(wire.CancelJob(
+            request_id=flight.request_id, transfer_id=flight.transfer_id, reason=f"moved to {decode_id}")))
+        flight.moves += 1
+        flight.transfer_key = new_key
+        self._bind_workers(flight, decode_id=decode_id)
+        await self._write_down(flight)
+        beat = self.pool.beat(flight.prefill_id)
+        await self._send(decode_id, dispatch.decode_job(flight, beat.kv_params if beat else None))
+        log.info("transfer moved", request_id=flight.request_id, transfer_id=flight.transfer_id, moved_from=lost,
+                 decode=decode_id)
+        return None
+
     def _attempt_again(self, flight: Flight) -> None:
         """A new attempt at the flight, in its own trace span, in the background."""
 
@@ -534,11 +623,15 @@ class Scheduler(Service):
                 self.pool.resume_evidence(now)
                 self.schedulers.resume_evidence(now)
             last = now
-            for flight, verdict, worker in self.flights.check(now, lambda w, i: self.pool.is_live(w, i, now)):
+            for flight, verdict, worker in self.flights.check(now, lambda w, i: self.pool.is_live(w, i, now),
+                                                              lambda decode_id: self.pool.overloaded(decode_id, now)):
                 try:
                     if verdict == "deadline":
                         await self._end(flight, DeadlineExceeded(
                             f"no answer within the {self.deadline_s:g} s deadline"))
+                    elif verdict == "move":
+                        flight.moving = True
+                        flight.task = self._requests.spawn(self._move(flight, worker))
                     elif verdict == "retry":
                         await self._retry(flight, worker)
                     else:
@@ -640,21 +733,43 @@ class Scheduler(Service):
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _dispatch(self, flight: Flight) -> None:
-        connector = self.pool.connector(time.monotonic())
-        flight.mode = dispatch.transfer_mode(connector, flight.request.transfer_mode, self.mode)
+        flight.prompt = Prompt(flight.request.prompt_token_ids)  # its block keys, for prefix-aware picks
+        placement = self._place(flight)
+        flight.mode = placement.mode
         self.flights.bind(flight, uuid.uuid4().hex)
-        trace.get_current_span().set_attribute(A.TRANSFER_MODE, flight.mode)
+        span = trace.get_current_span()
+        span.set_attributes({A.TRANSFER_MODE: flight.mode, A.PLACEMENT_REASON: placement.reason,
+                             **{f"{A.PLACEMENT_PREFIX}{k}": v for k, v in placement.numbers.items()}})
         if flight.mode == "pull":
             await self._dispatch_pull(flight)
+        elif flight.mode == "local":
+            await self._dispatch_local(flight)
         else:
             await self._dispatch_push(flight)
         flight.decode_took_job = True
         log.info("dispatched", transfer_id=flight.transfer_id, prefill=flight.prefill_id, decode=flight.decode_id,
                  prompt_tokens=len(flight.request.prompt_token_ids), mode=flight.mode, attempt=flight.attempt)
 
+    def _place(self, flight: Flight) -> Placement:
+        now = time.monotonic()
+        prompt_tokens = len(flight.request.prompt_token_ids)
+        return place(prompt_tokens, flight.request.transfer_mode, self.placement,
+                     dispatch.CONNECTOR_MODES.get(self.pool.connector(now), ("push", "pull")),
+                     self.pool.prefill_load(now, flight.prompt), self.pool.decode_load(prompt_tokens, now, flight.prompt))
+
+    async def _dispatch_local(self, flight: Flight) -> None:
+        """The decode computes the prompt itself: no prefill, no transfer."""
+        decode_id = await self._pick(
+            flight, lambda: self.pool.pick_decode(len(flight.request.prompt_token_ids), time.monotonic(),
+                                                  prompt=flight.prompt))
+        self._bind_workers(flight, decode_id=decode_id)
+        trace.get_current_span().set_attributes({A.TRANSFER_ID: flight.transfer_id, A.DECODE_WORKER: decode_id})
+        await self._write_down(flight)
+        await self._send(decode_id, dispatch.decode_job(flight, None))
+
     async def _dispatch_push(self, flight: Flight) -> None:
         prefill_id, decode_id = await self._pick(
-            flight, lambda: self.pool.pick(len(flight.request.prompt_token_ids), time.monotonic()))
+            flight, lambda: self.pool.pick(len(flight.request.prompt_token_ids), time.monotonic(), prompt=flight.prompt))
         self._bind_workers(flight, prefill_id, decode_id)
         trace.get_current_span().set_attributes(
             {A.TRANSFER_ID: flight.transfer_id, A.PREFILL_WORKER: prefill_id, A.DECODE_WORKER: decode_id}
@@ -681,7 +796,8 @@ class Scheduler(Service):
         # A retry waits for a live decode *before* prefill: once prefill is done, its
         # blocks are held only for a lease, and a READ after that would read freed ones.
         await self._pick(flight, lambda: self.pool.require("decode", time.monotonic()))
-        prefill_id = await self._pick(flight, lambda: self.pool.pick_prefill(time.monotonic()))
+        prefill_id = await self._pick(
+            flight, lambda: self.pool.pick_prefill(time.monotonic(), len(request.prompt_token_ids), prompt=flight.prompt))
         self._bind_workers(flight, prefill_id)
         span = trace.get_current_span()
         span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill_id})
@@ -696,7 +812,8 @@ class Scheduler(Service):
             self._handoffs.pop(transfer_id, None)
         if handoff.error is not None:
             raise EngineFailed(handoff.error.message)
-        decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic())  # no waiting now
+        decode_id = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic(),
+                                          prompt=flight.prompt)  # no waiting now
         self._bind_workers(flight, decode_id=decode_id)
         span.set_attribute(A.DECODE_WORKER, decode_id)
         await self._write_down(flight)

@@ -30,6 +30,7 @@ from otel.metrics import instruments
 from services.ledger import Ledger
 from services.worker.engine import EngineStages, decode_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
+from services.worker.prompt_meter import PromptMeter
 from shared import wire
 from shared.errors import EngineFailed, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
@@ -62,6 +63,11 @@ class DecodeRole:
         self._probes: dict[str, str] = {}  # probe key -> transfer id
         self._probe_prefix = ""
         self.ledger: Ledger | None = None
+        self.meter = PromptMeter()  # of the prompts it computes itself (local)
+
+    def heartbeat_fields(self) -> dict:
+        """Of the prompts it computes itself (local): what it holds and how fast it computes."""
+        return {"queued_prompt_tokens": self.meter.queued_tokens, "prefill_tokens_per_s": self.meter.tokens_per_s}
 
     async def start(self) -> None:
         self.ledger = await Ledger.open(self.worker.bus.nc, create_buckets=False)
@@ -154,34 +160,46 @@ class DecodeRole:
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )
-        wake_engine(self.worker.settings)
-        async for output in self.worker.engine.generate(
-            {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
-        ):
-            stream.last = output
-            completion = output.outputs[0]
-            if completion.finish_reason is not None:
-                stream.finish_reason = completion.finish_reason
-            if stream.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
-                raise KvTransferFailed(
-                    "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
-                    "requests (--on-kv-failure fail)")
-            if not completion.token_ids:
-                continue
-            if stream.first_at is None:
-                if not await self._claim(running):
-                    raise _Fenced(job.transfer_id)
-                stream.first_at = time.time()
-                running.streaming = True
-                # Before the chunk, on the same connection: the schedulers learn that
-                # a retry would repeat tokens no later than the client sees one.
-                await self._progress(job, "streaming")
-            stream.completion_tokens += len(completion.token_ids)
-            chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text, seq=stream.chunks)
-            stream.chunks += 1
-            # Token chunks are not traced one by one; the final reply is. The reply
-            # subject hears "no responders" if the client has gone.
-            await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+        prompt_tokens = len(job.prompt_token_ids)
+        computing = job.mode == "local"  # the prompt is ours to compute, until the first token
+        if computing:
+            self.meter.started(prompt_tokens, time.monotonic())
+        try:
+            wake_engine(self.worker.settings)
+            async for output in self.worker.engine.generate(
+                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
+            ):
+                stream.last = output
+                completion = output.outputs[0]
+                if completion.finish_reason is not None:
+                    stream.finish_reason = completion.finish_reason
+                if stream.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
+                    raise KvTransferFailed(
+                        "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
+                        "requests (--on-kv-failure fail)")
+                if not completion.token_ids:
+                    continue
+                if computing:
+                    computing = False
+                    self.meter.finished(prompt_tokens, time.monotonic())
+                if stream.first_at is None:
+                    if not await self._claim(running):
+                        raise _Fenced(job.transfer_id)
+                    stream.first_at = time.time()
+                    running.streaming = True
+                    # Before the chunk, on the same connection: the schedulers learn that
+                    # a retry would repeat tokens no later than the client sees one.
+                    await self._progress(job, "streaming")
+                stream.completion_tokens += len(completion.token_ids)
+                chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
+                                        seq=stream.chunks)
+                stream.chunks += 1
+                # Token chunks are not traced one by one; the final reply is. The reply
+                # subject hears "no responders" if the client has gone.
+                await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+        finally:
+            if computing:
+                self.meter.finished(prompt_tokens, time.monotonic(), computed=False)
 
     async def _fail(self, running: RunningJob, span, exc: Exception) -> bytes:
         job: wire.DecodeJob = running.job
@@ -202,7 +220,8 @@ class DecodeRole:
         first_at = stream.first_at or done
         tokens = stream.completion_tokens
         stages = EngineStages(stream.last, _tracer)
-        stages.record(A.DECODE_WAIT_KV, received_ns, stages.scheduled_ns)
+        local = job.mode == "local"  # no KV to wait for: it queued, then computed the prompt
+        stages.record(A.DECODE_QUEUE if local else A.DECODE_WAIT_KV, received_ns, stages.scheduled_ns)
         stages.record(A.DECODE_FIRST_TOKEN, stages.scheduled_ns, stages.first_token_ns)
         stages.record(A.DECODE_GENERATE, stages.first_token_ns, stages.last_token_ns)
         timings = wire.Timings(
@@ -210,7 +229,8 @@ class DecodeRole:
             tpot_ms=((done - first_at) / (tokens - 1) * 1000) if tokens > 1 else 0.0,
             e2e_ms=(done - job.received_at) * 1000,
         )
-        span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: tokens})
+        span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: tokens,
+                             A.CACHED_TOKENS: getattr(stream.last, "num_cached_tokens", None) or 0})
         metrics = instruments()
         metrics.ttft.record(timings.ttft_ms)
         metrics.e2e.record(timings.e2e_ms)
@@ -218,7 +238,8 @@ class DecodeRole:
             metrics.tpot.record(timings.tpot_ms)
         metrics.ttft_stage.record((received_ns / 1e9 - job.received_at) * 1000, {"stage": "queue"})
         if stages.scheduled_ns is not None:
-            metrics.ttft_stage.record((stages.scheduled_ns - received_ns) / 1e6, {"stage": "wait_kv"})
+            metrics.ttft_stage.record((stages.scheduled_ns - received_ns) / 1e6,
+                                      {"stage": "decode_queue" if local else "wait_kv"})
             if stages.first_token_ns is not None:
                 metrics.ttft_stage.record((stages.first_token_ns - stages.scheduled_ns) / 1e6,
                                           {"stage": "first_token"})

@@ -38,6 +38,8 @@ class EngineSettings:
     connector: str = settings.CONNECTOR  # or vLLM's own: "vllm-nixl" (pull), "vllm-nixl-push"
     faults: FaultSettings = settings.FAULTS
     incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
+    prefix_caching: bool = settings.PREFIX_CACHING == "on"
+    kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)
 
 
 VLLM_CONNECTORS = {"vllm-nixl": "NixlConnector", "vllm-nixl-push": "NixlPushConnector"}
@@ -54,7 +56,7 @@ def engine_kwargs(engine: EngineSettings) -> dict:
         max_model_len=engine.max_model_len,
         block_size=engine.block_size,
         max_num_seqs=engine.max_num_seqs,
-        enable_prefix_caching=False,
+        enable_prefix_caching=engine.prefix_caching,
         tensor_parallel_size=engine.tensor_parallel_size,
     )
     if engine.role is not None and engine.connector == "kvpush":
@@ -92,6 +94,12 @@ def engine_args(engine: EngineSettings):
         # itself still runs in a process apart from this one (AsyncLLM).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs["distributed_executor_backend"] = "uni"
+    if engine.kv_events_endpoint is not None:
+        from vllm.config import KVEventsConfig
+
+        from services.worker.cache_relay import kv_events_config
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kv_events_config(engine.kv_events_endpoint))
     return AsyncEngineArgs(**kwargs, disable_log_stats=False)
 
 
@@ -127,6 +135,8 @@ def prefill_request(connector: str, job: wire.PrefillJob, traceparent: str) -> t
 
 def decode_request(connector: str, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
     """(engine request id, kv_transfer_params) for a decode job."""
+    if job.mode == "local":
+        return f"{job.request_id}-l-{job.transfer_id[:8]}", {}
     if connector == "vllm-nixl-push":
         return job.transfer_id, {"do_remote_prefill": True, "remote_request_id": job.transfer_id,
                                  **job.kv_transfer_params}

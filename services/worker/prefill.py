@@ -15,6 +15,7 @@ from otel.messaging import current_traceparent
 from otel.metrics import instruments
 from services.worker.engine import EngineStages, prefill_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
+from services.worker.prompt_meter import PromptMeter
 from shared import wire
 from shared.errors import EngineFailed, to_error_body
 
@@ -29,19 +30,29 @@ class PrefillRole:
 
     def __init__(self, worker: WorkerContext):
         self.worker = worker
+        self.meter = PromptMeter()
 
     async def start(self) -> None:
         return None
 
+    def heartbeat_fields(self) -> dict:
+        return {"queued_prompt_tokens": self.meter.queued_tokens, "prefill_tokens_per_s": self.meter.tokens_per_s}
+
     async def serve(self, running: RunningJob, received_ns: int) -> None:
         job: wire.PrefillJob = running.job
+        tokens = len(job.prompt_token_ids)
+        self.meter.started(tokens, time.monotonic())
+        computed = False
         try:
             with self.worker.request_span(A.PREFILL, job, received_ns) as span:
-                await self._prefill(job, received_ns, span)
+                computed = await self._prefill(job, received_ns, span)
         except asyncio.CancelledError:
             log.info("prefill cancelled", request_id=job.request_id, transfer_id=job.transfer_id)
+        finally:
+            self.meter.finished(tokens, time.monotonic(), computed)
 
-    async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> None:
+    async def _prefill(self, job: wire.PrefillJob, received_ns: int, span) -> bool:
+        """Whether the engine computed the prompt."""
         from vllm import SamplingParams
 
         engine_request_id, kv_params = prefill_request(self.worker.connector, job, current_traceparent())
@@ -63,6 +74,7 @@ class PrefillRole:
             log.exception("prefill failed")
             error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
             span.set_status(Status(StatusCode.ERROR, error.message))
+        span.set_attribute(A.CACHED_TOKENS, getattr(last, "num_cached_tokens", None) or 0)
         stages = EngineStages(last, _tracer)
         stages.record(A.PREFILL_QUEUE, received_ns, stages.scheduled_ns)
         stages.record(A.PREFILL_COMPUTE, stages.scheduled_ns, stages.first_token_ns)
@@ -80,3 +92,4 @@ class PrefillRole:
         )
         await self.worker.bus.publish(wire.HANDOFFS(sender=self.worker.worker_id), wire.encode(handoff))
         log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))
+        return error is None

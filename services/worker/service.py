@@ -25,6 +25,7 @@ from otel.messaging import TEMPORARY, trace_id_hex
 from otel.metrics import instruments
 from services.bus import Bus
 from services.lifecycle import BackgroundTasks, Service
+from services.worker.cache_relay import CacheRelay, events_endpoint
 from services.worker.decode import DecodeRole
 from services.worker.engine import EngineLoad, EngineSettings, engine_args, side_channel
 from services.worker.jobs import RunningJob
@@ -69,6 +70,7 @@ class Worker(Service):
         max_model_len: int = settings.MAX_MODEL_LEN,
         connector: str = settings.CONNECTOR,
         faults: FaultSettings = settings.FAULTS,
+        prefix_caching: bool = settings.PREFIX_CACHING == "on",
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -78,6 +80,9 @@ class Worker(Service):
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
             max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
+            prefix_caching=prefix_caching,
+            # The schedulers route by what each engine's prefix cache holds: its events, relayed.
+            kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )
         self.connector = connector
         self.kv_params = side_channel(self.worker_id, connector)
@@ -85,6 +90,7 @@ class Worker(Service):
         self._load = EngineLoad()
         self._requests = BackgroundTasks()
         self._heartbeat: asyncio.Task | None = None
+        self._cache_relay: CacheRelay | None = None
         # Keyed by transfer id: one attempt at a request (a retry is a new one).
         self._jobs: dict[str, RunningJob] = {}  # the jobs under way
         self._cancelled: dict[str, None] = {}  # cancelled, insertion-ordered
@@ -106,6 +112,10 @@ class Worker(Service):
         self.max_model_len = config.model_config.max_model_len
         log.info("engine ready", worker_id=self.worker_id, seconds=round(time.monotonic() - started, 1),
                  kv_blocks=self.total_blocks, block_size=self.block_size)
+        if self.settings.kv_events_endpoint is not None:
+            self._cache_relay = CacheRelay(self.bus, self.worker_id, self.incarnation, self.block_size,
+                                           self.settings.kv_events_endpoint)
+            await self._cache_relay.start()
         self._job_sub = await self.bus.subscribe(self.role.job_subject(worker_id=self.worker_id), self._on_job)
         await self.role.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -121,6 +131,8 @@ class Worker(Service):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._cache_relay is not None:
+            await self._cache_relay.close()
         if self.bus is not None:
             await self.bus.close()
         if self.engine is not None:
@@ -144,6 +156,7 @@ class Worker(Service):
                 connector=self.connector,
                 kv_params=self.kv_params,
                 incarnation=self.incarnation,
+                **self.role.heartbeat_fields(),
             )
             worker = {A.WORKER_ID: self.worker_id}
             instruments().free_kv_blocks.set(beat.free_kv_blocks, worker)

@@ -8,6 +8,7 @@ notify its arrival."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import secrets
@@ -18,6 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from connector.agents import AgentDirectory
 from connector.bridge import NatsBridge
@@ -94,25 +97,31 @@ def _sent(worker: ConnectorWorker, request_id: str) -> set[str]:
 # ------------------------------------------------------------------ decode, in its own process
 
 
-def _decode_side(conn, url: str, engine_id: str) -> None:
+def _decode_side(conn, url: str, engine_id: str, kv_wait_s: float = WAIT_S) -> None:
     bridge = NatsBridge(url, name=engine_id)
     bridge.start()
     caches = _kv_caches(0.0)
     agents = AgentDirectory(bridge, 0, engine_id)
-    consumer = Consumer(engine_id, 0, 1, bridge, agents, kv_wait_s=WAIT_S, quarantine_s=5.0)
+    consumer = Consumer(engine_id, 0, 1, bridge, agents, kv_wait_s=kv_wait_s, quarantine_s=5.0)
     producer = Producer(engine_id, 0, 1, bridge, agents, lease_s=WAIT_S)
     worker = ConnectorWorker(engine_id, 0, bridge, agents, producer=producer, consumer=consumer)
     worker.register_kv_caches(caches, NUM_BLOCKS)
     scheduler = ConnectorScheduler(engine_id, BLOCK_SIZE, 1, bridge)
     conn.send("ready")
     while (command := conn.recv()) is not None:
-        params, block_ids = command
-        request = SimpleNamespace(request_id=_id("decode"), prompt_token_ids=list(range(len(block_ids) * BLOCK_SIZE)),
+        params, block_ids, cached_ids = command
+        num_cached = len(cached_ids) * BLOCK_SIZE
+        request = SimpleNamespace(request_id=_id("decode"),
+                                  prompt_token_ids=list(range(num_cached + len(block_ids) * BLOCK_SIZE)),
                                   kv_transfer_params=params)
         scheduler.on_new_request(request)
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (len(request.prompt_token_ids), True)
-        scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
-                                           len(request.prompt_token_ids))
+        external = len(block_ids) * BLOCK_SIZE
+        assert scheduler.get_num_new_matched_tokens(request, num_cached) == (external, True)
+        # What vLLM's KV cache manager allocates: the prefix its cache holds (hashed,
+        # shared), then fresh blocks.
+        blocks = KVCacheBlocks(([KVCacheBlock(b, ref_cnt=2, _block_hash=b"cached%d" % b) for b in cached_ids]
+                                + [KVCacheBlock(b, ref_cnt=1) for b in block_ids],))
+        scheduler.update_state_after_alloc(request, blocks, external)
         worker.start_load_kv(scheduler.build_connector_meta(
             SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})))
         received: set[str] = set()
@@ -123,17 +132,18 @@ def _decode_side(conn, url: str, engine_id: str) -> None:
             received |= more
             failed |= lost
         conn.send((request.request_id in received, sorted(failed),
-                   {name: t[block_ids].clone().numpy().tolist() for name, t in caches.items()}))
+                   {name: t[block_ids].clone().numpy().tolist() for name, t in caches.items()},
+                   all(bool(torch.all(t[cached_ids] == 0)) for t in caches.values())))
     worker.shutdown()
     bridge.close()
 
 
-@pytest.fixture
-def decode(nats_server):
+@contextlib.contextmanager
+def _decode_process(url: str, kv_wait_s: float = WAIT_S):
     engine_id = _id("decode")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child, nats_server.url, engine_id))
+    proc = ctx.Process(target=_decode_side, args=(child, url, engine_id, kv_wait_s))
     proc.start()
     try:
         assert parent.poll(120), "the decode process did not start"
@@ -146,19 +156,31 @@ def decode(nats_server):
             proc.kill()
 
 
-def _load(decode, params: wire.DecodeKvParams, block_ids: list[int]):
+@pytest.fixture
+def decode(nats_server):
+    with _decode_process(nats_server.url) as decode:
+        yield decode
+
+
+def _load(decode, params: wire.DecodeKvParams, block_ids: list[int], cached_ids: list[int] = ()):
     """Have decode receive a request with ``params`` into ``block_ids``: (arrived, failed, blocks)."""
-    _start_load(decode, params, block_ids)
+    _start_load(decode, params, block_ids, cached_ids)
     return _loaded(decode)
 
 
-def _start_load(decode, params: wire.DecodeKvParams, block_ids: list[int]) -> None:
-    """Decode receives the request (push: it registers its blocks) and waits for the KV."""
-    decode.conn.send((params.as_params(), block_ids))
+def _start_load(decode, params: wire.DecodeKvParams, block_ids: list[int], cached_ids: list[int] = ()) -> None:
+    """Decode receives the request (push: it registers its blocks) and waits for the KV;
+    with ``cached_ids``, its prefix cache holds the prompt's first blocks."""
+    decode.conn.send((params.as_params(), block_ids, list(cached_ids)))
 
 
 def _loaded(decode):
     """How decode's wait for the KV ended: (arrived, failed, blocks)."""
+    return _loaded_with_cache(decode)[:3]
+
+
+def _loaded_with_cache(decode):
+    """(arrived, failed, blocks, whether decode's cached blocks were left untouched)."""
     assert decode.conn.poll(WAIT_S + 10), "decode did not answer"
     return decode.conn.recv()
 
@@ -203,6 +225,91 @@ def test_push_and_pull_move_the_prompt_and_free_prefills_blocks(nats_server, dec
     finally:
         worker.shutdown()
         bridge.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_with_a_prefix_cached_on_decode_only_the_blocks_it_lacks_move(nats_server, decode, mode):
+    """Decode's cache holds the prompt's first two blocks: prefill's blocks from the third
+    on land in decode's fresh blocks, and decode's cached blocks are left as they were."""
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    try:
+        transfer, key = _id(mode), _key()
+        src, cached, dst = [0, 1, 2, 7, 8], [13, 14], [5, 6, 11]
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill(f"prefill-{mode}", transfer, src, mode=mode, num_tokens=len(src) * BLOCK_SIZE,
+                         decode_engine_id=decode.engine_id if mode == "push" else "", transfer_key=key)]))
+        _start_load(decode, wire.DecodeKvParams(
+            transfer_id=transfer, request_id=mode, prefill_engine_id=prefill_id, mode=mode,
+            remote_block_ids=src if mode == "pull" else [], transfer_key=key), dst, cached)
+        arrived, failed, blocks, cache_untouched = _loaded_with_cache(decode)
+        assert (arrived, failed) == (True, [])
+        _assert_copied(blocks, src[len(cached):])
+        assert cache_untouched, "a write landed in decode's cached prefix"
+        assert _sent(worker, f"prefill-{mode}") == {f"prefill-{mode}"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def test_a_transfer_moved_before_its_write_lands_in_the_new_decode_and_the_first_gets_its_blocks_back(
+        nats_server):
+    """A scheduler moves a push transfer whose first decode has registered: prefill drops
+    that registration, writes into the second decode's (which carries the new key), and
+    tells the first decode, without closing the transfer."""
+    prefill_id, scheduler_id = _id("prefill"), _id("scheduler")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    events: queue.Queue = queue.Queue()
+    try:
+        with _decode_process(nats_server.url, kv_wait_s=2.0) as first, _decode_process(nats_server.url) as second:
+            for decode in (first, second):
+                bridge.subscribe(wire.completion_subject(decode.engine_id, prefill_id),
+                                 lambda data, subject: events.put(wire.decode(data, wire.Completion)))
+            transfer, key, new_key = _id("moved"), _key(), _key()
+            src = [0, 1, 2]
+            params = dict(transfer_id=transfer, request_id="moved", prefill_engine_id=prefill_id)
+            _start_load(first, wire.DecodeKvParams(**params, transfer_key=key), [4, 5, 6])
+            _until(lambda: worker.producer._rendezvous.peek(transfer) is not None,  # taken in, not just sent
+                   "the first decode's registration")
+            move = wire.MoveTransfer(transfer_id=transfer, scheduler_id=scheduler_id, transfer_key=key,
+                                     decode_engine_id=second.engine_id, new_transfer_key=new_key)
+            bridge.publish(wire.move_subject(prefill_id, scheduler_id), wire.encode(move))
+            moved = _until(lambda: _next(events, wire.TransferMoved), "the move's answer")
+            assert (moved.moved, moved.decode_engine_id) == (True, second.engine_id)
+
+            _start_load(second, wire.DecodeKvParams(**params, transfer_key=new_key), [9, 10, 11])
+            worker.wait_for_save(KvpushMetadata(ready_prefills=[  # the prefill, as its engine knew it
+                ReadyPrefill("prefill-moved", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
+                             decode_engine_id=first.engine_id, transfer_key=key)]))
+            arrived, failed, blocks = _loaded(second)
+            assert (arrived, failed) == (True, [])
+            _assert_copied(blocks, src)
+
+            # The first decode's wait ends without the KV: prefill refused its registration
+            # (sent again while it waited) or answered its Revoke, both saying the transfer moved.
+            arrived, failed, _ = _loaded(first)
+            assert (arrived, len(failed)) == (True, 1)
+            answer = _until(lambda: _next(events, wire.TransferFailed), "the first decode's answer")
+            assert answer.decode_engine_id == first.engine_id and answer.code in (Revoked.code, BadRegistration.code)
+            assert "moved" in answer.reason
+            assert _sent(worker, "prefill-moved") == {"prefill-moved"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def _next(events: queue.Queue, kind):
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(event, kind):
+            return event
 
 
 # ------------------------------------------------------------------ leases, one process

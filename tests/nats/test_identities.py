@@ -35,6 +35,9 @@ PUBLISH = [
     ("decode-9", wire.registration_subject("prefill-0", "decode-9"), "prefill-0", True),  # its own name only
     ("decode-9", wire.HEARTBEATS(sender="decode-0"), "scheduler-0", False),
     ("decode-9", wire.PROGRESS(sender="decode-0"), "scheduler-0", False),
+    ("decode-9", wire.CACHE_EVENTS(sender="decode-0"), "scheduler-0", False),  # steer routing as the victim
+    ("prefill-9", wire.CACHE_EVENTS(sender="prefill-0"), "scheduler-0", False),
+    ("prefill-0", wire.CACHE_EVENTS(sender="prefill-0"), "scheduler-0", True),
     ("decode-9", wire.KV_AGENTS(sender="decode-0"), "prefill-0", False),
     ("decode-9", wire.decode_job_subject("decode-0"), "decode-0", False),  # jobs come from schedulers only
     ("decode-9", wire.completion_subject("decode-0", "prefill-0"), "decode-0", False),

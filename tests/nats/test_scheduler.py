@@ -25,9 +25,11 @@ from services.cli.client import cancel, generate_all
 from services.launch.natsd import LocalNatsServer
 from services.ledger import Ledger
 from services.scheduler import service
+from services.scheduler.prefixes import Prompt
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
 from shared import permissions, wire
+from shared.block_keys import block_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -773,3 +775,32 @@ async def test_asking_for_the_final_of_a_request_no_scheduler_knows_says_not_fou
             await asyncio.sleep(0.01)
     error = json.loads(asked.data)["error"]
     assert error["code"] == "not_found" and "never reached a scheduler" in error["message"]
+
+
+# --------------------------------------------------------------------------- prefix caches
+
+
+async def test_a_request_goes_to_the_decode_whose_cache_events_say_it_holds_the_prefix(server, client, running):
+    """Schedulers route by what each engine's prefix cache holds, as the worker relays its
+    KV cache events; events that name another worker than their subject are refused."""
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server.url, "prefill"))
+    decodes = [await running(FakeWorker(server.url, "decode")) for _ in range(2)]
+    await workers_seen(client, prefill, *decodes)
+    other, holder = sorted(decodes, key=lambda d: d.worker_id)  # equal load picks the first by id: not holder
+    prompt = list(range(40))  # two whole blocks of 16
+    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+
+    held = wire.CacheEvents(worker_id=holder.worker_id, incarnation=holder.incarnation,
+                            stored=block_keys(prompt, 16))
+    await other.nc.publish(wire.CACHE_EVENTS(sender=other.worker_id), wire.encode(held))
+    refusal = await refused(invalid, sched)
+    assert (refusal.subject, refusal.code) == (wire.CACHE_EVENTS(sender=other.worker_id), "forged_sender")
+    assert sched.pool.cached_tokens(holder.worker_id, Prompt(prompt)) == 0
+
+    await holder.nc.publish(wire.CACHE_EVENTS(sender=holder.worker_id), wire.encode(held))
+    await until(lambda: sched.pool.cached_tokens(holder.worker_id, Prompt(prompt)) == 32,
+                what="the scheduler taking the holder's events")
+    sub = await send(client, {"prompt_token_ids": prompt, "max_tokens": 3, "request_id": "r-held"})
+    await replies_to_final(sub)
+    assert [job.request_id for job in holder.jobs] == ["r-held"] and other.jobs == []

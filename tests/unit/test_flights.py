@@ -255,3 +255,49 @@ def test_early_cancels_are_bounded_and_expire():
     assert len(cancels) == 3 and cancels.take("", "r-9", now=1.0)
     cancels.remember("", "late", now=100.0)  # everything older has expired
     assert len(cancels) == 1
+
+
+# ------------------------------------------------------------------ moves
+
+
+def test_a_push_decode_lost_before_its_kv_was_written_is_moved_not_retried():
+    table = FlightTable(max_attempts=1)  # a move computes nothing again: it needs no attempt left
+    _placed(table, decode_took_job=True)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "move", "d")]
+
+
+def test_no_move_once_the_kv_was_written_or_the_answer_started_or_in_pull():
+    for state in ({"kv_pushed": True}, {"streaming": True}):
+        table = FlightTable()
+        _placed(table, decode_took_job=True, **state)
+        assert _verdicts(table, 1.0, _dead("d"))[0][1] != "move", state
+    table = FlightTable()
+    _placed(table, mode="pull", decode_took_job=True)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
+
+
+def test_no_move_when_the_prefill_is_lost_too_or_after_max_moves():
+    table = FlightTable()
+    _placed(table, decode_took_job=True)
+    assert _verdicts(table, 1.0, _dead("p", "d")) == [("r", "retry", "d")]
+    table = FlightTable()
+    _placed(table, decode_took_job=True, moves=2)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
+
+
+def test_a_flight_being_moved_gets_no_verdict_but_its_deadline():
+    table = FlightTable()
+    _placed(table, decode_took_job=True, moving=True)
+    assert _verdicts(table, 1.0, _dead("d")) == []
+    assert _verdicts(table, 100.0, _dead("d")) == [("r", "deadline", "")]
+
+
+def test_a_push_transfer_not_yet_written_to_an_overloaded_decode_is_moved():
+    table = FlightTable()
+    _placed(table, decode_took_job=True)
+    assert _verdicts(table, 1.0, _all_live) == []
+    moved = [(f.request_id, v, w) for f, v, w in table.check(1.0, _all_live, lambda decode_id: decode_id == "d")]
+    assert moved == [("r", "move", "d")]
+    table = FlightTable()
+    _placed(table, decode_took_job=True, kv_pushed=True)  # written: it stays
+    assert table.check(1.0, _all_live, lambda decode_id: True) == []

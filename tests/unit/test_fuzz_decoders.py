@@ -22,18 +22,19 @@ from hypothesis import strategies as st
 from connector import kv_layout
 from connector.completion import Notification, block_tag, notification, parse_notification
 from connector.metadata import ReadyPrefill
-from connector.producer import pair_problem
+from connector.producer import pair_problem, sources
 from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
 from shared import wire
 from shared.errors import RequestError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 18 kinds, so ~1000 per property
+PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 20 kinds, so ~1200 per property
 
 STRUCTS = [
     wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
     wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.FlightRecord, wire.StoredFinal,
+    wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents,
 ]
 UNIONS = [wire.PrefillMessage, wire.DecodeMessage, wire.KvControl, wire.Completion]
 KINDS = STRUCTS + UNIONS
@@ -89,14 +90,15 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy:
         return MSGPACK_INT
     if isinstance(info, mi.FloatType):
         return FINITE
-    if isinstance(info, mi.BytesType):
-        return st.binary(max_size=40)
+    if isinstance(info, mi.BytesType):  # within the type's length bounds, if it has any
+        low = info.min_length or 0
+        return st.binary(min_size=low, max_size=max(low, info.max_length if info.max_length is not None else 40))
     if isinstance(info, mi.NoneType):
         return st.none()
     if isinstance(info, mi.LiteralType):
         return st.sampled_from(info.values)
     if isinstance(info, mi.ListType):
-        return st.lists(strategy_for(info.item_type), max_size=6)
+        return st.lists(strategy_for(info.item_type), max_size=min(6, info.max_length or 6))
     if isinstance(info, mi.DictType):
         return st.dictionaries(strategy_for(info.key_type), strategy_for(info.value_type), max_size=4)
     if isinstance(info, mi.UnionType):
@@ -337,12 +339,27 @@ def test_pair_problem_never_raises(registration, ready):
 
 
 @FUZZ
-@given(registration=messages(wire.Registration), ready=READY)
-def test_pair_problem_accepts_a_matching_pair(registration, ready):
+@given(registration=messages(wire.Registration), ready=READY, cached=st.integers(0, 10))
+def test_pair_problem_accepts_a_matching_pair(registration, ready, cached):
+    assume(ready.block_ids)  # a prompt has a token, so a block
+    first_block = cached % len(ready.block_ids)  # decode's cache held that many of the prompt's blocks
     matching = msgspec.structs.replace(registration, decode_engine_id=ready.decode_engine_id or "d",
-                                       num_tokens=ready.num_tokens, block_ids=list(range(len(ready.block_ids))),
+                                       num_tokens=ready.num_tokens, first_block=first_block,
+                                       block_ids=list(range(len(ready.block_ids) - first_block)),
                                        transfer_key=ready.transfer_key)
     assert pair_problem(matching, ready) is None
+    assert sources(matching, ready) == ready.block_ids[first_block:]
+
+
+@FUZZ
+@given(registration=messages(wire.Registration), ready=READY)
+def test_pair_problem_refuses_a_registration_whose_blocks_do_not_cover_the_rest_of_the_prompt(registration, ready):
+    fits = 0 <= registration.first_block < len(ready.block_ids) and (
+        len(registration.block_ids) == len(ready.block_ids) - registration.first_block)
+    assume(not fits)
+    matching = msgspec.structs.replace(registration, decode_engine_id=ready.decode_engine_id or "d",
+                                       num_tokens=ready.num_tokens, transfer_key=ready.transfer_key)
+    assert "registration" in pair_problem(matching, ready)
 
 
 @FUZZ

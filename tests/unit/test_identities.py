@@ -23,6 +23,7 @@ DONE = wire.TransferDone(transfer_id="t", prefill_engine_id="prefill-0", decode_
                          order="prefill_first", waited_ms=0, bytes=1, descriptors=1, write_ms=1, finished_at=0)
 FAILED = wire.TransferFailed(transfer_id="t", prefill_engine_id="prefill-0", decode_engine_id="decode-0", rank=0,
                              code="write_failed", reason="x")
+CACHED = wire.CacheEvents(worker_id="decode-0", incarnation="i", stored=[b"k" * 16])
 AGENT = wire.AgentInfo(engine_id="prefill-0", rank=0, agent_name="a", agent_metadata=b"", mem_type="DRAM",
                        device_id=0, num_blocks=1, regions=[])
 
@@ -37,6 +38,7 @@ CASES = [
     (DONE, wire.completion_subject("decode-0", "prefill-0"), wire.completion_subject("decode-0", "prefill-1")),
     (FAILED, wire.completion_subject("decode-0", "prefill-0"), wire.completion_subject("decode-0", "prefill-1")),
     (AGENT, wire.KV_AGENTS(sender="prefill-0"), wire.KV_AGENTS(sender="prefill-1")),
+    (CACHED, wire.CACHE_EVENTS(sender="decode-0"), wire.CACHE_EVENTS(sender="decode-1")),
 ]
 
 
@@ -50,7 +52,7 @@ def test_a_message_that_names_its_sender_is_refused_on_another_senders_subject(m
 
 def test_every_subject_a_self_naming_message_travels_on_ends_in_its_sender():
     for template in (wire.HEARTBEATS, wire.PROGRESS, wire.HANDOFFS, wire.KV_CONTROL, wire.KV_COMPLETIONS,
-                     wire.KV_AGENTS):
+                     wire.KV_AGENTS, wire.CACHE_EVENTS):
         assert template.endswith("{sender}"), template
 
 

@@ -315,3 +315,37 @@ def test_renewals_keep_a_half_no_longer_than_max_life_s():
     assert rv.expired() == []
     clock.now = 1000.0 + 25.0
     assert [tid for tid, _ in rv.expired()] == ["t1"]
+
+
+# ------------------------------------------------------------------ retarget
+
+
+def test_retarget_drops_the_waiting_registration_and_the_next_one_pairs():
+    rv, _ = _rv(check=lambda reg, pre: None if reg.startswith(pre) else f"{reg} is not {pre}'s")
+    assert rv.offer_registration("t", "d1") is None
+    assert rv.retarget("t", lambda pre: pre) == (None, "d1")
+    assert rv.offer_registration("t", "d2") is None  # waits: nothing of d1 is left
+    match = rv.offer_prefill("t", "d2")
+    assert isinstance(match, Match) and match.registration == "d2"
+
+
+def test_retarget_updates_a_waiting_prefill_and_renews_its_lease():
+    rv, clock = _rv(lease_s=5.0, check=lambda reg, pre: None if reg == pre else f"{reg} is not {pre}")
+    rv.offer_prefill("t", "d1")
+    clock.now += 4.0
+    assert rv.retarget("t", lambda pre: "d2") == (None, None)
+    clock.now += 4.0
+    assert rv.expired() == []  # the move gave it a whole lease again
+    refused = rv.offer_registration("t", "d1")
+    assert isinstance(refused, Refused) and refused.code == "incompatible"
+    assert isinstance(rv.offer_registration("t", "d2"), Match)
+
+
+def test_retarget_is_refused_once_matched_or_closed():
+    rv, _ = _rv()
+    rv.offer_registration("t", "reg")
+    rv.offer_prefill("t", "pre")
+    assert rv.retarget("t", lambda pre: pre) == ("its write has begun", None)
+    rv.offer_prefill("u", "pre")
+    rv.close("u", "revoked")
+    assert rv.retarget("u", lambda pre: pre) == ("the transfer is revoked", None)

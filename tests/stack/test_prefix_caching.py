@@ -1,0 +1,111 @@
+"""Prefix caching on, on both engines (vLLM's default): decode asks only for the blocks its
+cache lacks, prefill computes only what its cache lacks, and the two differ. Every output
+equals the single-instance reference (prefix caching on there too), and no block leaks.
+
+One rig (tools/reliability/fault_rig.py), cases in order: what each engine has cached is
+set up by the cases before it. A local request (computed by decode alone) warms decode
+only; restarting decode leaves a prefix cached on prefill only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import wire
+from shared.block_keys import block_keys
+from tests import prompts
+from tools.reliability.fault_rig import running_rig, wait_until
+
+pytestmark = pytest.mark.timeout(900)
+
+CASES = {name: index for index, (name, _) in enumerate(prompts.PREFIX_CASES)}
+BLOCK = prompts.BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+async def rig(model_dir, tmp_path_factory):
+    async with running_rig(tmp_path_factory.mktemp("prefix"), model_dir, prompts.MAX_MODEL_LEN) as rig:
+        registrations, sub = await rig.observe("prefill", wire.KV_CONTROL.partly(engine_id="prefill-0"),
+                                               wire.KvControl)
+        rig.registrations = registrations
+        yield rig
+        await sub.unsubscribe()
+
+
+async def _serve(rig, reference, name: str, mode: str) -> wire.Registration | None:
+    """Send the case; its output must equal the reference. Push: decode's registration."""
+    index = CASES[name]
+    outcome = await rig.request({"prompt_token_ids": prompts.PREFIX_CASES[index][1],
+                                 "max_tokens": prompts.PREFIX_MAX_TOKENS, "transfer_mode": mode,
+                                 "request_id": f"prefix-{name}"})
+    assert "error" not in outcome.final, (name, outcome.final)
+    assert outcome.tokens == reference[prompts.PREFIX + index], name
+    if mode != "push":
+        return None
+    mine = [r for r in rig.registrations if isinstance(r, wire.Registration) and r.request_id == outcome.request_id]
+    assert len(mine) >= 1, f"{name}: no registration seen"
+    return mine[0]
+
+
+def _prompt_blocks(name: str) -> int:
+    return -(-len(prompts.PREFIX_CASES[CASES[name]][1]) // BLOCK)
+
+
+async def test_no_shared_prefix(rig, reference):
+    registration = await _serve(rig, reference, "no-shared-prefix", "push")
+    assert registration.first_block == 0
+    assert len(registration.block_ids) == _prompt_blocks("no-shared-prefix")
+
+
+async def test_a_prefix_cached_on_decode_only(rig, reference):
+    await _serve(rig, reference, "warm-decode", "local")  # decode computes it: prefill never sees it
+    registration = await _serve(rig, reference, "cached-on-decode-only", "push")
+    assert registration.first_block == 4  # 512 tokens of OTHER decode holds; prefill computed all
+    assert len(registration.block_ids) == _prompt_blocks("cached-on-decode-only") - 4
+    await _serve(rig, reference, "pulled-with-a-decode-hit", "pull")  # decode READs only the blocks it lacks
+
+
+async def test_a_prefix_cached_on_prefill_only(rig, reference):
+    await rig.kill_and_replace("decode")  # a fresh engine: an empty cache
+    registration = await _serve(rig, reference, "cached-on-prefill-only", "push")
+    assert registration.first_block == 0  # prefill computed only the suffix, and pushes every block
+
+
+async def test_a_prefix_cached_on_both_with_different_lengths(rig, reference):
+    registration = await _serve(rig, reference, "cached-on-both-prefill-longer", "push")
+    assert registration.first_block == 3  # decode: 3 blocks of SHARED; prefill: 5
+    await _serve(rig, reference, "warm-decode-longer", "local")
+    registration = await _serve(rig, reference, "cached-on-both-decode-longer", "push")
+    assert registration.first_block == 6  # decode: 6 blocks of OTHER; prefill: 4
+
+
+async def test_a_prefix_ending_mid_block(rig, reference):
+    for name in ("prefix-ending-mid-block", "same-prefix-ending-mid-block"):
+        registration = await _serve(rig, reference, name, "push")
+        assert registration.first_block == 1  # 200 shared tokens: one whole block is cached
+    await rig.assert_blocks_back()
+    rig.assert_nothing_else_died()
+
+
+async def test_both_engines_relay_what_their_prefix_caches_stored_keyed_as_schedulers_key_prompts(rig):
+    """vLLM's KV cache events, from each engine's own ZMQ socket onto NATS by its worker
+    (services/worker/cache_relay.py): the blocks prefill computed and decode received carry
+    the keys a scheduler computes for the prompt. Routing by them: tests/nats/test_scheduler.py."""
+    events, sub = await rig.observe("scheduler", wire.CACHE_EVENTS.wildcard, wire.CacheEvents)
+    prompt = prompts.token_prompt(5 * BLOCK + 30, 4242)  # cached nowhere yet
+    try:
+        outcome = await rig.request({"prompt_token_ids": prompt, "max_tokens": 4, "transfer_mode": "push",
+                                     "request_id": "prefix-relayed"})
+        assert "error" not in outcome.final, outcome.final
+        wanted = set(block_keys(prompt, BLOCK))
+
+        def stored_by(worker_id: str) -> set[bytes]:
+            return {key for e in events if e.worker_id == worker_id for key in e.stored}
+
+        await wait_until(lambda: wanted <= stored_by("prefill-0") and wanted <= stored_by("decode-0"), 30,
+                         "both engines' stored blocks relayed")
+    finally:
+        await sub.unsubscribe()
+    incarnations = {e.worker_id: e.incarnation for e in events}
+    live = rig.live_incarnations("prefill") | rig.live_incarnations("decode")
+    assert {(w, i) for w, i in incarnations.items()} <= live  # each relays as the start it is
