@@ -1,4 +1,4 @@
-"""`kvpush bench` in CI size: every system (kvpush push and pull through its gateway, and
+"""`kvpush bench` in CI size: every system (kvpush push, pull, auto and local through its gateway, and
 two `vllm serve` pairs with NixlConnector and NixlPushConnector behind their proxies),
 one tiny point each, driven by `vllm bench serve`. It asserts the result files are
 complete, not speed. The arithmetic is tested in tests/unit/test_bench_stats.py."""
@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(900)
 
-VARIANTS = ("kvpush-push", "kvpush-pull", "vllm-nixl", "vllm-nixl-push")
+VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
 REQUESTS = 3
 
 
@@ -45,6 +45,8 @@ def test_bench_runs_every_system_with_vllms_client_and_keeps_every_result(model_
         assert {"prefill compute", "decode first token"} <= set(segments), segments
         assert segments["prefill compute"]["n"] == REQUESTS
         assert points[variant]["handoff_overhead_ms"], "prefill finished to decode holding the KV, less the bytes"
+    for variant in ("kvpush-local", "kvpush-auto"):  # 128-token prompts: auto computes them on decode too
+        assert points[variant]["segments_ms"]["decode prompt and first token"]["n"] == REQUESTS, variant
     assert results["raw_nixl"] and all(row["raw_gib_s"] > 0 for row in results["raw_nixl"])
     idle = results["idle_cpu"]
     assert len(idle) == 1 and idle[0]["waiting_by_process"], "the decode's CPU while a request waits for KV"

@@ -27,6 +27,7 @@ class Load:
     range_ratio: float = 0.0  # >0: prompt lengths uniform in input_len * [1 - r, 1 + r]
     seed: int = 0
     warmups: int = 2
+    burstiness: float = 1.0  # arrival gaps from a gamma distribution: 1 is Poisson, lower is burstier
 
 
 def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
@@ -36,7 +37,8 @@ def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_f
             "--dataset-name", "random", "--random-input-len", str(load.input_len),
             "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
             "--num-prompts", str(load.requests), "--request-rate", str(load.rate), "--seed", str(load.seed),
-            "--num-warmups", str(load.warmups), "--ignore-eos", "--save-result", "--save-detailed",
+            "--num-warmups", str(load.warmups), "--burstiness", str(load.burstiness),
+            "--ignore-eos", "--save-result", "--save-detailed",
             "--result-dir", str(result_file.parent), "--result-filename", result_file.name,
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
             "--request-id-prefix", request_id_prefix, "--disable-tqdm"]

@@ -53,7 +53,7 @@ def workload_table(points: list) -> str:
 
 CATEGORY_OF = {"dispatch": "coordination", "prefill queue": "queue", "prefill compute": "compute",
                "handoff": "coordination", "transfer": "transfer", "kv notice": "coordination",
-               "decode first token": "compute"}
+               "decode first token": "compute", "decode queue": "queue", "decode prompt and first token": "compute"}
 
 
 def _split(segments: dict) -> str:

@@ -40,9 +40,9 @@ from tools.bench.stats import percentile
 from tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
 from tools.otlp_receiver import OtlpReceiver
 
-VARIANTS = ("kvpush-push", "kvpush-pull", "vllm-nixl", "vllm-nixl-push")
-SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "vllm-nixl": "vllm-nixl",
-             "vllm-nixl-push": "vllm-nixl-push"}
+VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
+SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "kvpush-auto": "kvpush", "kvpush-local": "kvpush",
+             "vllm-nixl": "vllm-nixl", "vllm-nixl-push": "vllm-nixl-push"}
 BASELINE = "vllm-nixl"  # what a user would otherwise pick: every ratio is to it
 KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024}
 CLIENT_TIMEOUT_S = 1800
@@ -56,6 +56,9 @@ class Workload:
     requests: int
     topology: Topology = Topology()
     range_ratio: float = 0.0  # mixed lengths: uniform in input_len * [1 - r, 1 + r]
+    burstiness: float = 1.0  # 1: Poisson arrivals; lower: bursts
+    background: int = 0  # long generations sent at the point's start, all at once, beside its requests
+    background_output_len: int = 1024
 
     @property
     def longest(self) -> int:
@@ -190,7 +193,8 @@ class Bench:
     async def _with_system(self, system: str, binding: str, topology: Topology, workloads: list[Workload],
                            into: list[Point], idle_probe: bool = False) -> None:
         c = self.config
-        max_model_len = max(w.longest for w in workloads) + c.output_len + 16
+        max_model_len = max(max(w.longest + c.output_len, 128 + w.background_output_len if w.background else 0)
+                            for w in workloads) + 16
         stack = self._system(system, binding, topology, max_model_len)
         self.say(f"starting {system} ({topology.label}, binding {binding})")
         started = time.monotonic()
@@ -212,7 +216,7 @@ class Bench:
     async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str) -> Point:
         c = self.config
         load = client.Load(workload.input_len, c.output_len, rate, workload.requests, workload.range_ratio,
-                           seed=c.seed, warmups=c.warmups)
+                           seed=c.seed, warmups=c.warmups, burstiness=workload.burstiness)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
         prefix = f"bench-{self.run_id}-{slug}-"
@@ -221,9 +225,20 @@ class Bench:
         self.say(f"{variant}: {workload.name} at {rate:g} req/s, {workload.requests} requests")
         cpu_before, wall_before = _cpu_by_process(stack.processes()), time.monotonic()
         try:
+            background = None
+            if workload.background:  # decodes kept busy by long generations (their own client, unmeasured)
+                busy = client.Load(128, workload.background_output_len, float("inf"), workload.background,
+                                   seed=c.seed + 1, warmups=0)
+                background = asyncio.create_task(asyncio.to_thread(
+                    client.run, stack.base_url, self.model_name, c.model, busy,
+                    result_file.with_name(f"{slug}-background.json"), f"{prefix}bg-", stack.variants[variant],
+                    CLIENT_TIMEOUT_S))
+                await asyncio.sleep(2.0)  # they are decoding when the measured requests come
             result = await asyncio.to_thread(client.run, stack.base_url, self.model_name, c.model, load, result_file,
                                              prefix, stack.variants[variant], CLIENT_TIMEOUT_S)
             point.summary = client.summary(result)
+            if background is not None:
+                await background
         except (RuntimeError, OSError, TimeoutError) as exc:
             point.error = str(exc)[-500:]
             self.say(f"{variant}: the point failed: {point.error}")

@@ -70,10 +70,11 @@ def _wait_until_answers(urls: list[str], processes: list[tuple[str, subprocess.P
 
 class KvpushSystem:
     name = "kvpush"
-    variants = {"kvpush-push": {"transfer_mode": "push"}, "kvpush-pull": {"transfer_mode": "pull"}}
+    variants = {f"kvpush-{mode}": {"transfer_mode": mode} for mode in ("push", "pull", "auto", "local")}
 
     def __init__(self, model: str, max_model_len: int, topology: Topology, binding: str, log_dir: Path,
-                 otlp_endpoint: str):
+                 otlp_endpoint: str, prefix_caching: str = "off"):
+        """``prefix_caching`` off by default: the published push-vs-pull shape (vLLM's too, below)."""
         self.topology = topology
         self.binding = binding
         role_env = {}
@@ -82,7 +83,7 @@ class KvpushSystem:
         for i in range(topology.decode):
             role_env[f"decode-{i}"] = core_binding(binding, topology.prefill + i)
         self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
-                           log_dir=log_dir, gateway_port=0, role_env=role_env,
+                           log_dir=log_dir, gateway_port=0, role_env=role_env, prefix_caching=prefix_caching,
                            extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
                                       "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB})
 
@@ -109,8 +110,9 @@ class VllmServeSystem:
     CONNECTORS = {"vllm-nixl": ("NixlConnector", "pull"), "vllm-nixl-push": ("NixlPushConnector", "push")}
 
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
-                 binding: str, log_dir: Path):
+                 binding: str, log_dir: Path, prefix_caching: str = "off"):
         self.name = variant
+        self.prefix_caching = prefix_caching
         self.variants = {variant: {}}
         self.connector, self.flow = self.CONNECTORS[variant]
         self.model = model
@@ -144,7 +146,8 @@ class VllmServeSystem:
                   "kv_buffer_device": "cpu", "engine_id": engine_id}
         return ["tools.bench.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
-                "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32",
+                "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
+                "--dtype", "float32",
                 "--max-model-len", str(self.max_model_len)]
 
     async def start(self, timeout: float = 600) -> None:
