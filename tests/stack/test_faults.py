@@ -198,10 +198,25 @@ async def test_kill_9_of_decode_during_the_transfer(rig, reference):
 
 
 async def test_kill_9_of_prefill_during_prefill(rig, reference):
-    """Prefill dies while computing: every request is retried with a new transfer id on
-    the replacement; decode gives up the blocks it had registered for the dead one."""
+    """Prefill dies with a prompt computed and nothing written yet (held right after its
+    forward pass): every request is retried with a new transfer id on the replacement,
+    whose KV is pushed; decode gives up the blocks it had registered for the dead one.
+
+    Held, not raced: killed on its first job's arrival, prefill sometimes finished a
+    prompt decode mostly had cached and wrote it before the signal landed, and its
+    TransferDone, the rig's proof of the push, died unsent with it."""
     indexes = [LONG, MANY, EIGHT]
-    outcomes = await _kill_on_first(rig, "prefill", wire.prefill_job_subject("prefill-0"), indexes)
+    old = rig.live_incarnations("prefill")
+    rig.hold("producer.ready")
+    try:
+        tasks = [asyncio.create_task(rig.request(body(i))) for i in indexes]
+        await rig.wait_held("producer.ready", 60)
+        rig.kill("prefill")
+    finally:
+        rig.release()
+    rig.replace("prefill")
+    outcomes = await asyncio.gather(*tasks)
+    await rig.wait_for_new_worker("prefill", old)
     for index, outcome in zip(indexes, outcomes):
         assert_served(outcome, reference[index])
         await rig.assert_pushed(outcome)
