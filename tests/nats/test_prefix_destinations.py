@@ -20,7 +20,7 @@ BLOCK = 16
 
 
 @pytest.fixture
-def decode_scheduler(model_dir, nats_server):
+def decode_scheduler(model_dir, nats_server, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -37,6 +37,12 @@ def decode_scheduler(model_dir, nats_server):
     config = EngineArgs(**kwargs).create_engine_config()
     num_blocks = 96  # few enough that cached blocks get evicted and their memory reused
     config.cache_config.num_gpu_blocks = num_blocks
+    # The connector sets up OpenTelemetry for the process it is loaded in, once, as for an
+    # engine core. Here that is the test process: every later test's spans would then be
+    # written to a file one by one on the event loop, which starved the scheduler of the
+    # flood test (tests/nats/test_scheduler_bounds.py) until its JetStream acks timed out.
+    # OTel's own switch keeps this process's tracing as it was: off.
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
                                                       dtype=torch.float32))])
