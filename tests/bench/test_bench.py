@@ -50,9 +50,15 @@ def test_bench_runs_every_system_with_vllms_client_and_keeps_every_result(model_
     assert results["raw_nixl"] and all(row["raw_gib_s"] > 0 for row in results["raw_nixl"])
     idle = results["idle_cpu"]
     assert len(idle) == 1 and idle[0]["waiting_by_process"], "the decode's CPU while a request waits for KV"
+    at_rest = {row["system"]: row for row in results["at_rest"]}  # each system with no request, its engines up
+    assert set(at_rest) == {"kvpush", "vllm-nixl", "vllm-nixl-push"}
+    for row in at_rest.values():
+        assert {"prefill-0", "decode-0"} <= set(row["cpu_s_per_s"]), row
+        assert all(0 <= row["busiest_thread_s_per_s"][name] <= rate + 0.05 for name, rate in row["cpu_s_per_s"].items())
     rows = list(csv.DictReader(open(out / "points.csv")))
     assert {row["variant"] for row in rows} == set(VARIANTS)
     tables = (out / "tables.md").read_text()
     for variant in VARIANTS:
         assert f"| {variant} |" in tables
+    assert "### CPU at rest" in tables
     assert (out / "plots" / "latency-128_tokens.png").read_bytes()[:4] == b"\x89PNG"

@@ -91,6 +91,9 @@ def tables(bench) -> str:
         parts.append(workload_table(at))
     parts.append("### CPU per process (CPU-seconds per second over the point)\n")
     parts.append(cpu_table(bench.points))
+    if bench.at_rest:
+        parts.append("### CPU at rest: no request, right after each system's start (CPU-seconds per second)\n")
+        parts.append(at_rest_table(bench.at_rest))
     if bench.idle_cpu:
         parts.append("### kvpush decode worker CPU while idle, and while one request waits for KV\n")
         parts.append("| idle (s/s) | waiting for KV (s/s) | waiting, by process |\n|---:|---:|---|\n" + "".join(
@@ -104,6 +107,15 @@ def tables(bench) -> str:
     if bench.errors:
         parts.append("### Errors\n" + "".join(f"- {e}\n" for e in bench.errors))
     return "\n".join(parts)
+
+
+def at_rest_table(rows: list[dict]) -> str:
+    out = "| system | binding | total | by process (busiest thread) |\n|---|---|---:|---|\n"
+    for row in rows:
+        by = ", ".join(f"{name} {rate:.2f} ({row['busiest_thread_s_per_s'].get(name, 0.0):.2f})"
+                       for name, rate in sorted(row["cpu_s_per_s"].items()))
+        out += f"| {row['system']} | {row['binding']} | {sum(row['cpu_s_per_s'].values()):.2f} | {by} |\n"
+    return out
 
 
 def plots(points: list, folder: Path) -> list[Path]:

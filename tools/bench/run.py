@@ -139,6 +139,7 @@ class Bench:
         self.points: list[Point] = []
         self.probes: list[Point] = []
         self.idle_cpu: list[dict] = []
+        self.at_rest: list[dict] = []  # every system's CPU with no request, right after its start
         self.raw_nixl: list[dict] = []
         self.errors: list[str] = []
         self.run_id = uuid.uuid4().hex[:6]
@@ -201,6 +202,8 @@ class Bench:
         try:
             await stack.start()
             self.say(f"{system} ready in {time.monotonic() - started:.0f} s")
+            if idle_probe:
+                self.at_rest.append(await self._at_rest(system, binding, stack))
             for workload in workloads:
                 for rate in workload.rates:
                     for variant in (v for v in c.variants if SYSTEM_OF[v] == system):
@@ -296,6 +299,23 @@ class Bench:
         """The best raw NIXL WRITE bandwidth of this run (bytes per ms), 0 if not measured."""
         return max((r["raw_gib_s"] * 2**30 / 1000 for r in self.raw_nixl), default=0.0)
 
+    async def _at_rest(self, system: str, binding: str, stack, settle_s: float = 5.0, seconds: float = 5.0) -> dict:
+        """CPU seconds per second of each process (with its children) while the system serves
+        nothing, and of its busiest thread: what it takes from the cores its engines compute
+        on before any request comes. ``settle_s`` first: vLLM's readers spin a second after
+        the last message (the health checks)."""
+        await asyncio.sleep(settle_s)
+        before, threads_before = _cpu_by_process(stack.processes()), _cpu_by_thread(stack.processes())
+        await asyncio.sleep(seconds)
+        after, threads_after = _cpu_by_process(stack.processes()), _cpu_by_thread(stack.processes())
+        busiest = {name: round(max((used - threads_before.get(name, {}).get(tid, 0.0)
+                                    for tid, used in tids.items()), default=0.0) / seconds, 3)
+                   for name, tids in threads_after.items()}
+        result = {"system": system, "binding": binding, "cpu_s_per_s": _cpu_rates(before, after, seconds),
+                  "busiest_thread_s_per_s": busiest}
+        self.say(f"{system} at rest: {result['cpu_s_per_s']} CPU-s/s (busiest thread: {busiest})")
+        return result
+
     async def _idle_wait_cpu(self, system: KvpushSystem, seconds: float = 5.0) -> dict:
         """CPU seconds per second of the decode worker (with its engine core) idle, and while
         one request waits for pushed KV that never comes."""
@@ -375,6 +395,7 @@ class Bench:
         (c.out / "results.json").write_text(json.dumps(
             {"machine": machine, "config": config, "errors": self.errors, "bindings": c.bindings,
              "binding_probes": [asdict(p) for p in self.probes], "idle_cpu": self.idle_cpu,
+             "at_rest": self.at_rest,
              "raw_nixl": self.raw_nixl, "points": [asdict(p) for p in self.points]}, indent=1, default=str))
         with open(c.out / "points.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -390,24 +411,42 @@ class Bench:
         report.plots(self.points, c.out / "plots")
 
 
+def _trees(roots: dict[str, int]):
+    """(name, process) for each named process and each of its descendants alive now."""
+    import psutil
+
+    for name, pid in roots.items():
+        try:
+            root = psutil.Process(pid)
+            yield from ((name, process) for process in (root, *root.children(recursive=True)))
+        except psutil.NoSuchProcess:
+            continue
+
+
 def _cpu_by_process(roots: dict[str, int]) -> dict[str, dict[int, float]]:
     """CPU seconds so far of each named process and each of its descendants, by pid."""
     import psutil
 
-    used: dict[str, dict[int, float]] = {}
-    for name, pid in roots.items():
+    used: dict[str, dict[int, float]] = {name: {} for name in roots}
+    for name, process in _trees(roots):
         try:
-            root = psutil.Process(pid)
-            tree = (root, *root.children(recursive=True))
+            times = process.cpu_times()
+            used[name][process.pid] = times.user + times.system
         except psutil.NoSuchProcess:
-            continue
-        used[name] = {}
-        for process in tree:
-            try:
-                times = process.cpu_times()
-                used[name][process.pid] = times.user + times.system
-            except psutil.NoSuchProcess:
-                pass
+            pass
+    return used
+
+
+def _cpu_by_thread(roots: dict[str, int]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of each thread of each named process and its descendants, by thread id."""
+    import psutil
+
+    used: dict[str, dict[int, float]] = {name: {} for name in roots}
+    for name, process in _trees(roots):
+        try:
+            used[name].update({t.id: t.user_time + t.system_time for t in process.threads()})
+        except psutil.NoSuchProcess:
+            pass
     return used
 
 
