@@ -7,7 +7,10 @@ fast loop."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import nats
@@ -17,6 +20,12 @@ from services.launch.natsd import LocalNatsServer
 from tools.model_build import build_model, default_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Services with no OTLP endpoint write their spans as JSON lines (otel/files.py): the
+# session's go to a folder of their own, removed at exit, not into the user's
+# ~/.cache/kvpush/traces (tens of MB a run). Every child process inherits it.
+if "KVPUSH_TRACE_DIR" not in os.environ:
+    os.environ["KVPUSH_TRACE_DIR"] = tempfile.mkdtemp(prefix="kvpush-test-traces-")
+    atexit.register(shutil.rmtree, os.environ["KVPUSH_TRACE_DIR"], ignore_errors=True)
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = ("unit", "nats", "stack", "bench")
