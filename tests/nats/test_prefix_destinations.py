@@ -157,3 +157,15 @@ def test_no_cached_block_is_ever_a_destination(decode_scheduler):
             gone = live.pop(rng.randrange(len(live)))
             decode_scheduler.finish_requests([gone.request_id], RequestStatus.FINISHED_ABORTED)
     assert checked >= 30 and partial >= 10, (checked, partial)  # the traffic did hit the cache
+
+
+def test_loading_the_connector_here_leaves_this_processs_tracing_off(decode_scheduler):
+    """The connector sets up OpenTelemetry for the process it is loaded in; in this test
+    process that would make every later test's spans real, and written one by one to a
+    file. With the fixture's OTEL_SDK_DISABLED they stay what they were: not recorded."""
+    from opentelemetry import trace
+
+    assert decode_scheduler.connector is not None  # ours, loaded here
+    span = trace.get_tracer("kvpush.tests").start_span("after the connector")
+    assert not span.is_recording()
+    span.end()
