@@ -24,7 +24,8 @@ Public (JSON, for clients):
 
 Internal (msgpack):
 
-    kvpush.scheduler.status         SchedulerStatus (JSON reply to any request)
+    kvpush.scheduler.status[.<client>]  SchedulerStatus (JSON reply, only to the asking
+                                    client's own inbox)
     kvpush.worker.heartbeat.<sender>  WorkerHeartbeat   worker -> scheduler, every second
     kvpush.prefill.<worker_id>      PrefillJob (request, ack) | CancelJob   scheduler -> prefill
     kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob    scheduler -> decode
@@ -51,11 +52,12 @@ Internal (msgpack):
 
 Durable (JetStream KV buckets, msgpack values; see "durable state" below):
 
-    kvpush_flights   <request id>         FlightRecord   the scheduler that holds it, and its
-                                                          attempt; another scheduler adopts it
-    kvpush_claims    claim_key(<key>)     who answers that attempt's client: the decode
-                                          (before its first message) or a scheduler
-    kvpush_finals    <request id>         StoredFinal    the last message, for a fetch again
+    kvpush_flights   flight_key(<client>, <request id>)  FlightRecord   the scheduler that
+                                          holds it, and its attempt; another scheduler adopts it
+    kvpush_finals    flight_key(<client>, <request id>)  StoredFinal    the last message, for a
+                                          fetch again
+    kvpush_claims    (a stream) kvpush.claims.<claim_key(key)>.<claimant>: who answers that
+                     attempt's client: the decode (before its first message) or a scheduler
 
 Services take replies on inboxes under ``_KVPUSH_INBOX.<identity>``, out of clients' reach;
 clients on inboxes under ``_INBOX.<client>``.
@@ -82,6 +84,10 @@ Protocol history:
     5 - flights outlive their scheduler: flight records, answer claims and stored finals
         in JetStream; scheduler heartbeats; ``kvpush.final``; CancelJob carries the error
         the decode sends when it holds the answer; RequestProgress carries the final.
+    6 - integrity under per-identity users: answer claims move from a KV bucket to the
+        ``kvpush_claims`` stream, the claimant named by the subject; flights and finals
+        are keyed by (client, request id); status on ``kvpush.scheduler.status.<client>``.
+        Not compatible with version 5 peers (their claims and keys differ).
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ import msgspec
 
 from shared.block_keys import KEY_BYTES
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 GENERATE_SUBJECT = "kvpush.generate"
 CANCEL_SUBJECT = "kvpush.cancel"
@@ -170,6 +176,7 @@ class SubjectTemplate(str):
 OWNED_GENERATE = SubjectTemplate("kvpush.generate.{client}")
 OWNED_CANCEL = SubjectTemplate("kvpush.cancel.{client}")
 OWNED_FINAL = SubjectTemplate("kvpush.final.{client}")
+OWNED_STATUS = SubjectTemplate("kvpush.scheduler.status.{client}")
 SCHEDULER_HEARTBEATS = SubjectTemplate("kvpush.scheduler.heartbeat.{sender}")
 HEARTBEATS = SubjectTemplate("kvpush.worker.heartbeat.{sender}")
 PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
@@ -238,7 +245,7 @@ def forged_sender(subject: str, message: msgspec.Struct) -> str | None:
 
 def owner_of(subject: str) -> str:
     """The client a request or cancel subject names (``kvpush.generate.<client>``), or ""."""
-    for template in (OWNED_GENERATE, OWNED_CANCEL, OWNED_FINAL):
+    for template in (OWNED_GENERATE, OWNED_CANCEL, OWNED_FINAL, OWNED_STATUS):
         base = template.split("{")[0]
         if subject.startswith(base):
             return subject[len(base):]
@@ -403,9 +410,15 @@ DecodeMessage = DecodeJob | CancelJob
 ProgressStage = Literal["streaming", "ended"]
 
 
+UNCLAIMED = "unclaimed"
+"""A RequestProgress outcome: the decode could not learn whether it won the answer's claim
+(JetStream did not say), so it sent the client nothing and never will for this attempt."""
+
+
 class RequestProgress(Internal):
     """Decode worker -> schedulers: the first token went out (a retry would now repeat
-    tokens), or the request ended (``outcome``: ok, error, cancelled, client_gone)."""
+    tokens), or the request ended (``outcome``: ok, error, cancelled, client_gone, fenced,
+    ``UNCLAIMED``)."""
 
     sender_field: ClassVar[str] = "worker_id"
 
@@ -717,20 +730,97 @@ def decode_json(data: bytes, kind):
 # --------------------------------------------------------------------------- durable state
 
 FLIGHTS_BUCKET = "kvpush_flights"
-CLAIMS_BUCKET = "kvpush_claims"
 FINALS_BUCKET = "kvpush_finals"
 FINALS_KEEP_S = 600.0  # how long a client can fetch a request's last message again
-# Past these, JetStream refuses new writes (nats-py makes KV buckets "discard new"): a final
-# then is not kept (only a fetch again is lost), a claim is not taken (the decode answers
-# anyway). Sized for ~1,400 and ~2,700 requests/s over their keep times (docs/scaling.md).
+# Past this, JetStream refuses new writes (nats-py makes KV buckets "discard new"): a final
+# then is not kept (only a fetch again is lost). Sized for ~1,400 requests/s over its keep
+# time (docs/scaling.md).
 FINALS_MAX_BYTES = 256 * 1024 * 1024
-CLAIMS_MAX_BYTES = 256 * 1024 * 1024
+
+
+def flight_key(owner: str, request_id: str) -> str:
+    """The flights and finals buckets' key of a request: its client's and its own id, so
+    the same id from two clients is two requests. ``o.<client>.<id>`` for a named client,
+    ``p.<id>`` for one on the public subject; a client name holds no dot, so the two never
+    meet."""
+    return f"o.{owner}.{request_id}" if owner else f"p.{request_id}"
+
+
+# Answer claims: a plain stream, not a KV bucket. nats-py's buckets always allow rollups
+# (one ``Nats-Rollup: all`` publish wipes every claim) and a decode's writes to ``$KV.``
+# subjects cannot be told apart from a rollup by subject permissions. In this stream the
+# claimant's identity is part of the subject, which NATS lets only that identity publish:
+#
+#     kvpush.claims.<claim key>.decode.<worker id>
+#     kvpush.claims.<claim key>.scheduler.<scheduler id>.<incarnation>
+#
+# A claim is a publish with ``Nats-Expected-Last-Subject-Sequence: 0`` over
+# ``kvpush.claims.<claim key>.>``: the first one lands, every later one is refused. The
+# attempt's answerer is the first message; when that is a scheduler's, a scheduler that
+# takes the flight over appends its own over the last scheduler message's sequence, and
+# the last scheduler message answers. The stream refuses rollups, purges, deletes and
+# any message over CLAIM_MAX_MSG_BYTES.
+CLAIMS_STREAM = "kvpush_claims"
+CLAIMS_SUBJECT_PREFIX = "kvpush.claims"
+CLAIM_MAX_MSG_BYTES = 512  # headers and all: a claim's value is empty
+CLAIMS_MAX_BYTES = 64 * 1024 * 1024  # ~300 B a claim: ~200,000 claims in their keep time
 
 
 def claim_key(transfer_key: str) -> str:
-    """The claims bucket key of one attempt. Made from its secret key, so only the
+    """The claims stream's key of one attempt. Made from its secret key, so only the
     attempt's own decode and the schedulers can claim (or fence) it."""
     return hashlib.blake2b(transfer_key.encode(), digest_size=16, person=b"kvpush-claim").hexdigest()
+
+
+ClaimantRole = Literal["decode", "scheduler"]
+
+
+class Claimant(msgspec.Struct, frozen=True):
+    """Who claims an attempt's answer: a decode worker, or one start of a scheduler. Its
+    subject tokens (``token``) are what NATS permissions let only that identity publish."""
+
+    role: ClaimantRole
+    name: str
+    incarnation: str = ""
+
+    @classmethod
+    def decode(cls, worker_id: str) -> "Claimant":
+        return cls("decode", worker_id)
+
+    @classmethod
+    def scheduler(cls, scheduler_id: str, incarnation: str) -> "Claimant":
+        return cls("scheduler", scheduler_id, incarnation)
+
+    @property
+    def token(self) -> str:
+        return f"decode.{self.name}" if self.role == "decode" else f"scheduler.{self.name}.{self.incarnation}"
+
+    def subject(self, key: str) -> str:
+        """Where this claimant claims the attempt whose claim key is ``key``."""
+        return f"{CLAIMS_SUBJECT_PREFIX}.{key}.{self.token}"
+
+    @classmethod
+    def of_subject(cls, subject: str) -> "Claimant | None":
+        """The claimant a claims-stream subject names, or None if it names none."""
+        parts = subject.split(".")
+        if len(parts) == 5 and parts[3] == "decode" and identity_problem(parts[4]) is None:
+            return cls.decode(parts[4])
+        if len(parts) == 6 and parts[3] == "scheduler" and identity_problem(parts[4]) is None:
+            return cls.scheduler(parts[4], parts[5])
+        return None
+
+    def __str__(self) -> str:
+        return self.token
+
+
+def claims_of(key: str) -> str:
+    """Every claim message of one attempt."""
+    return f"{CLAIMS_SUBJECT_PREFIX}.{key}.>"
+
+
+def scheduler_claims_of(key: str) -> str:
+    """The schedulers' claim messages of one attempt (a takeover checks the last one)."""
+    return f"{CLAIMS_SUBJECT_PREFIX}.{key}.scheduler.>"
 
 
 class FlightRecord(Internal):
@@ -771,3 +861,4 @@ class StoredFinal(Internal):
 
     owner: str
     body: bytes  # the JSON the client was sent
+    reply_to: str = ""  # where it was sent

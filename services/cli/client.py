@@ -183,5 +183,7 @@ async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[
 
 async def scheduler_status(nc, timeout: float = 2.0) -> wire.SchedulerStatus:
     """Ask any scheduler which workers it routes to (raises nats' NoResponders/Timeout errors)."""
-    msg = await nc.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=timeout)
+    owner = client_of(nc)
+    subject = wire.OWNED_STATUS(client=owner) if owner else wire.SCHEDULER_STATUS_SUBJECT
+    msg = await nc.request(subject, b"", timeout=timeout)
     return wire.decode_json(msg.data, wire.SchedulerStatus)

@@ -56,6 +56,11 @@ class Flight:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def key(self) -> str:
+        """Its client's and its own id (``wire.flight_key``): what the table and JetStream key it by."""
+        return wire.flight_key(self.owner, self.request.request_id)
+
     def new_attempt(self, transfer_id: str) -> None:
         self.attempt += 1
         self.transfer_id = transfer_id
@@ -103,41 +108,42 @@ class Flight:
 class FlightTable:
     max_attempts: int = settings.MAX_ATTEMPTS
     _flights: dict[str, Flight] = field(default_factory=dict)
-    _by_transfer: dict[str, str] = field(default_factory=dict)  # transfer id -> request id
+    _by_transfer: dict[str, str] = field(default_factory=dict)  # transfer id -> flight key
 
     def add(self, flight: Flight) -> bool:
-        """False if a request with this id is already in flight."""
-        if flight.request_id in self._flights:
+        """False if a request of its client with this id is already in flight."""
+        if flight.key in self._flights:
             return False
-        self._flights[flight.request_id] = flight
+        self._flights[flight.key] = flight
         return True
 
     def bind(self, flight: Flight, transfer_id: str) -> None:
         """The flight's next attempt uses ``transfer_id``; events for older ones are stale."""
         self._by_transfer.pop(flight.transfer_id, None)
         flight.new_attempt(transfer_id)
-        self._by_transfer[transfer_id] = flight.request_id
+        self._by_transfer[transfer_id] = flight.key
 
-    def by_request(self, request_id: str) -> Flight | None:
-        return self._flights.get(request_id)
+    def by_request(self, owner: str, request_id: str) -> Flight | None:
+        """The flight of ``owner``'s request ``request_id`` (another client's is not it)."""
+        return self._flights.get(wire.flight_key(owner, request_id))
 
     def by_transfer(self, transfer_id: str) -> Flight | None:
-        request_id = self._by_transfer.get(transfer_id)
-        return self._flights.get(request_id) if request_id is not None else None
+        key = self._by_transfer.get(transfer_id)
+        return self._flights.get(key) if key is not None else None
 
     def adopt(self, flight: Flight) -> bool:
         """Hold a flight taken over from another scheduler, at the attempt it was in."""
         if not self.add(flight):
             return False
         if flight.transfer_id:
-            self._by_transfer[flight.transfer_id] = flight.request_id
+            self._by_transfer[flight.transfer_id] = flight.key
         return True
 
     def remove(self, flight: Flight) -> bool:
         """Forget the flight; False if it had already ended."""
-        if self._flights.get(flight.request_id) is not flight:
+        if self._flights.get(flight.key) is not flight:
             return False
-        del self._flights[flight.request_id]
+        del self._flights[flight.key]
         self._by_transfer.pop(flight.transfer_id, None)
         return True
 

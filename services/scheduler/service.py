@@ -33,7 +33,7 @@ from otel import endpoint
 from otel.messaging import TEMPORARY, context_from_traceparent, current_traceparent
 from otel.metrics import instruments
 from services.bus import Bus
-from services.ledger import Ledger
+from services.ledger import ClaimState, Ledger
 from services.scheduler import dispatch
 from services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from services.scheduler.placement import Placement, PlacementSettings, place
@@ -70,6 +70,8 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 DISPATCH_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = 2.0  # for prefill's answer to a MoveTransfer
 WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
+UNKNOWN_CLAIM_RETRY_S = 1.0  # an end whose claim JetStream could not settle is tried again this often...
+UNKNOWN_CLAIM_GRACE_S = 60.0  # ...until this long past the request's deadline
 HEARD_A_ROUND_S = 1.5 * settings.HEARTBEAT_INTERVAL_S  # up this long, a scheduler has heard every live worker
 
 
@@ -126,14 +128,16 @@ class Scheduler(Service):
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.scheduler_id, disconnected_cb=self._on_disconnected,
                                      reconnected_cb=self._on_reconnected)
-        self.ledger = await Ledger.open(self.bus.nc, replicas=self.ledger_replicas, deadline_s=self.deadline_s)
+        self.ledger = await Ledger.open(self.bus.nc, me=self._claimant(), replicas=self.ledger_replicas,
+                                        deadline_s=self.deadline_s)
         # Heartbeats and status polls are periodic, not part of any request: not traced.
         await self.bus.subscribe_plain(wire.HEARTBEATS.wildcard, self._on_heartbeat)
         await self.bus.subscribe_plain(wire.SCHEDULER_HEARTBEATS.wildcard, self._on_scheduler_heartbeat)
         await self.bus.subscribe_plain(wire.CACHE_EVENTS.wildcard, self._on_cache_events)
         for final in (wire.FINAL_SUBJECT, wire.OWNED_FINAL.wildcard):
             await self.bus.nc.subscribe(final, queue=wire.SCHEDULER_QUEUE_GROUP, cb=self._on_final_request)
-        await self.bus.subscribe_plain(wire.SCHEDULER_STATUS_SUBJECT, self._on_status)
+        for status in (wire.SCHEDULER_STATUS_SUBJECT, wire.OWNED_STATUS.wildcard):
+            await self.bus.subscribe_plain(status, self._on_status)
         await self.bus.subscribe(wire.HANDOFFS.wildcard, self._on_handoff, template=wire.HANDOFFS)
         await self.bus.subscribe(wire.COMPLETION_SUBJECTS, self._on_completion, template=wire.KV_COMPLETIONS)
         await self.bus.subscribe(wire.PROGRESS.wildcard, self._on_progress, template=wire.PROGRESS)
@@ -230,15 +234,16 @@ class Scheduler(Service):
         if asked is None:
             return
         try:
-            stored = await self.ledger.final(asked.request_id)
+            stored = await self.ledger.final(owner, asked.request_id)
             if stored is not None and stored.owner == owner:
                 await self.bus.nc.publish(msg.reply, stored.body)
                 return
-            flying = self.flights.by_request(asked.request_id) or await self._held_record(asked.request_id)
+            flying = (self.flights.by_request(owner, asked.request_id)
+                      or await self._held_record(owner, asked.request_id))
         except Exception as exc:  # JetStream cannot say: the client asks again on its next silence
             log.warning("could not look up a final", request_id=asked.request_id, error=f"{type(exc).__name__}: {exc}")
             return
-        # Another client's request reads as not found: its ids are not this one's to probe.
+        # Another client's request is another key: its ids are not this one's to probe.
         if flying is not None and flying.owner == owner:
             answer: KvpushError = InFlight(f"request {asked.request_id!r} is in flight: its last message is not "
                                            "there yet")
@@ -247,9 +252,9 @@ class Scheduler(Service):
                               f"scheduler, or it ended over {wire.FINALS_KEEP_S:g} s ago")
         await self.bus.nc.publish(msg.reply, wire.encode_json(wire.ErrorReply(asked.request_id, to_error_body(answer))))
 
-    async def _held_record(self, request_id: str) -> wire.FlightRecord | None:
+    async def _held_record(self, owner: str, request_id: str) -> wire.FlightRecord | None:
         """The request's flight record in JetStream (whichever scheduler holds it), if any."""
-        found = await self.ledger.flight(request_id)
+        found = await self.ledger.flight(wire.flight_key(owner, request_id))
         return found[0] if found is not None else None
 
     async def _on_heartbeat(self, msg) -> None:
@@ -269,7 +274,8 @@ class Scheduler(Service):
             prefill_workers=[b.worker_id for b in self.pool.live("prefill", now)],
             decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
         )
-        if msg.reply and wire.is_inbox(msg.reply):
+        # Only to the asker's own inbox: never make a scheduler publish into another's.
+        if msg.reply and wire.reply_problem(msg.reply, wire.owner_of(msg.subject)) is None:
             await self.bus.nc.publish(msg.reply, wire.encode_json(status))
 
     async def _on_handoff(self, msg) -> None:
@@ -326,6 +332,9 @@ class Scheduler(Service):
         if event.stage == "streaming":
             flight.streaming = True
             return
+        if event.outcome == wire.UNCLAIMED:  # it sent nothing, and never will: another attempt
+            self._requests.spawn(self._retry(flight, flight.decode_id, decode_gave_up=True))
+            return
         if not self.flights.remove(flight):
             return
         # Every decode's progress comes through this one subscription: writing the end down
@@ -334,21 +343,19 @@ class Scheduler(Service):
 
     async def _ended(self, flight: Flight, event: wire.RequestProgress) -> None:
         if event.final:
-            await self.ledger.keep_final(flight.request_id, flight.owner, event.final)
-        await self.ledger.forget(flight.request_id, flight.revision)
+            await self.ledger.keep_final(flight.owner, flight.request_id, event.final, flight.reply_to)
+        await self.ledger.forget(flight.owner, flight.request_id, flight.revision)
         if event.outcome == "client_gone":
             await self._cancel_jobs(flight, "the client went away")  # prefill may still hold work for it
 
     async def _on_cancel(self, msg) -> None:
         cancel = await self.bus.decoded(msg, wire.CancelRequest, wire.decode_json)
-        flight = self.flights.by_request(cancel.request_id) if cancel is not None else None
-        if flight is not None and flight.owner != wire.owner_of(msg.subject):
-            await self.bus.wrong_party(msg, f"a cancel of {cancel.request_id}, which another client sent")
-            return
+        owner = wire.owner_of(msg.subject)
+        flight = self.flights.by_request(owner, cancel.request_id) if cancel is not None else None
         if flight is not None:
             await self._end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
         elif cancel is not None:  # another scheduler's, already ended, or not here yet: keep it for a while
-            self._early_cancels.remember(wire.owner_of(msg.subject), cancel.request_id, time.monotonic())
+            self._early_cancels.remember(owner, cancel.request_id, time.monotonic())
 
     async def _on_generate(self, msg) -> None:
         held = len(self.flights) + self._validating
@@ -406,13 +413,13 @@ class Scheduler(Service):
         in_flight = InvalidField(f"request_id {request.request_id!r} is already in flight; "
                                  "use a new id for a new request")
         if not self.flights.add(flight):
-            if not _resent(self.flights.by_request(request.request_id), owner, msg.reply):
+            if not _resent(self.flights.by_request(owner, request.request_id), owner, msg.reply):
                 await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
         validating.done()  # it counts against the limit as a flight now, not twice
         try:  # written down before any worker hears of it; a final kept from the id's last use goes
             revision, _ = await asyncio.gather(self.ledger.record(self._record(flight)),
-                                               self.ledger.drop_final(request.request_id))
+                                               self.ledger.drop_final(owner, request.request_id))
         except Exception as exc:
             self.flights.remove(flight)
             await self._reply_error(msg.reply, request.request_id, LedgerUnavailable(
@@ -421,7 +428,7 @@ class Scheduler(Service):
             return None
         if revision is None:  # another scheduler holds that id
             self.flights.remove(flight)
-            held = await self._held_record(request.request_id)
+            held = await self._held_record(owner, request.request_id)
             if not _resent(held, owner, msg.reply):
                 await self._reply_error(msg.reply, request.request_id, in_flight)
             return None
@@ -461,13 +468,18 @@ class Scheduler(Service):
             log.exception("dispatch failed")
             await self._end(flight, exc)
 
-    def _claimant(self) -> str:
-        return f"scheduler:{self.scheduler_id}:{self.incarnation}"
+    def _claimant(self) -> wire.Claimant:
+        return wire.Claimant.scheduler(self.scheduler_id, self.incarnation)
 
-    async def _retry(self, flight: Flight, lost_worker: str) -> None:
+    async def _retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool = False) -> None:
+        """A new attempt elsewhere, once the old one is fenced. ``decode_gave_up``: its
+        decode said it will send nothing (it could not learn whether it won the claim), so
+        even a claim it holds does not answer the client."""
         # Fence the attempt first: once we hold its claim, its decode can never answer.
-        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
-        if answering.startswith("decode:"):  # the decode answers already: tokens may be out
+        claim = await self.ledger.claim(flight.transfer_key)
+        if claim.state is ClaimState.UNKNOWN:
+            return  # JetStream cannot say: the next check tries again
+        if claim.by_decode and not decode_gave_up:  # the decode answers already: tokens may be out
             if lost_worker == flight.decode_id:
                 flight.streaming = True
                 await self._end(flight, WorkerLost(
@@ -476,7 +488,7 @@ class Scheduler(Service):
             else:
                 flight.streaming = True  # it has the KV: the lost prefill no longer matters
             return
-        if answering != self._claimant():  # another scheduler fenced it: the flight is its now
+        if not claim.won and not claim.by_decode:  # another scheduler fenced it: the flight is its now
             self.flights.remove(flight)
             self._stop_attempt(flight)
             return
@@ -544,11 +556,12 @@ class Scheduler(Service):
         if not moved.moved:
             return f"prefill {flight.prefill_id} did not move it: {moved.reason}"
         # Fence the first decode: from now on it can never answer this attempt.
-        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
-        if answering.startswith("decode:"):  # it answers already (it computed the prompt itself)
+        claim = await self.ledger.claim(flight.transfer_key)
+        if claim.by_decode or claim.state is ClaimState.UNKNOWN:
+            # It answers already (it computed the prompt itself), or it may: watch it as streaming.
             flight.streaming = True
             return None
-        if answering != self._claimant():  # another scheduler fenced it: the flight is its now
+        if not claim.won:  # another scheduler fenced it: the flight is its now
             self.flights.remove(flight)
             return None
         await self.bus.publish(wire.decode_job_subject(lost), wire.encode(wire.CancelJob(
@@ -583,16 +596,31 @@ class Scheduler(Service):
             return
         self._stop_attempt(flight)
         body = to_error_body(error)
-        answering = await self.ledger.claim(flight.transfer_key, self._claimant())
-        if answering == self._claimant() or (decode_lost and answering.startswith("decode:")):
+        claim = await self.ledger.claim(flight.transfer_key)
+        if claim.state is ClaimState.UNKNOWN:
+            # Whether the decode answers cannot be told: saying it too could be a second
+            # final. The flight stays ours; the watch ends it again once JetStream answers.
+            self.flights.adopt(flight)
+            if time.monotonic() < flight.deadline + UNKNOWN_CLAIM_GRACE_S:
+                flight.task = self._requests.spawn(self._end_later(flight, error, decode_lost))
+            else:
+                log.error("JetStream cannot say who answers this request; leaving it to the client's own "
+                          "fetch of its final", request_id=flight.request_id)
+                self.flights.remove(flight)
+            return
+        if claim.won or (decode_lost and claim.by_decode):
             await self._cancel_jobs(flight, body.code)
             with otel_context_of(flight):
                 await self._reply_error(flight.reply_to, flight.request_id, error, keep_for=flight.owner)
-        elif answering.startswith("decode:"):
+        elif claim.by_decode:
             await self._cancel_jobs(flight, body.code, error=body)
         else:
             return  # another scheduler fenced the attempt: the flight is its now
-        await self.ledger.forget(flight.request_id, flight.revision)
+        await self.ledger.forget(flight.owner, flight.request_id, flight.revision)
+
+    async def _end_later(self, flight: Flight, error: BaseException, decode_lost: bool) -> None:
+        await asyncio.sleep(UNKNOWN_CLAIM_RETRY_S)
+        await self._end(flight, error, decode_lost)
 
     def _stop_attempt(self, flight: Flight) -> None:
         if flight.task is not None and flight.task is not asyncio.current_task():
@@ -651,20 +679,21 @@ class Scheduler(Service):
     def _take_over_orphans(self, now: float) -> None:
         if len(self.flights) + len(self._adopting) >= self.max_in_flight:
             return  # full: a scheduler with room takes them
-        held = {flight.request_id for flight in self.flights}
-        for request_id, _ in orphans(self._holdings, self.schedulers, now, held | self._adopting):
+        held = {flight.key for flight in self.flights}
+        for key, _ in orphans(self._holdings, self.schedulers, now, held | self._adopting):
             if len(self.flights) + len(self._adopting) >= self.max_in_flight:
                 break
-            self._adopting.add(request_id)
-            self._requests.spawn(self._adopt(request_id))
+            self._adopting.add(key)
+            self._requests.spawn(self._adopt(key))
 
-    async def _adopt(self, request_id: str) -> None:
-        """Take over a flight whose scheduler is gone, if no other scheduler is quicker."""
+    async def _adopt(self, key: str) -> None:
+        """Take over the flight under ``key`` whose scheduler is gone, if no other scheduler is quicker."""
         try:
-            found = await self.ledger.flight(request_id)
+            found = await self.ledger.flight(key)
             if found is None:
                 return
             record, revision = found
+            request_id = record.request_id
             now, now_wall = time.monotonic(), time.time()
             lost = record.holder
             if not self.schedulers.is_gone(record.holder, record.holder_incarnation, now):
@@ -684,9 +713,9 @@ class Scheduler(Service):
                             lost_scheduler=lost, attempt=flight.attempt)
                 await self._resume(flight)
         except Exception:
-            log.exception("could not take a flight over", request_id=request_id)
+            log.exception("could not take a flight over", flight_key=key)
         finally:
-            self._adopting.discard(request_id)
+            self._adopting.discard(key)
 
     async def _resume(self, flight: Flight) -> None:
         """Finish a flight taken over: let its decode finish if it answers already; else
@@ -694,17 +723,18 @@ class Scheduler(Service):
         if self._early_cancels.take(flight.owner, flight.request_id, time.monotonic()):
             await self._end(flight, Cancelled(f"request {flight.request_id} was cancelled by the client"))
             return
-        me = self._claimant()
-        answering = await self.ledger.claim(flight.transfer_key, me)
-        if answering.startswith("decode:"):  # we watch it to its end, as its holder did
+        claim = await self.ledger.claim(flight.transfer_key)
+        if claim.by_decode or claim.state is ClaimState.UNKNOWN:
+            # We watch it to its end, as its holder did (or, if JetStream cannot say who
+            # answers, until its deadline, when ending it asks again).
             flight.streaming = flight.decode_took_job = True
             return
-        if answering != me:  # a scheduler that died as it answered, or as it took over
-            if await self.ledger.final(flight.request_id) is not None:  # it answered: the final is kept
+        if not claim.won:  # a scheduler that died as it answered, or as it took over
+            if await self.ledger.final(flight.owner, flight.request_id) is not None:  # it answered: kept
                 self.flights.remove(flight)
-                await self.ledger.forget(flight.request_id, flight.revision)
+                await self.ledger.forget(flight.owner, flight.request_id, flight.revision)
                 return
-            if not await self.ledger.take_claim(flight.transfer_key, me, answering):
+            if not await self.ledger.take_claim(flight.transfer_key, claim):
                 self.flights.remove(flight)  # someone else moved first; it holds the flight
                 return
         await self._cancel_jobs(flight, "its scheduler was lost; retried")
@@ -852,7 +882,7 @@ class Scheduler(Service):
         instruments().requests.add(1, {"outcome": "error"})
         data = wire.encode_json(wire.ErrorReply(request_id, body))
         if keep_for is not None:
-            await self.ledger.keep_final(request_id, keep_for, data)
+            await self.ledger.keep_final(keep_for, request_id, data, reply_to)
         await self.bus.publish(reply_to, data, template=TEMPORARY)
 
 

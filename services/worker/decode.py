@@ -27,7 +27,7 @@ from opentelemetry.trace import Status, StatusCode
 from otel import attributes as A
 from otel.messaging import TEMPORARY, current_traceparent
 from otel.metrics import instruments
-from services.ledger import Ledger
+from services.ledger import Claims, ClaimState
 from services.worker.engine import EngineStages, decode_request, wake_engine
 from services.worker.jobs import RunningJob, WorkerContext
 from services.worker.prompt_meter import PromptMeter
@@ -50,7 +50,8 @@ class _Stream:
 
 
 class _Fenced(Exception):
-    """A scheduler holds the claim to answer this attempt's client: send nothing."""
+    """A scheduler holds the claim to answer this attempt's client (or JetStream cannot say
+    whether we do): send nothing."""
 
 
 class DecodeRole:
@@ -62,7 +63,7 @@ class DecodeRole:
         self.worker = worker
         self._probes: dict[str, str] = {}  # probe key -> transfer id
         self._probe_prefix = ""
-        self.ledger: Ledger | None = None
+        self.claims: Claims | None = None
         self.meter = PromptMeter()  # of the prompts it computes itself (local)
 
     def heartbeat_fields(self) -> dict:
@@ -70,7 +71,7 @@ class DecodeRole:
         return {"queued_prompt_tokens": self.meter.queued_tokens, "prefill_tokens_per_s": self.meter.tokens_per_s}
 
     async def start(self) -> None:
-        self.ledger = await Ledger.open(self.worker.bus.nc, create_buckets=False)
+        self.claims = Claims(self.worker.bus.nc, wire.Claimant.decode(self.worker.worker_id))
         self._probe_prefix = self.worker.bus.nc.new_inbox()
         await self.worker.bus.subscribe_plain(f"{self._probe_prefix}.*", self._on_probe)
 
@@ -107,11 +108,12 @@ class DecodeRole:
             await self._progress(job, "ended", outcome, final)
 
     async def _claim(self, running: RunningJob) -> bool:
-        """Win the right to answer this attempt's client, or learn a scheduler has it."""
-        if not running.claimed:
-            me = f"decode:{self.worker.worker_id}"
-            running.claimed = await self.ledger.claim(running.job.transfer_key, me) == me
-        return running.claimed
+        """Win the right to answer this attempt's client, or learn a scheduler has it. A
+        claim JetStream cannot settle is not won: the job then sends nothing, and says so
+        (``wire.UNCLAIMED``), so a scheduler tries the request again."""
+        if running.claim is None or running.claim.state is ClaimState.UNKNOWN:
+            running.claim = await self.claims.claim(running.job.transfer_key)
+        return running.claim.won
 
     async def _send_final(self, job: wire.DecodeJob, final: wire.FinalReply | wire.ErrorReply) -> bytes:
         data = wire.encode_json(final)
@@ -136,13 +138,13 @@ class DecodeRole:
         except asyncio.CancelledError:
             raise
         except _Fenced:
-            log.info("a scheduler answers this attempt; stopped without a word to the client",
-                     transfer_id=job.transfer_id)
-            return "fenced", b""
+            log.info("a scheduler answers this attempt (or JetStream cannot say); stopped without a word "
+                     "to the client", transfer_id=job.transfer_id)
+            return _not_ours(running), b""
         except Exception as exc:
             return "error", await self._fail(running, span, exc)
         if not await self._claim(running):
-            return "fenced", b""
+            return _not_ours(running), b""
         return "ok", await self._finish(job, received_ns, span, stream)
 
     async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
@@ -255,3 +257,9 @@ class DecodeRole:
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,
                  ttft_ms=round(timings.ttft_ms, 1), finish_reason=stream.finish_reason)
         return data
+
+
+def _not_ours(running: RunningJob) -> str:
+    """The outcome of a job that sent nothing because it does not hold the answer's claim."""
+    unknown = running.claim is not None and running.claim.state is ClaimState.UNKNOWN
+    return wire.UNCLAIMED if unknown else "fenced"

@@ -18,7 +18,12 @@ class RunningJob:
     streaming: bool = False
     ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
     cancel_error: "wire.ErrorBody | None" = None  # what the client is told, if this job holds the answer
-    claimed: bool = False  # decode: this job won the claim to answer its client
+    claim: Any = None  # decode: its answer's claim (services.ledger.Claim), once tried
+
+    @property
+    def claimed(self) -> bool:
+        """Decode: this job won the claim to answer its client."""
+        return self.claim is not None and self.claim.won
 
 
 class WorkerContext(Protocol):

@@ -6,7 +6,12 @@ client on ``kvpush.generate.<client>``, with its inboxes under ``_INBOX.<client>
 
 The fakes are protocol peers, not mocks: the scheduler under test is the one that ships.
 Every test starts its own scheduler and workers (unique ids) on this module's own
-nats-server, so no other scheduler in the session (a stack's) shares its queue group."""
+nats-server, so no other scheduler in the session (a stack's) shares its queue group.
+
+Each test runs twice: on a plain nats-server, and on one under the generated per-identity
+configuration with TLS (``tests/nats/deployed.py``), where every scheduler, worker and
+client logs in as its own user. A test marked ``PLAIN_ONLY`` checks what the scheduler
+itself refuses, which the deployed server already refuses before it: it says why."""
 
 from __future__ import annotations
 
@@ -21,15 +26,15 @@ import nats
 import nats.js.errors
 import pytest
 
-from services.cli.client import cancel, generate_all
-from services.launch.natsd import LocalNatsServer
-from services.ledger import Ledger
+from services.cli.client import cancel, client_of, generate_all
+from services.ledger import Claims
 from services.scheduler import service
 from services.scheduler.prefixes import Prompt
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
 from shared import permissions, wire
 from shared.block_keys import block_keys
+from tests.nats.deployed import NATS_KINDS, NatsUnderTest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,10 +70,10 @@ class FakeWorker:
     its heartbeats report, to steer the scheduler's choice. A prefill never hands off by
     itself: the test calls ``handoff()``."""
 
-    def __init__(self, url: str, role: str, on_job: str = "answer", *, subscribe: bool = True,
+    def __init__(self, server: "NatsUnderTest | str", role: str, on_job: str = "answer", *, subscribe: bool = True,
                  ack_after: asyncio.Event | None = None, running: int = 0):
-        self.url, self.role, self.on_job = url, role, on_job
-        self.worker_id = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.server, self.role, self.on_job = server, role, on_job
+        self.worker_id = server.identity(role) if isinstance(server, NatsUnderTest) else f"{role}-{uuid.uuid4().hex[:8]}"
         self.incarnation = uuid.uuid4().hex
         self.subscribe, self.ack_after, self.running = subscribe, ack_after, running
         self.jobs: list[wire.PrefillJob | wire.DecodeJob] = []
@@ -77,15 +82,18 @@ class FakeWorker:
         self.job_arrived = asyncio.Event()
         self.release = asyncio.Event()
         self._answering: set[asyncio.Task] = set()
-        self.claims: dict[str, bool] = {}  # transfer id -> whether this decode won the answer
+        self.claims_won: dict[str, bool] = {}  # transfer id -> whether this decode won the answer
         self.nc: nats.NATS | None = None
-        self.ledger: Ledger | None = None
+        self.claims: Claims | None = None
         self._beating: asyncio.Task | None = None
         self._stop_beating = asyncio.Event()
 
     async def __aenter__(self) -> "FakeWorker":
-        self.nc = await nats.connect(self.url, name=self.worker_id)
-        self.ledger = await Ledger.open(self.nc, create_buckets=False)
+        if isinstance(self.server, NatsUnderTest):
+            self.nc = await self.server.connect(self.worker_id)
+        else:
+            self.nc = await nats.connect(self.server, name=self.worker_id)
+        self.claims = Claims(self.nc, wire.Claimant.decode(self.worker_id))
         if self.subscribe:
             subject = (wire.prefill_job_subject if self.role == "prefill" else wire.decode_job_subject)(self.worker_id)
             await self.nc.subscribe(subject, cb=self._on_job)
@@ -147,8 +155,7 @@ class FakeWorker:
     async def answer(self, job: wire.DecodeJob, hold: bool = False) -> None:
         """What services/worker/decode.py sends for a finished decode, in its order: the
         claim to answer first, and nothing at all if a scheduler holds it."""
-        me = f"decode:{self.worker_id}"
-        self.claims[job.transfer_id] = won = await self.ledger.claim(job.transfer_key, me) == me
+        self.claims_won[job.transfer_id] = won = (await self.claims.claim(job.transfer_key)).won
         if not won:
             await self.progress(job, "ended", "fenced")
             return
@@ -192,24 +199,30 @@ class FakeWorker:
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def server():
-    with LocalNatsServer() as nats_server:
+@pytest.fixture(scope="module", params=NATS_KINDS)
+def server(request):
+    with NatsUnderTest(request.param) as nats_server:
         yield nats_server
+
+
+PLAIN_ONLY = pytest.mark.parametrize("server", ["plain"], indirect=True)
+"""For a test of what the scheduler itself refuses: on the deployed server NATS refuses it first."""
 
 
 @pytest.fixture
 async def client(server):
-    nc = await nats.connect(server.url)
+    """A named client (its own user on the deployed server)."""
+    nc = await server.connect(server.identity("client"))
     yield nc
     await nc.close()
 
 
 @contextlib.asynccontextmanager
-async def named_client(server, name: str):
-    """A client connection that is ``name``: its inboxes are under ``_INBOX.<name>``, as
-    ``shared.nats_security.connect_options`` sets them for a client logged in as that user."""
-    nc = await nats.connect(server.url, inbox_prefix=permissions.client_inbox(name))
+async def named_client(server, name: str | None = None):
+    """A client connection that is ``name`` (a fresh client identity if None): its inboxes
+    are under ``_INBOX.<name>``, as ``shared.nats_security.connect_options`` sets them for a
+    client logged in as that user."""
+    nc = await server.connect(name or server.identity("client"))
     try:
         yield nc
     finally:
@@ -227,19 +240,22 @@ async def running(server):
 
 
 async def forget_flights(server) -> None:
-    nc = await nats.connect(server.url)
+    nc = await server.connect(server.observer())
     try:
         js = nc.jetstream()
-        for bucket in (wire.FLIGHTS_BUCKET, wire.CLAIMS_BUCKET, wire.FINALS_BUCKET):
+        for bucket in (wire.FLIGHTS_BUCKET, wire.FINALS_BUCKET):
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await js.delete_key_value(bucket)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_stream(wire.CLAIMS_STREAM)
     finally:
         await nc.close()
 
 
 def scheduler(server, **kwargs) -> Scheduler:
-    return Scheduler(server.url, RequestValidator(tokenize, VOCAB, MAX_MODEL_LEN),
-                     scheduler_id=f"scheduler-{uuid.uuid4().hex[:8]}", **kwargs)
+    name = server.identity("scheduler")
+    return Scheduler(server.url_for(name), RequestValidator(tokenize, VOCAB, MAX_MODEL_LEN),
+                     scheduler_id=name, **kwargs)
 
 
 async def round_trip(nc) -> None:
@@ -259,7 +275,7 @@ async def workers_seen(client, *workers: FakeWorker, timeout: float = 5.0) -> No
     live: set = set()
     while True:
         try:
-            reply = await client.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=timeout)
+            reply = await client.request(status_subject(client), b"", timeout=timeout)
         except nats.errors.NoRespondersError:
             pass
         else:
@@ -287,8 +303,25 @@ def request_body(request_id: str, **fields) -> dict:
     return {"prompt": "hello", "max_tokens": 3, "request_id": request_id} | fields
 
 
-async def send(nc, body: dict | bytes, subject: str = wire.GENERATE_SUBJECT):
+def generate_subject(nc) -> str:
+    """Where ``nc`` sends requests: its own subject if it is a named client."""
+    owner = client_of(nc)
+    return wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT
+
+
+def status_subject(nc) -> str:
+    owner = client_of(nc)
+    return wire.OWNED_STATUS(client=owner) if owner else wire.SCHEDULER_STATUS_SUBJECT
+
+
+def final_subject(nc) -> str:
+    owner = client_of(nc)
+    return wire.OWNED_FINAL(client=owner) if owner else wire.FINAL_SUBJECT
+
+
+async def send(nc, body: dict | bytes, subject: str | None = None):
     """Publish a request with a fresh reply inbox; returns the inbox's subscription."""
+    subject = subject or generate_subject(nc)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subject, body if isinstance(body, bytes) else json.dumps(body).encode(), reply=inbox)
@@ -333,10 +366,10 @@ async def assert_nothing_more(sched: Scheduler, client, sub) -> None:
 
 async def test_push_sends_both_jobs_at_once_and_the_client_gets_decodes_reply(server, client, running):
     sched = await running(scheduler(server, mode="push"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    decode = await running(FakeWorker(server, "decode"))
     # Prefill acks only once decode has its job: a scheduler that waited for prefill's ack
     # before sending decode's job would never get it.
-    prefill = await running(FakeWorker(server.url, "prefill", ack_after=decode.job_arrived))
+    prefill = await running(FakeWorker(server, "prefill", ack_after=decode.job_arrived))
     await workers_seen(client, prefill, decode)
 
     sub = await send(client, request_body("r-push", temperature=0.5, ignore_eos=True))
@@ -364,8 +397,8 @@ async def test_push_sends_both_jobs_at_once_and_the_client_gets_decodes_reply(se
 
 async def test_pull_sends_decode_its_job_after_the_handoff_with_the_prefills_kv_params(server, client, running):
     sched = await running(scheduler(server, mode="push"))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
 
     sub = await send(client, request_body("r-pull", transfer_mode="pull"))
@@ -396,9 +429,9 @@ async def test_pull_sends_decode_its_job_after_the_handoff_with_the_prefills_kv_
 
 async def test_a_decode_that_went_silent_after_taking_the_job_is_retried_around(server, client, running):
     sched = await running(scheduler(server, worker_timeout_s=WORKER_TIMEOUT_S, deadline_s=20))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    silent = await running(FakeWorker(server.url, "decode", "go_silent"))
-    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    prefill = await running(FakeWorker(server, "prefill"))
+    silent = await running(FakeWorker(server, "decode", "go_silent"))
+    spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
     await workers_seen(client, prefill, silent, spare)
 
     sub = await send(client, request_body("r-silent"))
@@ -425,9 +458,9 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
     once). ``no_reply``: it takes the job and never acks (the scheduler's request times out
     after service.DISPATCH_TIMEOUT_S)."""
     sched = await running(scheduler(server, deadline_s=4 * service.DISPATCH_TIMEOUT_S))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    mute = await running(FakeWorker(server.url, "decode", "no_ack", subscribe=how == "no_reply"))
-    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    prefill = await running(FakeWorker(server, "prefill"))
+    mute = await running(FakeWorker(server, "decode", "no_ack", subscribe=how == "no_reply"))
+    spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
     await workers_seen(client, prefill, mute, spare)
 
     started = time.monotonic()
@@ -463,9 +496,9 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
 
 async def test_a_decode_that_refuses_without_a_reason_is_retried_around(server, client, running):
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    refuser = await running(FakeWorker(server.url, "decode", "refuse_silently"))
-    spare = await running(FakeWorker(server.url, "decode", running=5))  # busier: picked second
+    prefill = await running(FakeWorker(server, "prefill"))
+    refuser = await running(FakeWorker(server, "decode", "refuse_silently"))
+    spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
     await workers_seen(client, prefill, refuser, spare)
 
     sub = await send(client, request_body("r-refused"))
@@ -483,8 +516,8 @@ async def test_a_decode_that_refuses_without_a_reason_is_retried_around(server, 
 async def test_past_the_deadline_the_client_gets_an_error_and_the_workers_a_cancel(server, client, running):
     deadline_s = 1.5
     sched = await running(scheduler(server, deadline_s=deadline_s))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
 
     started = time.monotonic()
@@ -522,17 +555,20 @@ async def test_with_no_workers_at_all_the_request_fails_at_once(server, client, 
 async def test_a_malformed_heartbeat_is_reported_and_the_scheduler_serves_on(server, client, running, data):
     sched = await running(scheduler(server))
     await workers_seen(client)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
-    subject = wire.HEARTBEATS(sender="decode-garbled")
-    await client.publish(subject, data)
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
+    garbled = await running(FakeWorker(server, "decode", subscribe=False))
+    await garbled.stop_heartbeats()
+    subject = wire.HEARTBEATS(sender=garbled.worker_id)  # its own subject: a worker gone wrong
+    await garbled.nc.publish(subject, data)
     refusal = await refused(invalid, sched)
     await invalid.unsubscribe()
     assert (refusal.subject, refusal.code) == (subject, "bad_message")
     assert refusal.reason
 
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
+    sched.pool.forget(garbled.worker_id)  # its good heartbeats came before: not the decode to pick
     token_ids, _, final = await generate_all(client, request_body("r-after-garbage"), timeout=10)
     assert token_ids == REPLY_TOKENS
     assert "error" not in final and final["request_id"] == "r-after-garbage"
@@ -541,8 +577,8 @@ async def test_a_malformed_heartbeat_is_reported_and_the_scheduler_serves_on(ser
 async def test_a_bad_request_is_refused_and_the_next_one_served(server, client, running):
     """The scheduler's boundary turns a body it cannot use into an error reply, and serves on."""
     await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
     token_ids, _, final = await generate_all(client, b"{not json", timeout=5)
     assert token_ids == [] and final["finished"] is True
@@ -561,29 +597,32 @@ async def test_a_heartbeat_naming_another_worker_than_its_subject_is_refused_and
     """A forged restart of the flight's decode (a new incarnation under its id) would make
     the scheduler retry the request around a worker that is alive and holds it."""
     sched = await running(scheduler(server, worker_timeout_s=WORKER_TIMEOUT_S))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
 
     sub = await send(client, request_body("r-forged-beat"))
     await asyncio.wait_for(decode.job_arrived.wait(), 5)
     [job] = decode.jobs
-    flight = sched.flights.by_request("r-forged-beat")
+    flight = sched.flights.by_request(client_of(client), "r-forged-beat")
     assert flight.decode_incarnation == decode.incarnation
 
-    subject = wire.HEARTBEATS(sender="decode-intruder")
+    intruder = await running(FakeWorker(server, "decode", subscribe=False))
+    await intruder.stop_heartbeats()
+    sched.pool.forget(intruder.worker_id)
+    subject = wire.HEARTBEATS(sender=intruder.worker_id)  # its own subject, another's name
     forged = wire.WorkerHeartbeat(
         worker_id=decode.worker_id, role="decode", free_kv_blocks=0, total_kv_blocks=1000, running=99, waiting=0,
         block_size=16, max_model_len=MAX_MODEL_LEN, incarnation=uuid.uuid4().hex)
-    await client.publish(subject, wire.encode(forged))
+    await intruder.nc.publish(subject, wire.encode(forged))
     refusal = await refused(invalid, sched)
     assert (refusal.subject, refusal.code) == (subject, "forged_sender")
     assert decode.worker_id in refusal.reason
 
     beat = sched.pool.beat(decode.worker_id)
     assert (beat.incarnation, beat.running) == (decode.incarnation, 0)
-    assert sched.pool.beat("decode-intruder") is None
+    assert sched.pool.beat(intruder.worker_id) is None
     now = time.monotonic()
     assert sched.flights.check(now, lambda w, i: sched.pool.is_live(w, i, now)) == []  # nothing to retry
     assert (flight.attempt, flight.transfer_id) == (1, job.transfer_id)
@@ -599,22 +638,22 @@ async def test_a_heartbeat_naming_another_worker_than_its_subject_is_refused_and
 async def test_progress_from_a_worker_that_is_not_the_flights_decode_is_refused_and_does_not_end_it(
         server, client, running):
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
-    other = await running(FakeWorker(server.url, "decode", running=5))  # busier: not picked
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
+    other = await running(FakeWorker(server, "decode", running=5))  # busier: not picked
     await workers_seen(client, prefill, decode, other)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
 
     sub = await send(client, request_body("r-other-progress"))
     await asyncio.wait_for(decode.job_arrived.wait(), 5)
     [job] = decode.jobs
-    flight = sched.flights.by_request("r-other-progress")
+    flight = sched.flights.by_request(client_of(client), "r-other-progress")
     for stage, outcome in (("streaming", ""), ("ended", "client_gone")):
         await other.progress(job, stage, outcome)  # on its own subject: not forged, just not its flight
         refusal = await refused(invalid, sched)
         assert (refusal.subject, refusal.code) == (wire.PROGRESS(sender=other.worker_id), "wrong_party")
 
-    assert sched.flights.by_request("r-other-progress") is flight
+    assert sched.flights.by_request(client_of(client), "r-other-progress") is flight
     assert not flight.streaming  # a retry is still allowed
     await round_trip(sched.bus.nc)
     await client.flush()
@@ -632,21 +671,21 @@ async def test_progress_from_a_worker_that_is_not_the_flights_decode_is_refused_
 async def test_a_failed_handoff_from_a_prefill_that_is_not_the_flights_does_not_end_it(
         server, client, running, mode):
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    other = await running(FakeWorker(server.url, "prefill", running=5))  # busier: not picked
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    other = await running(FakeWorker(server, "prefill", running=5))  # busier: not picked
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, other, decode)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
 
     sub = await send(client, request_body(f"r-other-handoff-{mode}", transfer_mode=mode))
     await asyncio.wait_for(prefill.job_arrived.wait(), 5)
     [job] = prefill.jobs
-    flight = sched.flights.by_request(f"r-other-handoff-{mode}")
+    flight = sched.flights.by_request(client_of(client), f"r-other-handoff-{mode}")
     await other.handoff(job, error=wire.ErrorBody("engine_failed", "forged failure"))
     refusal = await refused(invalid, sched)
     assert (refusal.subject, refusal.code) == (wire.HANDOFFS(sender=other.worker_id), "wrong_party")
 
-    assert sched.flights.by_request(f"r-other-handoff-{mode}") is flight
+    assert sched.flights.by_request(client_of(client), f"r-other-handoff-{mode}") is flight
     await round_trip(sched.bus.nc)
     await client.flush()
     assert sub.pending_msgs == 0
@@ -663,33 +702,42 @@ async def test_a_failed_handoff_from_a_prefill_that_is_not_the_flights_does_not_
     assert other.jobs == []
 
 
-@pytest.mark.parametrize("owned", [True, False], ids=["named-client", "anonymous-client"])
-async def test_only_the_client_that_sent_a_request_can_cancel_it(server, client, running, owned):
+async def test_only_the_client_that_sent_a_request_can_cancel_it(server, client, running):
+    await _only_the_sender_cancels(server, client, running, owned=True)
+
+
+@PLAIN_ONLY  # an anonymous client cannot log in to the deployed server
+async def test_only_the_client_that_sent_an_anonymous_request_can_cancel_it(server, client, running):
+    await _only_the_sender_cancels(server, client, running, owned=False)
+
+
+async def _only_the_sender_cancels(server, client, running, owned: bool) -> None:
     """A named client's request arrives on ``kvpush.generate.<client>``; a cancel counts only
     on the same client's ``kvpush.cancel.<client>`` (an anonymous request: the bare
-    ``kvpush.cancel``). ``services.cli.client.cancel`` picks the subject from the connection."""
+    ``kvpush.cancel``). Another client's cancel of the same id is a cancel of its own
+    request of that id, which does not exist: it touches nothing, and tells it nothing.
+    ``services.cli.client.cancel`` picks the subject from the connection."""
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
-    name, intruder = f"alice-{uuid.uuid4().hex[:6]}", f"mallory-{uuid.uuid4().hex[:6]}"
-    owner = await running(named_client(server, name)) if owned else client
+    owner = client if owned else await server.connect_anonymous()
+    intruder = await running(named_client(server))
     request_id = f"r-cancel-{'named' if owned else 'anonymous'}"
 
-    sub = await send(owner, request_body(request_id),
-                     wire.OWNED_GENERATE(client=name) if owned else wire.GENERATE_SUBJECT)
+    sub = await send(owner, request_body(request_id))
     await asyncio.wait_for(decode.job_arrived.wait(), 5)
     [job] = decode.jobs
-    flight = sched.flights.by_request(request_id)
-    assert flight.owner == (name if owned else "")
+    flight = sched.flights.by_request(client_of(owner), request_id)
+    assert flight.owner == client_of(owner) and (flight.owner != "") == owned
 
-    others = [wire.OWNED_CANCEL(client=intruder)] + ([wire.CANCEL_SUBJECT] if owned else [])
-    for subject in others:
-        await client.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
-        refusal = await refused(invalid, sched)
-        assert (refusal.subject, refusal.code) == (subject, "wrong_party")
-    assert sched.flights.by_request(request_id) is flight
+    intruders = [(intruder, wire.OWNED_CANCEL(client=client_of(intruder)))]
+    if owned and not server.deployed:
+        intruders.append((await server.connect_anonymous(), wire.CANCEL_SUBJECT))
+    for n, (nc, subject) in enumerate(intruders, start=1):
+        await nc.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
+        await until(lambda: len(sched._early_cancels) == n, what="the scheduler taking the cancel as another's")
+    assert sched.flights.by_request(client_of(owner), request_id) is flight
     await round_trip(sched.bus.nc)
     await owner.flush()
     assert sub.pending_msgs == 0
@@ -701,37 +749,67 @@ async def test_only_the_client_that_sent_a_request_can_cancel_it(server, client,
     await cancelled(decode, [job.transfer_id])
     await cancelled(prefill, [job.transfer_id])
     await assert_nothing_more(sched, owner, sub)
+    for nc, _ in intruders[1:]:
+        await nc.close()
+    if not owned:
+        await owner.close()
 
 
-@pytest.mark.parametrize("owned,reply", [
-    (False, "kvpush.kv.register.x.y"),  # an internal subject: a prefill's registrations
-    (False, "_KVPUSH_INBOX.scheduler-x.ack"),  # a service's inbox
-    (True, "_INBOX.someone-else.r1"),  # another client's inbox
-], ids=["internal-subject", "a-services-inbox", "another-clients-inbox"])
+BAD_REPLIES = {
+    "internal-subject": "kvpush.kv.register.x.y",  # a prefill's registrations
+    "a-services-inbox": "_KVPUSH_INBOX.scheduler-x.ack",
+    "another-clients-inbox": "_INBOX.someone-else.r1",
+}
+
+
+@pytest.mark.parametrize("reply", BAD_REPLIES.values(), ids=BAD_REPLIES.keys())
 async def test_a_request_whose_reply_subject_is_not_its_senders_inbox_is_refused_and_nothing_goes_there(
-        server, client, running, owned, reply):
-    sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
-    await workers_seen(client, prefill, decode)
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
-    target = await client.subscribe(reply)
-    await round_trip(client)
+        server, client, running, reply):
+    await _bad_reply_refused(server, client, running, reply, owned=True)
 
-    subject = wire.OWNED_GENERATE(client=f"alice-{uuid.uuid4().hex[:6]}") if owned else wire.GENERATE_SUBJECT
-    await client.publish(subject, json.dumps(request_body("r-bad-reply")).encode(), reply=reply)
+
+@PLAIN_ONLY  # an anonymous client cannot log in to the deployed server
+@pytest.mark.parametrize("reply", list(BAD_REPLIES.values())[:2], ids=list(BAD_REPLIES)[:2])
+async def test_an_anonymous_request_whose_reply_subject_is_not_an_inbox_is_refused(server, client, running, reply):
+    await _bad_reply_refused(server, client, running, reply, owned=False)
+
+
+async def _bad_reply_refused(server, client, running, reply: str, owned: bool) -> None:
+    sched = await running(scheduler(server))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
+    await workers_seen(client, prefill, decode)
+    sender = client if owned else await server.connect_anonymous()
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
+    target = await sender.subscribe(reply)  # the deployed server refuses a client this: nothing can arrive
+    await round_trip(sender)
+
+    subject = generate_subject(sender)
+    await sender.publish(subject, json.dumps(request_body("r-bad-reply")).encode(), reply=reply)
     refusal = await refused(invalid, sched)
     assert (refusal.subject, refusal.code) == (subject, "invalid_reply")
     assert reply in refusal.reason
 
     assert len(sched.flights) == 0
     await round_trip(sched.bus.nc)
-    await client.flush()
+    await sender.flush()
     assert target.pending_msgs == 0
     assert prefill.jobs == decode.jobs == []
 
-    token_ids, _, final = await generate_all(client, request_body("r-good-reply"), timeout=10)  # served on
+    token_ids, _, final = await generate_all(sender, request_body("r-good-reply"), timeout=10)  # served on
     assert token_ids == REPLY_TOKENS and "error" not in final
+    if not owned:
+        await sender.close()
+
+
+@contextlib.asynccontextmanager
+async def _scheduler_connection(server):
+    """A connection that may read ``kvpush.invalid`` on either server (a client may not)."""
+    nc = await server.connect(server.observer())
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 # --------------------------------------------------------------------------- a request sent again
@@ -741,21 +819,21 @@ async def test_a_request_sent_again_on_its_inbox_is_taken_for_a_repeat_and_answe
     """A client that heard nothing and found no scheduler knowing its request sends it again
     (services/cli/client.py): if it had arrived after all, the repeat changes nothing."""
     sched = await running(scheduler(server, mode="push"))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
     body = json.dumps(request_body("r-repeat")).encode()
     inbox = client.new_inbox()
     sub = await client.subscribe(inbox)
-    await client.publish(wire.GENERATE_SUBJECT, body, reply=inbox)
+    await client.publish(generate_subject(client), body, reply=inbox)
     await until(lambda: len(decode.jobs) == 1, what="decode holding the job")
-    asked = await client.request(wire.FINAL_SUBJECT, wire.encode_json(wire.FinalRequest("r-repeat")), timeout=2)
+    asked = await client.request(final_subject(client), wire.encode_json(wire.FinalRequest("r-repeat")), timeout=2)
     assert json.loads(asked.data)["error"]["code"] == "in_flight"
 
-    await client.publish(wire.GENERATE_SUBJECT, body, reply=inbox)  # the repeat
+    await client.publish(generate_subject(client), body, reply=inbox)  # the repeat
     other_inbox = client.new_inbox()
     other = await client.subscribe(other_inbox)
-    await client.publish(wire.GENERATE_SUBJECT, body, reply=other_inbox)  # the same id from elsewhere
+    await client.publish(generate_subject(client), body, reply=other_inbox)  # the same id from elsewhere
     refusal = json.loads((await other.next_msg(timeout=5)).data)
     assert refusal["error"]["code"] == "invalid_field" and "already in flight" in refusal["error"]["message"]
     await round_trip(sched.bus.nc)
@@ -768,7 +846,7 @@ async def test_asking_for_the_final_of_a_request_no_scheduler_knows_says_not_fou
     await running(scheduler(server, mode="push"))
     for _ in range(200):  # until the scheduler's subscription is in place
         try:
-            asked = await client.request(wire.FINAL_SUBJECT, wire.encode_json(wire.FinalRequest("r-never")),
+            asked = await client.request(final_subject(client), wire.encode_json(wire.FinalRequest("r-never")),
                                          timeout=2)
             break
         except nats.errors.NoRespondersError:
@@ -784,12 +862,12 @@ async def test_a_request_goes_to_the_decode_whose_cache_events_say_it_holds_the_
     """Schedulers route by what each engine's prefix cache holds, as the worker relays its
     KV cache events; events that name another worker than their subject are refused."""
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decodes = [await running(FakeWorker(server.url, "decode")) for _ in range(2)]
+    prefill = await running(FakeWorker(server, "prefill"))
+    decodes = [await running(FakeWorker(server, "decode")) for _ in range(2)]
     await workers_seen(client, prefill, *decodes)
     other, holder = sorted(decodes, key=lambda d: d.worker_id)  # equal load picks the first by id: not holder
     prompt = list(range(40))  # two whole blocks of 16
-    invalid = await client.subscribe(wire.INVALID_SUBJECT)
+    invalid = await (await running(_scheduler_connection(server))).subscribe(wire.INVALID_SUBJECT)
 
     held = wire.CacheEvents(worker_id=holder.worker_id, incarnation=holder.incarnation,
                             stored=block_keys(prompt, 16))

@@ -15,16 +15,19 @@ import uuid
 import nats
 import pytest
 
-from services.cli.client import cancel
+from services.cli.client import cancel, client_of
 from services.launch.natsd import LocalNatsServer
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
 from shared import wire
+from tests.nats.deployed import NATS_KINDS, NatsUnderTest
 from tests.nats.test_scheduler import (
     MAX_MODEL_LEN,
     VOCAB,
     WORKER_TIMEOUT_S,
     FakeWorker,
+    generate_subject,
+    status_subject,
     client,  # noqa: F401 (fixtures)
     running,  # noqa: F401
     server,  # noqa: F401
@@ -43,8 +46,8 @@ pytestmark = pytest.mark.timeout(60)
 async def test_past_its_in_flight_limit_a_scheduler_refuses_with_overloaded_and_serves_on(server, client,
                                                                                           running):
     sched = await running(scheduler(server, max_in_flight=2))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
 
     held = [await send(client, request_body(f"r-held-{i}")) for i in range(2)]
@@ -66,8 +69,8 @@ async def test_a_request_whose_record_is_being_written_counts_once_against_the_l
     a flight: never both. Held inside its JetStream write (a hook around the real ledger
     call), the first of two requests at a limit of two leaves room for the second."""
     sched = await running(scheduler(server, max_in_flight=2))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
     writing, release = asyncio.Event(), asyncio.Event()
     real_record = sched.ledger.record
@@ -88,22 +91,23 @@ async def test_a_request_whose_record_is_being_written_counts_once_against_the_l
     assert first is not None
 
 
-async def test_a_nats_outage_longer_than_the_worker_timeout_loses_no_worker():
+@pytest.mark.parametrize("kind", NATS_KINDS)
+async def test_a_nats_outage_longer_than_the_worker_timeout_loses_no_worker(kind):
     """Heartbeats cannot arrive while NATS is down; the scheduler must not take that
     silence for dead workers (a false worker_lost, or a retry that repeats tokens)."""
-    with LocalNatsServer() as own:
+    with NatsUnderTest(kind) as own:
         async with contextlib.AsyncExitStack() as stack:
-            nc = await nats.connect(own.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+            nc = await own.connect(own.identity("client"), max_reconnect_attempts=-1, reconnect_time_wait=0.1)
             stack.push_async_callback(nc.close)
             await stack.enter_async_context(scheduler(own))
-            prefill = await stack.enter_async_context(FakeWorker(own.url, "prefill"))
-            decode = await stack.enter_async_context(FakeWorker(own.url, "decode", "hold"))
+            prefill = await stack.enter_async_context(FakeWorker(own, "prefill"))
+            decode = await stack.enter_async_context(FakeWorker(own, "decode", "hold"))
             await workers_seen(nc, prefill, decode)
             await send(nc, request_body("r-outage"))
             await until(lambda: decode.jobs and prefill.jobs, what="the request in flight")
 
             # Down three worker timeouts, from another thread: this loop (the scheduler's) runs on.
-            await asyncio.to_thread(own.restart_after, 3 * WORKER_TIMEOUT_S)
+            await asyncio.to_thread(own.server.restart_after, 3 * WORKER_TIMEOUT_S)
             await until(lambda: nc.is_connected and decode.nc.is_connected, timeout=15, what="everyone back")
             await asyncio.sleep(WORKER_TIMEOUT_S / 2)  # the watch runs several times after the outage
             assert [job.request_id for job in decode.jobs] == ["r-outage"]  # not retried elsewhere
@@ -114,8 +118,8 @@ async def test_after_the_schedulers_own_loop_stalls_no_worker_is_taken_for_lost(
     """A stall (a long pause of the event loop) leaves heartbeats unread; the verdicts that
     run first after it must not take that for silence."""
     await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
     await send(client, request_body("r-stall"))
     await until(lambda: decode.jobs and prefill.jobs, what="the request in flight")
@@ -135,15 +139,16 @@ async def test_a_prompt_being_tokenized_does_not_stop_the_scheduler_answering(se
             assert release.wait(20), "the test did not release the tokenizer"
         return tokenize(text)
 
-    sched = await running(Scheduler(server.url, RequestValidator(slow_tokenize, VOCAB, MAX_MODEL_LEN),
-                                    scheduler_id=f"scheduler-{uuid.uuid4().hex[:8]}"))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    name = server.identity("scheduler")
+    sched = await running(Scheduler(server.url_for(name), RequestValidator(slow_tokenize, VOCAB, MAX_MODEL_LEN),
+                                    scheduler_id=name))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
     sub = await send(client, request_body("r-long", prompt="the long prompt"))
     try:
         await until(lambda: sched._validating == 1, what="the prompt in the tokenizer")
-        status = await client.request(wire.SCHEDULER_STATUS_SUBJECT, b"", timeout=5)  # answered meanwhile
+        status = await client.request(status_subject(client), b"", timeout=5)  # answered meanwhile
         assert decode.worker_id in wire.decode_json(status.data, wire.SchedulerStatus).decode_workers
     finally:
         release.set()
@@ -156,8 +161,8 @@ async def test_a_cancel_that_arrives_before_its_request_still_cancels_it(server,
     overtook the request (queued to one). It is remembered, and the request ends cancelled
     without a job going out."""
     await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
     await cancel(client, "r-overtaken")
     await client.flush()
@@ -182,8 +187,8 @@ async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_an
     import psutil
 
     sched = await running(scheduler(server, max_in_flight=MAX_IN_FLIGHT))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
     rss_before = psutil.Process().memory_info().rss
 
@@ -197,9 +202,10 @@ async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_an
 
     await client.subscribe(inbox, cb=collect, pending_msgs_limit=FLOOD * 2)
     for n in range(FLOOD):
-        await client.publish(wire.GENERATE_SUBJECT, json.dumps(request_body(f"flood-{n}")).encode(), reply=inbox)
+        await client.publish(generate_subject(client), json.dumps(request_body(f"flood-{n}")).encode(), reply=inbox)
+    cancel_subject = wire.OWNED_CANCEL(client=client_of(client))
     for n in range(12_000):
-        await client.publish(wire.CANCEL_SUBJECT, wire.encode_json(wire.CancelRequest(f"never-sent-{n}")))
+        await client.publish(cancel_subject, wire.encode_json(wire.CancelRequest(f"never-sent-{n}")))
     # The admitted ones are in the table once their tokenizing and their record are done.
     try:
         await until(lambda: len(finals) >= FLOOD - MAX_IN_FLIGHT and len(sched.flights) == MAX_IN_FLIGHT,
@@ -229,17 +235,17 @@ async def test_a_request_ending_while_another_ends_into_a_slow_jetstream_leaves_
     the second's end must still take its flight out of the table, or under load flights
     would pile up behind slow writes to --max-in-flight while their answers were long sent."""
     sched = await running(scheduler(server))
-    prefill = await running(FakeWorker(server.url, "prefill"))
-    decode = await running(FakeWorker(server.url, "decode"))
+    prefill = await running(FakeWorker(server, "prefill"))
+    decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
     writing, release = asyncio.Event(), asyncio.Event()
     real_keep = sched.ledger.keep_final
 
-    async def held_keep(request_id, owner, body):
+    async def held_keep(owner, request_id, body, reply_to=""):
         if request_id == "r-slow-end":
             writing.set()
             await release.wait()
-        return await real_keep(request_id, owner, body)
+        return await real_keep(owner, request_id, body, reply_to)
 
     sched.ledger.keep_final = held_keep
     try:
@@ -263,7 +269,7 @@ async def test_the_flights_bucket_keeps_nothing_past_twice_the_deadline():
     with LocalNatsServer() as own:
         nc = await nats.connect(own.url)
         try:
-            await Ledger.open(nc, deadline_s=40.0)
+            await Ledger.open(nc, wire.Claimant.scheduler("scheduler-ttl", "0"), deadline_s=40.0)
             info = await nc.jetstream().stream_info(f"KV_{wire.FLIGHTS_BUCKET}")
             assert info.config.max_age == 140.0  # 2 x deadline + 60 s: no flight lives that long
         finally:

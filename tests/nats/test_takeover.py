@@ -18,6 +18,8 @@ import nats
 import pytest
 
 from services.cli.client import fetch_final, generate
+from services.cli.client import client_of
+from services.ledger import ClaimState
 from services.scheduler.service import Scheduler
 from shared import wire
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
@@ -26,6 +28,7 @@ from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     WORKER_TIMEOUT_S,
     cancelled,
     client,
+    generate_subject,
     holds,
     running,
     scheduler,
@@ -76,7 +79,7 @@ async def send(client, request_id: str, **body) -> Replies:
     await client.subscribe(inbox, cb=collect)
     await client.flush()
     request = {"prompt": "hello", "max_tokens": len(REPLY_TOKENS), "request_id": request_id, **body}
-    await client.publish(wire.GENERATE_SUBJECT, json.dumps(request).encode(), reply=inbox)
+    await client.publish(generate_subject(client), json.dumps(request).encode(), reply=inbox)
     return replies
 
 
@@ -104,8 +107,8 @@ async def started(running, server, client, *workers) -> Scheduler:
 @pytest.mark.parametrize("mode", ["push", "pull"])
 async def test_a_flight_whose_scheduler_died_in_prefill_is_taken_over_fenced_and_answered_once(
         server, client, running, mode):
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     first = await started(running, server, client, prefill, decode)
     replies = await send(client, f"r-died-{mode}", transfer_mode=mode)
     await until(lambda: prefill.jobs, what="the prefill job")
@@ -123,24 +126,26 @@ async def test_a_flight_whose_scheduler_died_in_prefill_is_taken_over_fenced_and
     final = await one_final(replies)
     assert replies.tokens() == REPLY_TOKENS and final["finish_reason"] == "length"
     # The fenced attempt's decode can never answer: a scheduler holds its claim.
-    assert (await decode.ledger.claim(old.transfer_key, "decode:late")).startswith("scheduler:")
+    late = await decode.claims.claim(old.transfer_key)
+    assert late.state is ClaimState.LOST and not decode.claims_won.get(old.transfer_id)
 
 
 async def test_a_flight_whose_scheduler_died_while_it_waited_for_a_worker_is_dispatched_by_the_next(
         server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     first = await started(running, server, client, prefill, decode)
     await prefill.stop_heartbeats()  # known, but not live: the request waits in the queue for one
     await asyncio.sleep(WORKER_TIMEOUT_S + 0.3)
     replies = await send(client, "r-queued")
-    await until(lambda: first.flights.by_request("r-queued") is not None, what="the flight")
+    await until(lambda: first.flights.by_request(client_of(client), "r-queued") is not None, what="the flight")
     # Accepted means written down: a flight enters the table a moment before its record
     # lands in JetStream, and a scheduler dead in between leaves nothing to take over.
-    await until_async(lambda: first.ledger.flight("r-queued"), what="the flight's record")
+    await until_async(lambda: first.ledger.flight(wire.flight_key(client_of(client), "r-queued")),
+                      what="the flight's record")
     await die(first)
 
-    spare = await running(FakeWorker(server.url, "prefill", "answer"))
+    spare = await running(FakeWorker(server, "prefill", "answer"))
     await running(takeover_scheduler(server))
     final = await one_final(replies)
     assert replies.tokens() == REPLY_TOKENS and final["usage"]["completion_tokens"] == len(REPLY_TOKENS)
@@ -149,25 +154,25 @@ async def test_a_flight_whose_scheduler_died_while_it_waited_for_a_worker_is_dis
 
 async def test_a_flight_whose_scheduler_died_while_decode_streamed_is_finished_by_that_decode(
         server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "start_then_hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "start_then_hold"))
     first = await started(running, server, client, prefill, decode)
     replies = await send(client, "r-streaming")
     await until(lambda: replies.tokens(), what="the first token")
     await die(first)
 
     second = await running(takeover_scheduler(server))
-    await until(lambda: second.flights.by_request("r-streaming") is not None, timeout=10, what="the takeover")
+    await until(lambda: second.flights.by_request(client_of(client), "r-streaming") is not None, timeout=10, what="the takeover")
     decode.release.set()
     await one_final(replies)
     assert replies.tokens() == REPLY_TOKENS  # no token twice: the decode kept its claim
     assert len(decode.jobs) == 1
-    await until(lambda: second.flights.by_request("r-streaming") is None, what="the flight's end")
+    await until(lambda: second.flights.by_request(client_of(client), "r-streaming") is None, what="the flight's end")
 
 
 async def test_one_of_two_live_schedulers_takes_a_dead_ones_flight_and_only_one(server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     first = await started(running, server, client, prefill, decode)
     replies = await send(client, "r-two-heirs")
     await until(lambda: prefill.jobs, what="the prefill job")
@@ -178,13 +183,13 @@ async def test_one_of_two_live_schedulers_takes_a_dead_ones_flight_and_only_one(
     decode.on_job = "answer"
     await one_final(replies, settle_s=2.0)
     assert replies.tokens() == REPLY_TOKENS
-    assert sum(h.flights.by_request("r-two-heirs") is not None for h in heirs) <= 1
+    assert sum(h.flights.by_request(client_of(client), "r-two-heirs") is not None for h in heirs) <= 1
     assert len(prefill.jobs) == 2  # one takeover, one new attempt
 
 
 async def test_an_adopted_flight_past_its_deadline_gets_one_deadline_final(server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     first = await running(takeover_scheduler(server, deadline_s=2.5))
     await workers_seen(client, prefill, decode)
     replies = await send(client, "r-late")
@@ -198,8 +203,8 @@ async def test_an_adopted_flight_past_its_deadline_gets_one_deadline_final(serve
 
 async def test_a_deadline_while_decode_streams_is_told_by_the_decode_that_holds_the_answer(
         server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "start_then_hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "start_then_hold"))
     await running(takeover_scheduler(server, deadline_s=1.5))
     await workers_seen(client, prefill, decode)
     replies = await send(client, "r-deadline-streaming")
@@ -211,8 +216,8 @@ async def test_a_deadline_while_decode_streams_is_told_by_the_decode_that_holds_
 
 
 async def test_a_client_that_missed_its_final_fetches_it_again(server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     await started(running, server, client, prefill, decode)
     dropped = []
 
@@ -231,16 +236,16 @@ async def test_a_client_that_missed_its_final_fetches_it_again(server, client, r
 
 
 async def test_a_final_is_fetched_only_by_the_client_that_sent_the_request(server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     await started(running, server, client, prefill, decode)
     replies = await send(client, "r-anon")
     await one_final(replies, settle_s=0.2)
     assert (await fetch_final(client, "r-anon"))["finished"] is True
-    other = await nats.connect(server.url, inbox_prefix="_INBOX.mallory")
+    other = await server.connect(server.identity("client"))
     try:
         assert await fetch_final(other, "r-anon") is None  # reads as not found: not its request
-        reply = await other.request(wire.OWNED_FINAL(client="mallory"),
+        reply = await other.request(wire.OWNED_FINAL(client=client_of(other)),
                                     wire.encode_json(wire.FinalRequest("r-anon")), timeout=2)
         assert json.loads(reply.data)["error"]["code"] == "not_found"
     finally:
@@ -248,8 +253,8 @@ async def test_a_final_is_fetched_only_by_the_client_that_sent_the_request(serve
 
 
 async def test_a_reused_request_id_does_not_fetch_the_last_uses_final(server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await started(running, server, client, prefill, decode)
     decode.on_job = "answer"
     await one_final(await send(client, "r-reused"), settle_s=0.2)
@@ -261,8 +266,8 @@ async def test_a_reused_request_id_does_not_fetch_the_last_uses_final(server, cl
 
 async def test_a_scheduler_that_just_joined_waits_a_heartbeat_round_before_it_says_no_workers(
         server, client, running):
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     for worker in (prefill, decode):
         await worker.stop_heartbeats()  # they beat before the scheduler was there to hear it
     await running(takeover_scheduler(server))

@@ -52,7 +52,7 @@ def test_add_refuses_a_request_id_already_in_flight():
     first, second = _flight("r"), _flight("r")
     assert table.add(first) is True
     assert table.add(second) is False
-    assert table.by_request("r") is first
+    assert table.by_request("", "r") is first
     assert len(table) == 1
 
 
@@ -76,7 +76,7 @@ def test_remove_forgets_the_flight_once():
     table.bind(flight, "t1")
     assert table.remove(flight) is True
     assert table.remove(flight) is False
-    assert (table.by_request("r"), table.by_transfer("t1"), len(table)) == (None, None, 0)
+    assert (table.by_request("", "r"), table.by_transfer("t1"), len(table)) == (None, None, 0)
 
 
 def test_remove_of_a_replaced_flight_keeps_the_new_one():
@@ -87,7 +87,7 @@ def test_remove_of_a_replaced_flight_keeps_the_new_one():
     new = _flight("r")
     table.add(new)
     assert table.remove(old) is False
-    assert table.by_request("r") is new
+    assert table.by_request("", "r") is new
 
 
 # ------------------------------------------------------------------ check

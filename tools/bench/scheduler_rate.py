@@ -26,7 +26,7 @@ One request, in push mode, as the stand-ins and the real workers send it:
     decode     Registration on kvpush.kv.register.<p>.<d> (vLLM allocated its blocks)
     prefill    TransferDone on kvpush.kv.completion.<d>.<p> once registration and the
                finished prompt met (and the WRITE ended); Handoff on kvpush.handoff.<p>
-    decode     claims the answer ($KV.kvpush_claims.<hash>), RequestProgress "streaming"
+    decode     claims the answer (kvpush.claims.<hash>.decode.<id>), RequestProgress "streaming"
                on kvpush.request.progress.<d>, TokenChunk(s) to the client's inbox (each
                with a probe reply subject), the FinalReply, RequestProgress "ended" with it
     scheduler  JetStream: final kept ($KV.kvpush_finals.<id>), flight deleted
@@ -351,10 +351,10 @@ class IdleDecode(_IdleWorker):
         self.kv_timeouts = 0
 
     async def start(self) -> None:
-        from services.ledger import Ledger
+        from services.ledger import Claims
 
         await super().start()
-        self.ledger = await Ledger.open(self.bus.nc, create_buckets=False)
+        self.ledger = Claims(self.bus.nc, wire.Claimant.decode(self.worker_id))
         self._probe_prefix = self.bus.nc.new_inbox()
         await self.bus.subscribe_plain(f"{self._probe_prefix}.*", self._on_probe)
         self._spawn(self._renewal_loop())
@@ -437,7 +437,6 @@ class IdleDecode(_IdleWorker):
         self.active += 1
         claimed = False
         outcome, final = "error", b""
-        me = f"decode:{self.worker_id}"
         probe_key = uuid.uuid4().hex
         self._probes[probe_key] = job.transfer_id
         try:
@@ -463,7 +462,7 @@ class IdleDecode(_IdleWorker):
                     raise KvTransferFailed("the prompt's KV cache did not arrive from prefill")
             tokens = expected_tokens(job.prompt_token_ids, min(self.output_tokens, job.sampling.max_tokens),
                                      self.vocab)
-            claimed = await self.ledger.claim(job.transfer_key, me) == me
+            claimed = (await self.ledger.claim(job.transfer_key)).won
             if not claimed:
                 raise _Fenced()
             await self._progress(job, "streaming")
@@ -491,7 +490,7 @@ class IdleDecode(_IdleWorker):
             self.fenced += 1
             outcome = "fenced"
         except KvTransferFailed as exc:
-            if await self.ledger.claim(job.transfer_key, me) == me:
+            if (await self.ledger.claim(job.transfer_key)).won:
                 final = wire.encode_json(wire.ErrorReply(job.request_id, to_error_body(exc)))
                 await self.bus.publish(job.reply_to, final, template=TEMPORARY)
         finally:
@@ -786,7 +785,7 @@ class _LedgerWatch:
     holds, from its heartbeats."""
 
     def __init__(self, run_tag: str):
-        self.prefix = f"$KV.kvpush_flights.{run_tag}-"  # request ids are <run tag>-<n>
+        self.prefix = f"$KV.kvpush_flights.p.{run_tag}-"  # request ids are <run tag>-<n>, sent anonymously
         self.done: dict[str, float] = {}
         self.max_flights = 0  # the most flights the schedulers held together, from their heartbeats
         self.max_by_scheduler: dict[str, int] = {}
@@ -801,7 +800,7 @@ class _LedgerWatch:
         async def on_write(msg) -> None:
             if (self._measuring and msg.subject.startswith(self.prefix) and msg.headers
                     and msg.headers.get("KV-Operation") == "DEL"):
-                self.done[msg.subject[len("$KV.kvpush_flights."):]] = time.monotonic()
+                self.done[msg.subject[len("$KV.kvpush_flights.p."):]] = time.monotonic()
                 self._count.set()
 
         async def on_beat(msg) -> None:
@@ -815,7 +814,7 @@ class _LedgerWatch:
                                                                beat.flights)
                 self.max_flights = max(self.max_flights, sum(self._latest.values()))
 
-        await nc.subscribe("$KV.kvpush_flights.*", cb=on_write)
+        await nc.subscribe("$KV.kvpush_flights.>", cb=on_write)
         await nc.subscribe(wire.SCHEDULER_HEARTBEATS.wildcard, cb=on_beat)
         await nc.flush()
 
@@ -851,9 +850,10 @@ async def _bucket_state(nc) -> dict:
 
     js = nc.jetstream(timeout=5.0)
     state = {}
-    for bucket in (wire.FLIGHTS_BUCKET, wire.CLAIMS_BUCKET, wire.FINALS_BUCKET):
+    for bucket, stream in ((wire.FLIGHTS_BUCKET, f"KV_{wire.FLIGHTS_BUCKET}"), (wire.CLAIMS_STREAM, wire.CLAIMS_STREAM),
+                           (wire.FINALS_BUCKET, f"KV_{wire.FINALS_BUCKET}")):
         try:
-            info = await js.stream_info(f"KV_{bucket}")
+            info = await js.stream_info(stream)
             state[bucket] = {"messages": info.state.messages, "bytes": info.state.bytes}
         except Exception as exc:
             state[bucket] = {"error": type(exc).__name__}

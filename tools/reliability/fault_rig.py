@@ -360,10 +360,12 @@ class FaultRig:
             await sub.unsubscribe()
 
     async def holder_of(self, request_id: str) -> wire.FlightRecord | None:
-        """The flight's record in JetStream (who holds it, which attempt), or None."""
+        """The flight's record in JetStream (who holds it, which attempt), or None: a
+        request of the rig's client."""
         js = self.conns["scheduler"].jetstream()
         try:
-            entry = await (await js.key_value(wire.FLIGHTS_BUCKET)).get(request_id)
+            entry = await (await js.key_value(wire.FLIGHTS_BUCKET)).get(
+                wire.flight_key(CONNECTIONS["client"], request_id))
         except Exception:
             return None
         return wire.decode(entry.value, wire.FlightRecord) if entry.value else None
