@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (/v1/completions, "
                                             "/v1/chat/completions, /v1/models, /health, /ready)")
     engine_options(gateway)
-    cli_settings.add(gateway, "--log-level")
+    cli_settings.add(gateway, "--log-level", "--api-key", "--api-keys-file", "--max-concurrent-per-key",
+                     "--rate-per-key", "--burst-per-key")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")

@@ -58,10 +58,25 @@ def cmd_scheduler(args) -> int:
 
 
 def cmd_gateway(args) -> int:
+    from services.gateway.keys import KeyRing
+    from services.gateway.limits import Limits
     from services.gateway.service import Gateway
+    from shared.nats_security import nats_user
 
+    try:
+        limits = Limits(args.max_concurrent_per_key, args.rate_per_key, args.burst_per_key)
+        if args.api_key and args.api_keys_file:
+            raise ValueError("give --api-key (one key) or --api-keys-file (one tenant per key), not both")
+        if args.api_keys_file:
+            keys = KeyRing.from_file(args.api_keys_file, limits, gateway_user=nats_user())
+        else:
+            keys = KeyRing.single(args.api_key, limits) if args.api_key else KeyRing.open(limits)
+    except ValueError as exc:
+        say(f"refusing to start: {exc}")
+        return 2
     return _run_service("kvpush-gateway", args.log_level, lambda: Gateway(
-        args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name),
+        args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+        keys=keys, max_model_len=args.max_model_len),
         prometheus=True)  # its /metrics is on its own HTTP port
 
 

@@ -79,6 +79,18 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--on-kv-failure", "KVPUSH_ON_KV_FAILURE", _FAULTS.on_kv_failure,
             "decode: when the pushed KV will not come, compute the prompt here (recompute) or fail",
             str, ("recompute", "fail")),
+    Setting("--api-key", "KVPUSH_API_KEY", None,
+            "gateway: /v1 requests need 'Authorization: Bearer <this key>' (as vllm serve --api-key); "
+            "all its users are one kvpush client (on the command line it shows in the process list: prefer the variable)"),
+    Setting("--api-keys-file", "KVPUSH_API_KEYS_FILE", None,
+            "gateway: a TOML file of API keys, one tenant each, with its own NATS user and limits "
+            "(services/gateway/keys.py)"),
+    Setting("--max-concurrent-per-key", "KVPUSH_MAX_CONCURRENT_PER_KEY", 0,
+            "gateway: requests one API key may have in progress; past it, 429 (0: no limit)", int),
+    Setting("--rate-per-key", "KVPUSH_RATE_PER_KEY", 0.0,
+            "gateway: requests per second one API key may start, on average; past it, 429 (0: no limit)", float),
+    Setting("--burst-per-key", "KVPUSH_BURST_PER_KEY", 0,
+            "gateway: requests one API key may start at once above --rate-per-key (0: the rate, at least 1)", int),
 ]}
 
 # Environment variables kvpush reads, each the default of an option or a setting.

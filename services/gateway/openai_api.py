@@ -191,6 +191,15 @@ def _messages(messages: Any) -> list[dict]:
     return out
 
 
+def prompt_bytes(request: OpenAiRequest) -> int:
+    """The prompt's text in UTF-8 bytes (0 for token ids): what is measured before
+    anything tokenizes it."""
+    if request.messages is not None:
+        return sum(len(m["role"].encode()) + len(m["content"].encode()) for m in request.messages)
+    prompt = request.generate.get("prompt")
+    return len(prompt.encode()) if isinstance(prompt, str) else 0
+
+
 # ------------------------------------------------------------------ replies
 
 def response_id(kind: Kind, request_id: str) -> str:
@@ -246,12 +255,14 @@ def response(request: OpenAiRequest, request_id: str, text: str, final: dict,
             "model": request.model, "choices": [choice], "usage": usage(final)}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable",
+               504: "timeout"}
 
 
-def error(code: str, message: str, param: str | None = None) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error object) for a kvpush error code."""
-    status = http_status(code)
+def error(code: str, message: str, param: str | None = None, status: int | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error object) for a kvpush error code; ``status`` for a code
+    that is the gateway's own (``services.gateway.errors``), not the wire's."""
+    status = status or http_status(code)
     return status, {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
                               "param": param, "code": code}}

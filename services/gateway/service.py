@@ -7,14 +7,28 @@ closed. Each HTTP request becomes one kvpush request through the project's clien
 (``services.cli.client``): the same subjects, inboxes, cancel on early stop, and a final
 fetched again if it was lost. A client that disconnects mid-stream cancels its request.
 
+API keys (``services.gateway.keys``): with keys, a ``/v1`` request without a valid
+``Authorization: Bearer <key>`` gets 401; each key is a tenant with its own kvpush client
+(its own NATS connection and user, when the keys file gives it one) and its own limits
+(``services.gateway.limits``): a generation past them gets 429. ``/health``, ``/ready``
+and ``/metrics`` need no key.
+
+Bounded work before the bounds: the body is read as it arrives and refused (413) the
+moment it would pass the NATS server's max_payload, whatever its transfer encoding; a
+prompt is measured in bytes before anything tokenizes it; the chat template runs on a
+thread of its own, never on the event loop.
+
 FastAPI on uvicorn, as vLLM's own server. The chat template is the model's tokenizer's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import math
+import os
 import time
 import uuid
 from typing import AsyncIterator
@@ -25,21 +39,29 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
+from starlette.datastructures import Headers
 
 from otel import endpoint
 from otel.metrics import instruments
 from services.cli.client import generate, scheduler_status
 from services.gateway import openai_api
+from services.gateway.body import BodyTooLarge, read_body
+from services.gateway.errors import RateLimited
+from services.gateway.keys import KeyRing, Tenant
+from services.gateway.limits import Limiter
 from services.lifecycle import Service
 from shared import settings, wire
-from shared.errors import InvalidField, KvpushError, NoScheduler, PayloadTooLarge, RequestError
-from shared.nats_security import connect_options, server_urls
+from shared.errors import InvalidField, KvpushError, PromptTooLong
+from shared.nats_security import ENV_VARS, connect_options, server_urls
 
 log = structlog.get_logger("kvpush.gateway")
 _tracer = trace.get_tracer("kvpush.gateway")
 
 DEFAULT_PORT = 8000
 REQUEST_ID_HEADER = "X-Request-Id"
+GUARDED_PREFIX = "/v1/"  # needs a key (as vLLM's --api-key guards /v1); /health, /ready, /metrics do not
+GENERATIONS = ("/v1/completions", "/v1/chat/completions")  # count against a key's limits
+_LOGIN_VARIABLES = {ENV_VARS[d] for d in ("nats_user", "nats_password", "nats_token", "nats_nkey_seed", "nats_creds")}
 
 
 class _Server(uvicorn.Server):
@@ -51,15 +73,27 @@ class _Server(uvicorn.Server):
 
 
 class Gateway(Service):
+    """``keys``: who may call it, and as which kvpush client (default: anyone, as the
+    gateway's own NATS identity, no limits). ``max_model_len``: the context the engines
+    serve, which bounds a prompt's bytes before it is tokenized."""
+
     def __init__(self, nats_url: str, model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 served_model_name: str | None = None, timeout_s: float = settings.DEADLINE_S + 30):
+                 served_model_name: str | None = None, timeout_s: float = settings.DEADLINE_S + 30,
+                 keys: KeyRing | None = None, max_model_len: int = settings.MAX_MODEL_LEN):
         self.nats_url = nats_url
         self.model = model
         self.host = host
         self.port = port
         self.served_model_name = served_model_name or model.rstrip("/").rsplit("/", 1)[-1]
         self.timeout_s = timeout_s
-        self.nc = None
+        self.keys = keys or KeyRing.open()
+        self.max_model_len = max_model_len
+        self.max_prompt_bytes = 0  # set at start, from the tokenizer
+        self.nc = None  # the gateway's own NATS identity: /ready, and tenants without a NATS user
+        self._tenant_connections: dict[str, nats.NATS] = {}  # tenant name -> its own NATS identity
+        self._limiters = {tenant.name: Limiter(tenant.limits, time.monotonic()) for tenant in self.keys.tenants}
+        # A Hugging Face tokenizer must not be used from two threads at once: one thread.
+        self._templating = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
         self.tokenizer = None
         self._server: _Server | None = None
         self._serving: asyncio.Task | None = None
@@ -71,14 +105,21 @@ class Gateway(Service):
     async def _start(self) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = await asyncio.get_running_loop().run_in_executor(
-            None, AutoTokenizer.from_pretrained, self.model)
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(self._templating, AutoTokenizer.from_pretrained, self.model)
+        self.max_prompt_bytes = await loop.run_in_executor(self._templating, prompt_byte_limit, self.tokenizer,
+                                                           self.max_model_len)
         self.nc = await nats.connect(server_urls(self.nats_url), name="kvpush-gateway", max_reconnect_attempts=-1,
                                      **connect_options())
-        config = uvicorn.Config(build_app(self), host=self.host, port=self.port, log_level="warning",
+        for tenant in self.keys.tenants:
+            if tenant.nats_user is not None:
+                self._tenant_connections[tenant.name] = await nats.connect(
+                    server_urls(self.nats_url), name=f"kvpush-gateway-{tenant.name}", max_reconnect_attempts=-1,
+                    **connect_options(tenant_login(tenant)))
+        config = uvicorn.Config(_Guard(build_app(self), self), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", access_log=False)
         self._server = _Server(config)
-        self._serving = asyncio.get_running_loop().create_task(self._server.serve())
+        self._serving = loop.create_task(self._server.serve())
         while not self._server.started:
             if self._serving.done():
                 self._serving.result()  # the bind failed: raise it
@@ -89,34 +130,105 @@ class Gateway(Service):
         # A metrics port of its own (KVPUSH_METRICS_PORT) says it serves HTTP; whether kvpush
         # routes to workers is the gateway's own /ready.
         endpoint.mark_ready()
-        log.info("gateway ready", url=self.url, model=self.served_model_name)
+        log.info("gateway ready", url=self.url, model=self.served_model_name,
+                 keys="required" if self.keys.required else "none", tenants=len(self.keys.tenants))
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
         if self._serving is not None:
             await asyncio.gather(self._serving, return_exceptions=True)
-        if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+        for nc in [*self._tenant_connections.values(), self.nc]:
+            if nc is not None and not nc.is_closed:
+                await nc.drain()
+        self._templating.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
 
-    def prompt_of(self, request: openai_api.OpenAiRequest) -> None:
-        """Chat: the messages through the model's chat template, as token ids."""
+    def connection(self, tenant: Tenant):
+        """The NATS connection that serves ``tenant``: its own, or the gateway's."""
+        return self._tenant_connections.get(tenant.name, self.nc)
+
+    def limiter(self, tenant: Tenant) -> Limiter:
+        return self._limiters[tenant.name]
+
+    def check_prompt_size(self, request: openai_api.OpenAiRequest) -> None:
+        """Refuse, before anything tokenizes it, a prompt too long in bytes to fit the context."""
+        size = openai_api.prompt_bytes(request)
+        if size > self.max_prompt_bytes:
+            raise PromptTooLong(f"the prompt is {size} bytes: more than {self.max_model_len} tokens of this model "
+                                f"can hold (at most {self.max_prompt_bytes} bytes), so it cannot fit the context; "
+                                "send a shorter prompt")
+
+    async def prompt_of(self, request: openai_api.OpenAiRequest) -> None:
+        """Chat: the messages through the model's chat template, as token ids (on the
+        template thread: a long chat takes a while, and the event loop serves everyone)."""
         if request.messages is None:
             return
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidField(f"the model '{self.served_model_name}' has no chat template; use /v1/completions")
-        request.generate["prompt_token_ids"] = chat_prompt(self.tokenizer, request.messages)
+        request.generate["prompt_token_ids"] = await asyncio.get_running_loop().run_in_executor(
+            self._templating, chat_prompt, self.tokenizer, request.messages)
 
-    def replies(self, body: dict, headers: dict[str, str]) -> AsyncIterator[dict]:
-        return generate(self.nc, body, timeout=self.timeout_s, headers=headers)
+    def replies(self, tenant: Tenant, body: dict, headers: dict[str, str]) -> AsyncIterator[dict]:
+        return generate(self.connection(tenant), body, timeout=self.timeout_s, headers=headers)
+
+
+def tenant_login(tenant: Tenant, env=os.environ) -> dict[str, str]:
+    """The environment ``connect_options`` reads for ``tenant``'s own connection: the
+    gateway's (TLS and all) with the tenant's NATS user and password for its login."""
+    return {**{k: v for k, v in env.items() if k not in _LOGIN_VARIABLES},
+            ENV_VARS["nats_user"]: tenant.nats_user, ENV_VARS["nats_password"]: tenant.nats_password}
+
+
+def prompt_byte_limit(tokenizer, max_model_len: int) -> int:
+    """The most bytes a prompt of ``max_model_len`` tokens can hold. A token stands for at
+    most as many bytes as its longest vocabulary entry's UTF-8 (a byte-level or
+    sentencepiece entry is never shorter than the bytes it stands for); a tokenizer that
+    normalizes text first (NFC, NFKC, lowercasing) may shrink it, by at most 3x."""
+    longest = max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    shrinks = backend is None or backend.normalizer is not None
+    return max_model_len * longest * (4 if shrinks else 1)
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """The conversation's token ids, as vLLM's chat endpoint makes them: the model's chat
     template with the generation prompt."""
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+class _Guard:
+    """Pure ASGI, in front of the app: who a ``/v1`` request is (401 without a valid key),
+    and for a generation a place within its key's limits (429 past them), held until the
+    response has gone out, a stream's to its end, whichever way it ends."""
+
+    def __init__(self, app, gateway: Gateway):
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        limited = scope["path"] in GENERATIONS and scope["method"] == "POST"
+        try:
+            tenant = self.gateway.keys.tenant(headers.get("authorization"))
+            limiter = self.gateway.limiter(tenant)
+            if limited:
+                limiter.admit(time.monotonic())
+        except KvpushError as exc:
+            given = headers.get(REQUEST_ID_HEADER) or ""
+            response = _counted(scope["path"], _error_of(exc, given if wire.request_id_problem(given) is None else ""))
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if limited:
+                limiter.release()
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -170,6 +282,18 @@ def _error(code: str, message: str, request_id: str) -> JSONResponse:
     return JSONResponse(body, status, headers={REQUEST_ID_HEADER: request_id})
 
 
+def _error_of(exc: KvpushError, request_id: str) -> JSONResponse:
+    """``exc`` as an OpenAI error object, with its own HTTP status; 429 says when to retry,
+    a 413 that left the body unread closes the connection."""
+    status, body = openai_api.error(exc.code, exc.message, status=exc.http_status)
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if isinstance(exc, BodyTooLarge) and exc.unread:
+        headers["Connection"] = "close"
+    return JSONResponse(body, status, headers=headers)
+
+
 def _request_id(request: Request) -> str:
     given = request.headers.get(REQUEST_ID_HEADER)
     if given is None:
@@ -180,31 +304,37 @@ def _request_id(request: Request) -> str:
     return given
 
 
+def _kvpush_id(tenant: Tenant, request_id: str) -> str:
+    kvpush_id = tenant.kvpush_id(request_id)
+    if wire.request_id_problem(kvpush_id) is not None:
+        raise InvalidField(f"the {REQUEST_ID_HEADER} header: at most "
+                           f"{wire.MAX_REQUEST_ID_LEN - len(tenant.id_prefix)} characters with this API key")
+    return kvpush_id
+
+
 async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
+    tenant: Tenant = http.state.tenant
+    nc = gateway.connection(tenant)
     request_id = http.headers.get(REQUEST_ID_HEADER) or ""
     parent = propagate.extract(dict(http.headers))  # an incoming W3C traceparent joins the trace
     with _tracer.start_as_current_span(f"gateway {kind}", context=parent, kind=trace.SpanKind.SERVER):
         try:
             request_id = _request_id(http)
-            limit = gateway.nc.max_payload
-            length = http.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                raise PayloadTooLarge(f"the body is {length} bytes, over the {limit}-byte limit")
-            data = await http.body()
-            if len(data) > limit:
-                raise PayloadTooLarge(f"the body is {len(data)} bytes, over the {limit}-byte limit")
+            kvpush_id = _kvpush_id(tenant, request_id)
+            data = await read_body(http, nc.max_payload)
             try:
                 body = json.loads(data)
             except (ValueError, RecursionError):
                 return _error("bad_json", "the body is not valid JSON", request_id)
             request = openai_api.parse(kind, body, gateway.served_model_name)
-            gateway.prompt_of(request)
+            gateway.check_prompt_size(request)
+            await gateway.prompt_of(request)
         except KvpushError as exc:
-            return _error(exc.code, exc.message, request_id)
-        generate_body = {**request.generate, "request_id": request_id}
+            return _error_of(exc, request_id)
+        generate_body = {**request.generate, "request_id": kvpush_id}
         headers: dict[str, str] = {}
         propagate.inject(headers)
-        replies = gateway.replies(generate_body, headers).__aiter__()
+        replies = gateway.replies(tenant, generate_body, headers).__aiter__()
         try:
             first = await replies.__anext__()
         except (KvpushError, TimeoutError) as exc:
