@@ -10,7 +10,7 @@ keeps the id and gets a new ``incarnation``.
 
 Public (JSON, for clients):
 
-    kvpush.generate[.<client>]      GenerateRequest  client -> scheduler (queue group); with
+    kvpush.generate[.<client>]      GenerateRequest  client -> every scheduler, one takes it; with
                                     per-client users, on the client's own subject
     <client reply subject>          TokenChunk* then FinalReply   decode worker -> client
                                     (or ErrorReply, from whichever service ended it); an inbox
@@ -46,6 +46,8 @@ Internal (msgpack):
                                                       (``kvpush.kv.completion.*.*``)
     kvpush.scheduler.heartbeat.<sender>  SchedulerHeartbeat  scheduler -> schedulers, every
                                                       second: whose flights are orphans
+    kvpush.scheduler.intake.<sender>  IntakeSettled   scheduler -> schedulers: a request it
+                                                      took needs no copy any more
     kvpush.cache.<sender>           CacheEvents       worker -> schedulers: blocks its engine's
                                                       prefix cache stored and evicted
     kvpush.invalid                  InvalidMessage    any service: a message it refused
@@ -178,6 +180,7 @@ OWNED_CANCEL = SubjectTemplate("kvpush.cancel.{client}")
 OWNED_FINAL = SubjectTemplate("kvpush.final.{client}")
 OWNED_STATUS = SubjectTemplate("kvpush.scheduler.status.{client}")
 SCHEDULER_HEARTBEATS = SubjectTemplate("kvpush.scheduler.heartbeat.{sender}")
+INTAKE = SubjectTemplate("kvpush.scheduler.intake.{sender}")
 HEARTBEATS = SubjectTemplate("kvpush.worker.heartbeat.{sender}")
 PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
 DECODE_JOBS = SubjectTemplate("kvpush.decode.{worker_id}")
@@ -854,6 +857,16 @@ class SchedulerHeartbeat(Internal):
     scheduler_id: str
     incarnation: str
     flights: int = 0
+
+
+class IntakeSettled(Internal):
+    """Scheduler -> schedulers: a request this one took was refused (or dropped as a
+    resend), so the copies the others hold of it can go (services/scheduler/intake.py)."""
+
+    sender_field: ClassVar[str] = "scheduler_id"
+
+    scheduler_id: str
+    key: str  # flight_key(client, request id)
 
 
 class StoredFinal(Internal):

@@ -22,6 +22,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 
 import structlog
 from opentelemetry import context as otel_context
@@ -30,12 +31,14 @@ from opentelemetry.trace import Status, StatusCode
 
 from otel import attributes as A
 from otel import endpoint
-from otel.messaging import TEMPORARY, context_from_traceparent, current_traceparent
+from otel.messaging import TEMPORARY, consumer, context_from_traceparent, current_traceparent
 from otel.metrics import instruments
 from services.bus import Bus
 from services.ledger import ClaimState, Ledger
 from services.scheduler import dispatch
+from connector import chaos
 from services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
 from services.scheduler.placement import Placement, PlacementSettings, place
 from services.scheduler.prefixes import Prompt
 from services.scheduler.routing import WorkerPool
@@ -73,6 +76,7 @@ WATCH_INTERVAL_S = 0.25  # how often deadlines and worker liveness are checked
 UNKNOWN_CLAIM_RETRY_S = 1.0  # an end whose claim JetStream could not settle is tried again this often...
 UNKNOWN_CLAIM_GRACE_S = 60.0  # ...until this long past the request's deadline
 HEARD_A_ROUND_S = 1.5 * settings.HEARTBEAT_INTERVAL_S  # up this long, a scheduler has heard every live worker
+INTAKE_GRACE_S = 2 * settings.HEARTBEAT_INTERVAL_S  # a copy unsettled this long goes to whoever is designated now
 
 
 class _TakenOver(Exception):
@@ -114,6 +118,7 @@ class Scheduler(Service):
         self.schedulers = SchedulerLiveness(self.scheduler_id, self.incarnation, scheduler_timeout_s,
                                             started_at=time.monotonic())
         self._holdings: dict[str, Holding] = {}  # the flights bucket, as its watch last said
+        self._intake = IntakeBook(self.scheduler_id, keep_s=deadline_s, grace_s=INTAKE_GRACE_S)
         self._adopting: set[str] = set()
         self.ledger_replicas = ledger_replicas
         self.ledger: Ledger | None = None
@@ -143,9 +148,11 @@ class Scheduler(Service):
         await self.bus.subscribe(wire.PROGRESS.wildcard, self._on_progress, template=wire.PROGRESS)
         for cancel in (wire.CANCEL_SUBJECT, wire.OWNED_CANCEL.wildcard):
             await self.bus.subscribe(cancel, self._on_cancel, template=wire.CANCEL_SUBJECT)
+        await self.bus.subscribe_plain(wire.INTAKE.wildcard, self._on_intake_settled)
+        # Every scheduler gets every request (no queue group): one takes it, the others keep
+        # a copy until it is settled (services/scheduler/intake.py says why).
         for generate in (wire.GENERATE_SUBJECT, wire.OWNED_GENERATE.wildcard):
-            await self.bus.subscribe(generate, self._on_generate, queue=wire.SCHEDULER_QUEUE_GROUP,
-                                     template=wire.GENERATE_SUBJECT)
+            await self.bus.subscribe(generate, self._on_generate, template=wire.GENERATE_SUBJECT)
         await self.bus.nc.flush()
         self._started_at = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -214,6 +221,7 @@ class Scheduler(Service):
                         self._holdings, live = holdings, True
                         continue
                     if entry.operation is None and entry.value:
+                        self._intake.settle(entry.key)  # written down: its copy here is not needed
                         record = wire.decode(entry.value, wire.FlightRecord)
                         holdings[entry.key] = Holding(record.holder, record.holder_incarnation, entry.revision)
                     else:
@@ -357,29 +365,82 @@ class Scheduler(Service):
         elif cancel is not None:  # another scheduler's, already ended, or not here yet: keep it for a while
             self._early_cancels.remember(owner, cancel.request_id, time.monotonic())
 
+    def _live_schedulers(self, now: float) -> list[str]:
+        """Who takes requests, as far as this scheduler can tell: those heard within the
+        timeout, and itself once it has heard a whole round (or if it hears nobody)."""
+        others = [s for s in self.schedulers.live(now) if s != self.scheduler_id]
+        if not others or now - self._started_at > HEARD_A_ROUND_S:
+            others.append(self.scheduler_id)
+        return others
+
+    async def _on_intake_settled(self, msg) -> None:
+        settled = await self.bus.decoded(msg, wire.IntakeSettled)
+        if settled is not None and settled.scheduler_id != self.scheduler_id:
+            self._intake.settle(settled.key)
+
     async def _on_generate(self, msg) -> None:
+        now = time.monotonic()
+        key, request_id = intake_key(wire.owner_of(msg.subject), msg.reply or "", msg.data)
+        chosen = designated(key, self._live_schedulers(now))
+        if chosen != self.scheduler_id:
+            self._intake.hold(HeldRequest(key, request_id, msg.subject, msg.reply or "", msg.data,
+                                          dict(msg.headers) if msg.headers else None, time.time_ns(), now, chosen))
+            return
+        chaos.point("scheduler.received")
+        self._take(msg, key, request_id, time.time_ns())
+
+    def _take(self, msg, key: str, request_id: str, received_ns: int, orphan: bool = False) -> None:
         held = len(self.flights) + self._validating
         if held >= self.max_in_flight:  # admission: refused before any work, the loop stays free
-            self._requests.spawn(self._refuse_overloaded(msg, held))
+            self._requests.spawn(self._refuse_overloaded(msg, key, request_id, held))
             return
         self._validating += 1
-        self._requests.spawn(self._serve(msg, time.time_ns()))
+        self._requests.spawn(self._serve(msg, received_ns, key, request_id, orphan))
 
-    async def _refuse_overloaded(self, msg, held: int) -> None:
+    async def _refuse_overloaded(self, msg, key: str, request_id: str, held: int) -> None:
         if msg.reply and wire.reply_problem(msg.reply, wire.owner_of(msg.subject)) is None:
-            await self._reply_error(msg.reply, request_id_of(msg.data), Overloaded(
+            await self._reply_error(msg.reply, request_id, Overloaded(
                 f"this scheduler holds {held} requests, its limit (--max-in-flight {self.max_in_flight}); "
                 "retry later"))
+        await self._settled(key)
+
+    async def _settled(self, key: str) -> None:
+        """Tell the other schedulers that a request this one took needs no copy any more
+        (its record, when it was accepted, tells them too)."""
+        try:
+            await self.bus.nc.publish(wire.INTAKE(sender=self.scheduler_id),
+                                      wire.encode(wire.IntakeSettled(scheduler_id=self.scheduler_id, key=key)))
+        except Exception as exc:  # they drop the copy at its keep time: a resend is never wrong
+            log.warning("could not say a request was settled", error=f"{type(exc).__name__}: {exc}")
+
+    async def _take_orphan(self, held: HeldRequest) -> None:
+        """A request whose designated scheduler left before it was settled: take it as if
+        it had just arrived, unless it was answered meanwhile (its final is kept)."""
+        try:
+            owner = wire.owner_of(held.subject)
+            stored = await self.ledger.final(owner, held.request_id)
+        except Exception as exc:
+            log.warning("could not look up a request's final; taking it", error=f"{type(exc).__name__}: {exc}")
+            stored = None
+        if stored is not None and stored.reply_to == held.reply:
+            return  # it ended before its scheduler left
+        log.warning("taking a request whose scheduler left before writing it down", request_id=held.request_id,
+                    designated=held.designated)
+        instruments().failures.add(1, {"reason": "intake_taken_over"})
+        with consumer(held.subject, wire.GENERATE_SUBJECT, held.headers):
+            self._take(_Arrival(held.subject, held.reply, held.data, held.headers), held.key, held.request_id,
+                       held.received_ns, orphan=True)
 
     # ---------------------------------------------------------------- a request's life
 
-    async def _serve(self, msg, received_ns: int) -> None:
+    async def _serve(self, msg, received_ns: int, key: str, request_id: str, orphan: bool = False) -> None:
         validating = _Validating(self)
         try:
-            flight = await self._admit(msg, received_ns, validating)
+            flight = await self._admit(msg, received_ns, request_id, validating)
         finally:
             validating.done()
         if flight is None:
+            await self._settled(key)
             return
         request = flight.request
         with structlog.contextvars.bound_contextvars(request_id=request.request_id), _tracer.start_as_current_span(
@@ -390,7 +451,7 @@ class Scheduler(Service):
             flight.task = asyncio.current_task()
             await self._attempt(flight)
 
-    async def _admit(self, msg, received_ns: int, validating: "_Validating") -> Flight | None:
+    async def _admit(self, msg, received_ns: int, request_id: str, validating: "_Validating") -> Flight | None:
         """The request as a flight in the table, or None once it was refused."""
         _tracer.start_span(A.SCHEDULER_QUEUE, start_time=received_ns).end()
         if not msg.reply:
@@ -402,10 +463,12 @@ class Scheduler(Service):
             await self.bus.refuse(refusal(self.scheduler_id, msg.subject, ValueError(bad_reply), InvalidReply))
             return None
         try:
-            request = await asyncio.get_running_loop().run_in_executor(self._tokenizer, self.validator.validate,
-                                                                       msg.data)
+            request = await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._validate, msg.data,
+                                                                       request_id)
         except RequestError as exc:
-            await self._reply_error(msg.reply, request_id_of(msg.data), exc)
+            # Kept, as every final is: a scheduler taking this request over as an orphan
+            # (its designated one died as it answered) finds it answered.
+            await self._reply_error(msg.reply, request_id_of(msg.data), exc, keep_for=owner, kept_as=request_id)
             return None
         flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.deadline_s,
                         mode=request.transfer_mode or self.mode, owner=owner,
@@ -420,6 +483,7 @@ class Scheduler(Service):
         try:  # written down before any worker hears of it; a final kept from the id's last use goes
             revision, _ = await asyncio.gather(self.ledger.record(self._record(flight)),
                                                self.ledger.drop_final(owner, request.request_id))
+            chaos.point("scheduler.recorded")
         except Exception as exc:
             self.flights.remove(flight)
             await self._reply_error(msg.reply, request.request_id, LedgerUnavailable(
@@ -437,6 +501,11 @@ class Scheduler(Service):
             await self._end(flight, Cancelled(f"request {request.request_id} was cancelled before it arrived"))
             return None
         return flight
+
+    def _validate(self, data: bytes, request_id: str):
+        """On the tokenizer's thread."""
+        chaos.point("scheduler.validating")
+        return self.validator.validate(data, request_id)
 
     def _record(self, flight: Flight) -> wire.FlightRecord:
         return flight.record(self.scheduler_id, self.incarnation, time.time(), time.monotonic())
@@ -673,6 +742,8 @@ class Scheduler(Service):
                 except Exception:
                     log.exception("could not act on a request", request_id=flight.request_id, verdict=verdict)
             self._take_over_orphans(now)
+            for held in self._intake.orphaned(self._live_schedulers(now), now):
+                self._requests.spawn(self._take_orphan(held))
 
     # ---------------------------------------------------------------- takeover
 
@@ -870,9 +941,10 @@ class Scheduler(Service):
             raise DispatchFailed(f"worker {worker_id} refused the job: {reason}", worker_id)
 
     async def _reply_error(self, reply_to: str, request_id: str, exc: BaseException,
-                           keep_for: str | None = None) -> None:
+                           keep_for: str | None = None, kept_as: str | None = None) -> None:
         """Send the client an error final; ``keep_for`` (the flight's owner): keep it for
-        ``kvpush.final`` first, so a client that misses it can fetch it."""
+        ``kvpush.final`` first (under ``kept_as``, by default the request id), so a client
+        that misses it can fetch it."""
         body = to_error_body(exc)
         log.info("request rejected", request_id=request_id, code=body.code, message=body.message)
         span = trace.get_current_span()
@@ -882,7 +954,7 @@ class Scheduler(Service):
         instruments().requests.add(1, {"outcome": "error"})
         data = wire.encode_json(wire.ErrorReply(request_id, body))
         if keep_for is not None:
-            await self.ledger.keep_final(keep_for, request_id, data, reply_to)
+            await self.ledger.keep_final(keep_for, kept_as or request_id, data, reply_to)
         await self.bus.publish(reply_to, data, template=TEMPORARY)
 
 
@@ -898,6 +970,16 @@ class _Validating:
         if self._counted:
             self._counted = False
             self._scheduler._validating -= 1
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """A request as a held copy kept it: what ``_serve`` reads of a NATS message."""
+
+    subject: str
+    reply: str
+    data: bytes
+    headers: dict | None
 
 
 @contextlib.contextmanager

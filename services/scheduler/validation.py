@@ -32,19 +32,25 @@ class ValidRequest:
 
 
 class RequestValidator:
-    def __init__(self, tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int):
+    def __init__(self, tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int,
+                 max_token_bytes: int = 4):
+        """``max_token_bytes``: the most UTF-8 bytes one token of the vocabulary stands for.
+        A text prompt longer than ``max_model_len`` of those cannot fit, and is refused
+        before the tokenizer (one thread, shared by every request) spends time on it."""
         self.tokenize = tokenize
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_model_len * max(1, max_token_bytes)
 
-    def validate(self, data: bytes) -> ValidRequest:
+    def validate(self, data: bytes, default_request_id: str | None = None) -> ValidRequest:
+        """``default_request_id``: the id of a body that names none (else a new one)."""
         try:
             body = wire.decode_json(data, wire.GenerateRequest)
         except msgspec.ValidationError as exc:
             raise InvalidField(f"invalid request: {exc}") from None
         except msgspec.DecodeError as exc:
             raise BadJson(f"request body is not a JSON object: {exc}") from None
-        request_id = body.request_id if body.request_id is not None else uuid.uuid4().hex
+        request_id = body.request_id if body.request_id is not None else (default_request_id or uuid.uuid4().hex)
         if (problem := wire.request_id_problem(request_id)) is not None:
             raise InvalidField(problem)
         if body.prompt is not None and body.prompt_token_ids is not None:
@@ -54,6 +60,10 @@ class RequestValidator:
         if body.prompt is not None:
             if not body.prompt:
                 raise EmptyPrompt("the prompt is an empty string")
+            if len(body.prompt) > self.max_prompt_bytes or len(body.prompt.encode()) > self.max_prompt_bytes:
+                raise PromptTooLong(
+                    f"the prompt is {len(body.prompt.encode())} bytes; no prompt over {self.max_prompt_bytes} bytes "
+                    f"fits the model's context of {self.max_model_len} tokens")
             token_ids = self.tokenize(body.prompt)
             if not token_ids:
                 raise EmptyPrompt("the prompt has no tokens")
@@ -123,4 +133,11 @@ def load_validator(model: str, max_model_len: int) -> RequestValidator:
     config = json.loads((folder / "config.json").read_text())
     vocab_size = int(config["vocab_size"])
     max_len = min(max_model_len, int(config.get("max_position_embeddings", max_model_len)))
-    return RequestValidator(tokenizer.encode, vocab_size, max_len)
+    return RequestValidator(tokenizer.encode, vocab_size, max_len, max_token_bytes(tokenizer))
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes any one token of ``tokenizer`` stands for: the
+    longest vocabulary entry's spelling, in UTF-8 (a byte-level BPE spells each byte as one
+    character of at most two bytes, so this over-counts, which a bound may). At least 4."""
+    return max(4, *(len(token.encode()) for token in tokenizer.get_vocab()))

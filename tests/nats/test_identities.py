@@ -51,7 +51,11 @@ PUBLISH = [
     ("client-9", wire.CANCEL_SUBJECT, "scheduler-0", False),  # named clients use their own subjects
     ("client-9", wire.OWNED_CANCEL(client="client-9"), "scheduler-0", True),
     ("client-9", wire.prefill_job_subject("prefill-0"), "prefill-0", False),
-    ("client-0", wire.SCHEDULER_STATUS_SUBJECT, "scheduler-0", True),
+    ("client-0", wire.OWNED_STATUS(client="client-0"), "scheduler-0", True),
+    ("client-0", wire.SCHEDULER_STATUS_SUBJECT, "scheduler-0", False),  # status only on its own subject...
+    ("client-9", wire.OWNED_STATUS(client="client-0"), "scheduler-0", False),  # ...so replies go to its own inbox
+    ("scheduler-0", wire.INTAKE(sender="scheduler-0"), "scheduler-0", True),
+    ("scheduler-0", wire.INTAKE(sender="scheduler-1"), "scheduler-0", False),  # settling another's requests
     ("scheduler-0", wire.prefill_job_subject("prefill-0"), "prefill-0", True),
     ("scheduler-0", wire.registration_subject("prefill-0", "decode-0"), "prefill-0", False),
 ]
