@@ -45,6 +45,8 @@ def test_up_serves_then_ctrl_c_stops_everything(model_dir, tmp_path):
             time.sleep(0.5)
         alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], [c.cmdline()[:4] for c in alive]
+        log = (tmp_path / "up.log").read_text()
+        assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]  # a clean stop
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
