@@ -386,10 +386,10 @@ class Scheduler(Service):
             self._intake.hold(HeldRequest(key, request_id, msg.subject, msg.reply or "", msg.data,
                                           dict(msg.headers) if msg.headers else None, time.time_ns(), now, chosen))
             return
-        chaos.point("scheduler.received")
         self._take(msg, key, request_id, time.time_ns())
 
     def _take(self, msg, key: str, request_id: str, received_ns: int, orphan: bool = False) -> None:
+        chaos.point("scheduler.received")
         held = len(self.flights) + self._validating
         if held >= self.max_in_flight:  # admission: refused before any work, the loop stays free
             self._requests.spawn(self._refuse_overloaded(msg, key, request_id, held))
