@@ -135,14 +135,15 @@ def point(name: str) -> None:
 
 def reached_file(hold_file: str) -> str:
     """Where a process held by ``hold_file`` writes the name of each point it stopped at
-    (one line each), so the test in another process knows the hold has begun."""
+    and its pid (one line each), so the test in another process knows the hold has begun,
+    and where."""
     return hold_file + ".reached"
 
 
 def _say_reached(name: str) -> None:
     try:
         with open(reached_file(_HOLD_FILE), "a") as reached:
-            reached.write(name + "\n")
+            reached.write(f"{name} {os.getpid()}\n")  # which process: a test may kill that one
     except OSError:
         pass
 

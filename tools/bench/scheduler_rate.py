@@ -352,6 +352,7 @@ class IdleDecode(_IdleWorker):
 
     async def start(self) -> None:
         from services.ledger import Claims
+        from shared import wire
 
         await super().start()
         self.ledger = Claims(self.bus.nc, wire.Claimant.decode(self.worker_id))

@@ -238,6 +238,16 @@ class FaultRig:
         await wait_until(lambda: reached.exists() and point in reached.read_text().split(), timeout,
                          f"a thread held at {point}")
 
+    def held_pids(self, point: str) -> list[int]:
+        """The processes stopped at ``point`` so far."""
+        reached = Path(chaos.reached_file(str(self.holds)))
+        lines = reached.read_text().splitlines() if reached.exists() else []
+        return [int(parts[1]) for parts in map(str.split, lines) if len(parts) == 2 and parts[0] == point]
+
+    def kill_pid(self, pid: int) -> str:
+        """kill -9 the stack's process ``pid`` (with its children); returns its stack name."""
+        return self._kill(lambda name: dict(self.stack.children)[name].pid == pid, f"no stack process {pid}")
+
     def set_chaos(self, rates: dict | None) -> None:
         """Turn message faults on (rates per subject prefix) or off in every engine."""
         target = self.folder / "chaos.json"

@@ -33,8 +33,10 @@ MESSAGE_CHAOS = {
     "kvpush.kv.completion.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
 }
 # The quick ones first, so a short soak (CI's) meets them all; engine kills last.
-FAULT_KINDS = ("cancel", "client_gone", "dropped_final", "kill_scheduler", "malformed", "forged_registration",
-               "message_chaos", "nats_outage", "nats_restart", "kill_decode", "kill_prefill")
+FAULT_KINDS = ("cancel", "client_gone", "dropped_final", "kill_scheduler", "kill_scheduler_validating", "malformed",
+               "forged_registration", "message_chaos", "fenced_decode", "nats_outage", "nats_restart", "kill_decode",
+               "kill_prefill")
+FENCED_PAUSE_S = 5.0  # a decode stalled longer than the rig's worker timeout (3 s): its requests are retried
 NATS_OUTAGE_S = 5.0  # longer than the rig's worker timeout (3 s)
 
 
@@ -213,6 +215,30 @@ class Soak:
         self.rig.kill_scheduler(victim)
         await asyncio.sleep(self.rng.uniform(0.5, 3.0))
         await self.rig.restart_scheduler(victim)
+
+    async def _fault_kill_scheduler_validating(self) -> None:
+        """kill -9 a scheduler while a request is in its tokenizer (held there): the request
+        was taken but not yet written down; another scheduler's copy of it must be served."""
+        self.rig.hold("scheduler.validating")
+        try:
+            await self.rig.wait_held("scheduler.validating", timeout=30)
+            pid = self.rig.held_pids("scheduler.validating")[0]
+            victim = next(sid for sid, name in self.rig.SCHEDULER_PROCESSES.items()
+                          if dict(self.rig.stack.children)[name].pid == pid)
+            self.rig.kill_pid(pid)
+        finally:
+            self.rig.release()
+        await self.rig.restart_scheduler(victim)
+
+    async def _fault_fenced_decode(self) -> None:
+        """Stall the decode (SIGSTOP) past the worker timeout: its requests are fenced and
+        retried; once it runs again it must send nothing for a fenced attempt."""
+        name = next(name for name, _ in self.rig.stack.children if name.startswith("decode"))
+        self.rig.pause(name)
+        try:
+            await asyncio.sleep(FENCED_PAUSE_S)
+        finally:
+            self.rig.resume(name)
 
     async def _fault_dropped_final(self) -> None:
         """A request whose final the client drops: it must fetch it again (kvpush.final)."""
