@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gateway-port", type=int, default=8000,
                        help="the OpenAI-compatible HTTP gateway's port on 127.0.0.1 (a free one if taken; -1: none)")
 
-    up = sub.add_parser("up", help="start NATS (unless --nats-url), a scheduler and workers; Ctrl-C stops")
+    up = sub.add_parser("up", help="start NATS (unless --nats-url), a scheduler, workers and the gateway, all on "
+                                   "127.0.0.1 only (NATS without users or TLS: for this machine; compose.yaml "
+                                   "and deploy/ secure it for more); Ctrl-C stops")
     stack_options(up)
     up.set_defaults(func=serve.cmd_up)
 
@@ -175,8 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
                              help="env: the server reads $NATS_PASSWORD_<NAME> from its environment; random: "
                                   "new passwords written into the config (and to --passwords-out)")
     nats_config.add_argument("--passwords-out", help="with --passwords random: write NAME=PASSWORD lines here")
-    nats_config.add_argument("--tls-dir", help="a folder with server.pem, server-key.pem, ca.pem: mutual TLS")
+    nats_config.add_argument("--tls-dir", default="certs", metavar="DIR",
+                             help="the folder with server.pem, server-key.pem and ca.pem, for mutual TLS (default "
+                                  "./certs; `python -m tools.dev_certs DIR` makes development ones)")
+    nats_config.add_argument("--no-tls", action="store_true",
+                             help="write no TLS block, so passwords and data cross the network in the clear: only "
+                                  "where something else encrypts every connection (a service mesh's mutual TLS, a "
+                                  "tunnel) or nothing leaves the machine")
+    nats_config.add_argument("--listen", metavar="HOST", default="127.0.0.1",
+                             help="the address the server binds (default 127.0.0.1: this machine only; 0.0.0.0 for "
+                                  "every interface, so that workers on other hosts can connect)")
     nats_config.add_argument("--port", type=int, default=4222)
+    from shared.permissions import JetStreamLimits
+
+    defaults = JetStreamLimits()
+    for flag, dest, kind, what in (
+            ("--js-max-memory", "max_memory", str, "bytes in memory-backed streams (kvpush keeps none)"),
+            ("--js-max-file", "max_file", str, "bytes in file-backed streams, once per replica"),
+            ("--js-max-streams", "max_streams", int, "streams in the account (kvpush makes three)"),
+            ("--js-max-consumers", "max_consumers", int, "consumers on any one stream")):
+        nats_config.add_argument(flag, dest=f"js_{dest}", type=kind, default=getattr(defaults, dest),
+                                 metavar="SIZE" if kind is str else "N",
+                                 help=f"JetStream limit of kvpush's account: {what} (default {getattr(defaults, dest)})")
     nats_config.add_argument("--out", help="the config file (default: standard output)")
     nats_config.add_argument("--sample", action="store_true", help="print deploy/nats-server.conf and stop")
     nats_config.set_defaults(func=tools.cmd_nats_config)

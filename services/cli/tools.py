@@ -26,11 +26,14 @@ def cmd_nats_config(args) -> int:
         ]
         password = permissions.literal_password if args.passwords == "random" else permissions.env_password
         tls = None
-        if args.tls_dir:
+        if not args.no_tls:
             folder = Path(args.tls_dir).resolve()
             tls = {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
                    "ca_file": str(folder / "ca.pem")}
-        config = permissions.render_config(identities, password, tls=tls, port=args.port)
+        limits = permissions.JetStreamLimits(max_memory=args.js_max_memory, max_file=args.js_max_file,
+                                             max_streams=args.js_max_streams, max_consumers=args.js_max_consumers)
+        config = permissions.render_config(identities, password, tls=tls, port=args.port, listen=args.listen,
+                                           limits=limits)
     except ValueError as exc:
         print(f"kvpush nats-config: {exc}", file=sys.stderr)
         return 2
@@ -48,6 +51,9 @@ def cmd_nats_config(args) -> int:
     elif args.passwords == "env":
         say("the server reads each password from its environment: "
             + ", ".join(permissions.password_variable(identity.name) for identity in identities))
+    if tls is not None and not all(Path(path).is_file() for path in tls.values()):
+        say(f"note: {Path(tls['cert_file']).parent} does not hold server.pem, server-key.pem and ca.pem (yet); "
+            "nats-server needs them to start (`python -m tools.dev_certs DIR` makes development ones)")
     return 0
 
 

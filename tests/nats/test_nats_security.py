@@ -7,16 +7,22 @@ peers of one role (another decode's jobs) in tests/nats/test_identities.py."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import ssl
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nats
 import nats.errors
+import nats.js.api
+import nats.js.errors
 import pytest
 
 from tools import dev_certs
-from services.launch.natsd import LocalNatsServer
+from services.launch.natsd import LocalNatsServer, free_port, server_binary, terminate
 from shared import permissions, wire
 from shared.nats_security import connect_options
 
@@ -147,7 +153,7 @@ async def test_allowed_subjects_deliver(roles, publisher, subject, subscribers):
 
 REQUESTS = [
     # requester, subject, responder, its subscription
-    (C, wire.SCHEDULER_STATUS_SUBJECT, S, wire.SCHEDULER_STATUS_SUBJECT),
+    (C, wire.OWNED_STATUS(client=C), S, wire.OWNED_STATUS.wildcard),
     (S, wire.prefill_job_subject(P), P, wire.prefill_job_subject(P)),
     (S, wire.decode_job_subject(D), D, wire.decode_job_subject(D)),
     (D, wire.agent_subject(P, 0), P, wire.KV_AGENT.partly(engine_id=P)),
@@ -213,8 +219,10 @@ FORBIDDEN_SUBSCRIBE = [
     (D, wire.PREFILL_JOBS.wildcard, ""),
     (D, wire.KV_CONTROL.wildcard, ""),
     (S, wire.KV_CONTROL.wildcard, ""),
-    (S, wire.GENERATE_SUBJECT, ""),
-    (S, wire.GENERATE_SUBJECT, "another-group"),
+    (S, wire.PREFILL_JOBS.wildcard, ""),  # the workers' jobs
+    (S, f"{wire.CLIENT_INBOX_PREFIX}.>", ""),  # the clients' streams: a scheduler sends there, never reads
+    (S, wire.FINAL_SUBJECT, ""),  # only in the schedulers' queue group
+    (S, wire.FINAL_SUBJECT, "another-group"),
     (D, ">", ""),
 ]
 
@@ -300,3 +308,193 @@ async def test_restart_keeps_the_url_and_clients_reconnect(tmp_path, monkeypatch
     finally:
         server.stop()
     assert server._store is None and not Path(store).exists()
+
+
+# --------------------------------------------------------------------------- kvpush nats-config's defaults
+# The config `kvpush nats-config` writes when told nothing but who its users are, started as
+# written (no address or port given on the command line): TLS, the loopback address, and
+# the users in an account whose JetStream limits the server enforces.
+
+KVPUSH = Path(sys.executable).parent / "kvpush"
+
+
+def kvpush_nats_config(folder: Path, *args: str) -> str:
+    result = subprocess.run([str(KVPUSH), "nats-config", *args], cwd=folder, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def start_nats_server(config: Path, store: Path, log: Path) -> subprocess.Popen:
+    """nats-server with ``config`` and nothing that overrides its address or port."""
+    process = subprocess.Popen([server_binary(), "-c", str(config), "-js", "-sd", str(store)], cwd=config.parent,
+                               stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    deadline = time.monotonic() + 15
+    while "Server is ready" not in log.read_text(errors="replace"):
+        assert process.poll() is None, f"nats-server exited: {log.read_text(errors='replace')[-800:]}"
+        assert time.monotonic() < deadline, "nats-server did not start within 15 s"
+        time.sleep(0.05)
+    return process
+
+
+class DefaultServer:
+    def __init__(self, folder: Path, port: int, passwords: dict[str, str], config: str, log: Path):
+        self.folder, self.port, self.passwords, self.config, self.log = folder, port, passwords, config, log
+        self.url = f"nats://127.0.0.1:{port}"
+
+    async def connect(self, name: str) -> nats.NATS:
+        env = {"KVPUSH_NATS_USER": name, "KVPUSH_NATS_PASSWORD": self.passwords[name]} | tls_env(self.folder / "certs")
+        service = None if name.startswith("client") else name
+        return await nats.connect(self.url, allow_reconnect=False, connect_timeout=5,
+                                  **connect_options(env, service=service))
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("default-config")
+    dev_certs.generate(folder / "certs")  # where the default --tls-dir (./certs) looks
+    port = free_port()
+    kvpush_nats_config(folder, "--passwords", "random", "--passwords-out", "passwords", "--port", str(port),
+                       "--out", "nats-server.conf")
+    passwords = dict(line.split("=", 1) for line in (folder / "passwords").read_text().split())
+    process = start_nats_server(folder / "nats-server.conf", folder / "store", folder / "nats.log")
+    try:
+        yield DefaultServer(folder, port, passwords, (folder / "nats-server.conf").read_text(), folder / "nats.log")
+    finally:
+        terminate(process)
+
+
+def test_the_default_config_listens_on_loopback_only_and_requires_tls(default_server):
+    config = default_server.config
+    assert re.search(r'^host: "127\.0\.0\.1"$', config, re.MULTILINE)
+    certs = default_server.folder / "certs"
+    for key, file in (("cert_file", "server.pem"), ("key_file", "server-key.pem"), ("ca_file", "ca.pem")):
+        assert f'  {key}: "{certs / file}"' in config
+    assert re.search(r"^tls \{[^}]*^  verify: true$", config, re.MULTILINE)
+    log = default_server.log.read_text()
+    assert f"Listening for client connections on 127.0.0.1:{default_server.port}" in log
+    assert "TLS required for client connections" in log
+
+
+async def test_the_default_config_refuses_plaintext_and_anonymous_logins(default_server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", default_server.port)
+    try:
+        info = await asyncio.wait_for(reader.readline(), 2)
+        assert b'"tls_required":true' in info and b'"auth_required":true' in info
+    finally:
+        writer.close()
+    options = connect_options(tls_env(default_server.folder / "certs"))  # TLS, but no user
+    with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
+        await nats.connect(default_server.url, allow_reconnect=False, connect_timeout=2, **options)
+
+
+async def test_the_default_config_puts_every_user_in_an_account_with_the_default_jetstream_limits(default_server):
+    assert "authorization {" not in default_server.config  # users there would be in $G, which takes no limits
+    assert f"accounts {{\n  {permissions.ACCOUNT} {{\n" in default_server.config
+    defaults = permissions.JetStreamLimits()
+    for name in default_server.passwords:  # every user logs in, and into kvpush's account
+        nc = await default_server.connect(name)
+        await nc.close()
+    nc = await default_server.connect("scheduler-0")
+    try:
+        limits = (await nc.jetstream().account_info()).limits
+    finally:
+        await nc.close()
+    assert (limits.max_memory, limits.max_storage, limits.max_streams, limits.max_consumers) == (
+        0, _bytes(defaults.max_file), defaults.max_streams, defaults.max_consumers)
+
+
+def _bytes(size: str) -> int:
+    """A nats-server size (``2GiB``, ``1G``, ``0``) in bytes."""
+    number, unit, binary = re.fullmatch(r"(\d+)([KMGT]?)(i?)B?", size).groups()
+    return int(number) * (1024 if binary else 1000) ** " KMGT".index(unit or " ")
+
+
+async def _refused(coro) -> str:
+    with pytest.raises(nats.js.errors.APIError) as refused:
+        await coro
+    return refused.value.description or ""
+
+
+@pytest.fixture
+async def scheduler_js(default_server):
+    """A scheduler's JetStream context (its user may use the JetStream API); every stream it
+    made is deleted afterwards."""
+    nc = await default_server.connect("scheduler-0")
+    js = nc.jetstream(timeout=5)
+    yield js
+    for name in await js.streams_info():
+        await js.delete_stream(name.config.name)
+    await nc.close()
+
+
+async def test_a_stream_past_max_streams_is_refused(scheduler_js):
+    limit = permissions.JetStreamLimits().max_streams
+    for index in range(limit):
+        await scheduler_js.add_stream(name=f"probe-{index}", subjects=[f"probe.{index}"])
+    why = await _refused(scheduler_js.add_stream(name="one-too-many", subjects=["probe.more"]))
+    assert "maximum number of streams reached" in why
+
+
+async def test_a_memory_stream_is_refused(scheduler_js):
+    why = await _refused(scheduler_js.add_stream(name="in-memory", subjects=["probe.memory"],
+                                                 storage=nats.js.api.StorageType.MEMORY))
+    assert "insufficient memory resources" in why
+
+
+async def test_a_stream_reserving_more_disk_than_max_file_is_refused(scheduler_js):
+    too_big = _bytes(permissions.JetStreamLimits().max_file) + 1
+    why = await _refused(scheduler_js.add_stream(name="too-big", subjects=["probe.big"], max_bytes=too_big))
+    assert "insufficient storage resources" in why
+
+
+async def test_a_consumer_past_max_consumers_on_one_stream_is_refused(scheduler_js):
+    limit = permissions.JetStreamLimits().max_consumers
+    await scheduler_js.add_stream(name="watched", subjects=["probe.watched"])
+    for index in range(limit):
+        await scheduler_js.add_consumer("watched", durable_name=f"c{index}")
+    why = await _refused(scheduler_js.add_consumer("watched", durable_name="one-too-many"))
+    assert "maximum consumers limit reached" in why
+
+
+async def test_kvpush_s_own_jetstream_state_fits_the_default_limits_at_three_replicas(tmp_path):
+    """The buckets and the claims stream a scheduler makes (services/ledger.py), with
+    --jetstream-replicas 3 as deploy/k8s runs them, on a three-server cluster whose account
+    has the default limits: nats-server reserves each stream's max_bytes once per replica."""
+    from services.ledger import Ledger
+
+    dev_certs.generate(tmp_path / "certs")
+    tls = {"cert_file": str(tmp_path / "certs" / "server.pem"), "key_file": str(tmp_path / "certs" / "server-key.pem"),
+           "ca_file": str(tmp_path / "certs" / "ca.pem")}
+    identity = permissions.Identity("scheduler", "scheduler-0", permissions.new_password())
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    routes = ", ".join(f'"nats://127.0.0.1:{route}"' for _, route in ports)
+    processes = []
+    try:
+        for index, (port, route) in enumerate(ports):
+            config = tmp_path / f"n{index}.conf"
+            config.write_text(permissions.render_config(
+                [identity], permissions.literal_password, tls=tls, port=port,
+                extra=f'server_name: "n{index}"\ncluster {{ name: "c", listen: "127.0.0.1:{route}", routes: [{routes}] }}'))
+            processes.append(start_nats_server(config, tmp_path / f"store{index}", tmp_path / f"n{index}.log"))
+        env = {"KVPUSH_NATS_USER": identity.name, "KVPUSH_NATS_PASSWORD": identity.password} | tls_env(tmp_path / "certs")
+        nc = await nats.connect(f"nats://127.0.0.1:{ports[0][0]}", allow_reconnect=False, connect_timeout=5,
+                                **connect_options(env, service=identity.name))
+        try:
+            js = nc.jetstream(timeout=5)
+            deadline = time.monotonic() + 30
+            while True:  # until the cluster has a JetStream meta leader
+                try:
+                    await js.account_info()
+                    break
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
+                    assert time.monotonic() < deadline, "the cluster elected no JetStream leader within 30 s"
+                    await asyncio.sleep(0.5)
+            await Ledger.open(nc, me=wire.Claimant.scheduler(identity.name, "i1"), replicas=3)
+            streams = {info.config.name: info.config for info in await js.streams_info()}
+        finally:
+            await nc.close()
+    finally:
+        for process in processes:
+            terminate(process)
+    assert len(streams) == 3 and all(config.num_replicas == 3 for config in streams.values()), streams

@@ -73,14 +73,13 @@ class NatsCluster:
             store.mkdir(parents=True, exist_ok=True)
             extra = "\n".join([
                 f'server_name: "{name}"',
-                f'host: "{host.address}"',
                 f'http: "{host.address}:{MONITOR_PORT}"',
                 f'jetstream {{ store_dir: "{store}" }}',
                 f'cluster {{ name: "{CLUSTER}", listen: "{host.address}:{ROUTE_PORT}", routes: [{routes}] }}',
             ])
             config = folder / f"{name}.conf"  # beside certs/, which the TLS paths name
             config.write_text(render_config(IDENTITIES, literal_password, tls=TLS_FILES, port=CLIENT_PORT,
-                                            extra=extra))
+                                            listen=host.address, extra=extra))
             config.chmod(0o600)
             self.members.append(NatsMember(host, name, config, log=folder / f"{name}.log"))
         self.killed: set[str] = set()
