@@ -4,11 +4,13 @@ certificate, so a NATS server with TLS (deploy/nats-server.conf) can be tried lo
     python -m tools.dev_certs [FOLDER]        # default: deploy/certs/
     (or: from tools.dev_certs import generate)
 
-Writes ca.pem, ca-key.pem, server.pem, server-key.pem (for 127.0.0.1 and localhost),
-client.pem, client-key.pem. Idempotent: when all six files exist nothing is
-rewritten (pass --force to regenerate). Uses the ``cryptography`` package when it
-is installed and the ``openssl`` command otherwise. These are development
-certificates only: the CA key lies next to the certificates it signed.
+Writes ca.pem, ca-key.pem, server.pem, server-key.pem (for 127.0.0.1 and localhost, and
+the names given with --server-names; good for client authentication too, so that NATS
+servers can use it on the routes between them), client.pem, client-key.pem. Idempotent:
+when all six files exist nothing is rewritten (pass --force to regenerate). Uses the
+``cryptography`` package when it is installed and the ``openssl`` command otherwise.
+These are development certificates only: the CA key lies next to the certificates it
+signed.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ SERVER_NAME = "kvpush nats-server"
 CLIENT_NAME = "kvpush client"
 
 
-def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False, server_ips: tuple[str, ...] = ()) -> Path:
+def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False, server_ips: tuple[str, ...] = (),
+             server_names: tuple[str, ...] = ()) -> Path:
     """Make sure ``folder`` holds the six PEM files; return the folder. ``server_ips``:
     addresses the server certificate is valid for besides loopback (the multi-host rig's
-    NATS servers)."""
+    NATS servers); ``server_names``: DNS names besides localhost (``nats`` under docker
+    compose, ``*.nats`` in Kubernetes)."""
     ips = SERVER_IPS + tuple(server_ips)
+    names = SERVER_NAMES + tuple(n for n in server_names if n not in SERVER_NAMES)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not force and all((folder / name).exists() for name in FILES):
@@ -45,9 +50,9 @@ def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False, server_ip
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        _generate_with_openssl(folder, ips)
+        _generate_with_openssl(folder, ips, names)
     else:
-        _generate_with_cryptography(folder, ips)
+        _generate_with_cryptography(folder, ips, names)
     for name in FILES:
         if name.endswith("-key.pem"):
             os.chmod(folder / name, 0o600)
@@ -57,7 +62,7 @@ def generate(folder: Path | str = DEFAULT_FOLDER, force: bool = False, server_ip
 # --------------------------------------------------------------------------- cryptography
 
 
-def _generate_with_cryptography(folder: Path, ips: tuple[str, ...]) -> None:
+def _generate_with_cryptography(folder: Path, ips: tuple[str, ...], names: tuple[str, ...] = SERVER_NAMES) -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -88,17 +93,18 @@ def _generate_with_cryptography(folder: Path, ips: tuple[str, ...]) -> None:
     (folder / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
     leaves = {
-        "server": (SERVER_NAME, ExtendedKeyUsageOID.SERVER_AUTH, x509.SubjectAlternativeName(
-            [x509.DNSName(n) for n in SERVER_NAMES] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])),
-        "client": (CLIENT_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, x509.SubjectAlternativeName(
+        "server": (SERVER_NAME, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                   x509.SubjectAlternativeName(
+            [x509.DNSName(n) for n in names] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips])),
+        "client": (CLIENT_NAME, [ExtendedKeyUsageOID.CLIENT_AUTH], x509.SubjectAlternativeName(
             [x509.DNSName("kvpush-client")])),
     }
-    for stem, (common_name, usage, alt_names) in leaves.items():
+    for stem, (common_name, usages, alt_names) in leaves.items():
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (builder(common_name, ca_cert.subject, key.public_key())
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(_key_usage(x509, cert_sign=False), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                 .add_extension(alt_names, critical=False)
                 .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
                 .sign(ca_key, hashes.SHA256()))
@@ -116,7 +122,7 @@ def _key_usage(x509, cert_sign: bool):
 # --------------------------------------------------------------------------- openssl CLI
 
 
-def _generate_with_openssl(folder: Path, ips: tuple[str, ...]) -> None:
+def _generate_with_openssl(folder: Path, ips: tuple[str, ...], names: tuple[str, ...] = SERVER_NAMES) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         raise RuntimeError("neither the cryptography package nor the openssl command is available")
@@ -133,9 +139,9 @@ def _generate_with_openssl(folder: Path, ips: tuple[str, ...]) -> None:
         "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
         "-addext", "keyUsage=critical,digitalSignature,keyCertSign,cRLSign")
 
-    server_alt = ",".join([f"DNS:{n}" for n in SERVER_NAMES] + [f"IP:{i}" for i in ips])
+    server_alt = ",".join([f"DNS:{n}" for n in names] + [f"IP:{i}" for i in ips])
     leaves = {
-        "server": (SERVER_NAME, "serverAuth", server_alt),
+        "server": (SERVER_NAME, "serverAuth,clientAuth", server_alt),
         "client": (CLIENT_NAME, "clientAuth", "DNS:kvpush-client"),
     }
     with tempfile.TemporaryDirectory() as scratch:
@@ -160,9 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="regenerate even if the files exist")
     parser.add_argument("--server-ips", default="", metavar="IP,IP",
                         help="more addresses the server certificate is valid for (NATS servers on other hosts)")
+    parser.add_argument("--server-names", default="", metavar="NAME,NAME",
+                        help="more DNS names the server certificate is valid for (nats, *.nats, ...)")
     args = parser.parse_args(argv)
     ips = tuple(ip.strip() for ip in args.server_ips.split(",") if ip.strip())
-    folder = generate(args.folder, force=args.force, server_ips=ips)
+    names = tuple(name.strip() for name in args.server_names.split(",") if name.strip())
+    folder = generate(args.folder, force=args.force, server_ips=ips, server_names=names)
     print(f"dev certificates in {folder}")
     return 0
 
