@@ -1,6 +1,6 @@
 #!/bin/sh
 # Print the Secrets with kvpush's NATS passwords, new random ones, for every user in
-# nats/users.conf:
+# nats/users.conf, and new development TLS certificates for NATS:
 #
 #   deploy/k8s/make-secrets.sh | kubectl apply -f -
 #
@@ -10,18 +10,29 @@
 #   kvpush-nats-prefill    key prefill-0, ...:   mounted into the prefill pods
 #   kvpush-nats-decode     key decode-0, ...:    mounted into the decode pods
 #   kvpush-nats-client     key gateway, ...:     the gateway's KVPUSH_NATS_PASSWORD
+#   kvpush-nats-server-tls   tls.crt, tls.key, ca.crt: the NATS servers' certificate (for nats,
+#                            nats-0.nats, ... in NAMESPACE) and the CA their clients must present
+#   kvpush-nats-client-tls   tls.crt, tls.key, ca.crt: the client certificate of every kvpush pod
 #
 # The passwords come from `kvpush nats-config --passwords random` (shared/permissions.py),
 # with a letter in front (below), for the same identities as users.conf; the script first checks that `kvpush nats-config`
 # still writes exactly users.conf for them (else: regenerate it, README.md). Running it
 # again rotates every password: then restart NATS and every kvpush workload (README.md).
-# Needs `kvpush` (or KVPUSH=...) and awk. NAMESPACE (default kvpush) sets the namespace.
+# The certificates come from tools/dev_certs.py (a throw-away CA whose key is not kept): for
+# production, apply Secrets of the same names and keys from your own CA (cert-manager's
+# Certificate writes exactly these keys) and leave these two out.
+# Needs `kvpush` (or KVPUSH=...), python3 (or PYTHON=...) and awk. NAMESPACE (default kvpush)
+# sets the namespace.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
 kvpush=${KVPUSH:-kvpush}
 namespace=${NAMESPACE:-kvpush}
 users_conf="$here/nats/users.conf"
+python=${PYTHON:-python3}
+# What README.md's command gives `kvpush nats-config` besides the identities: every address
+# of the pod, and the certificate files where nats/statefulset.yaml mounts them.
+server_flags="--listen 0.0.0.0 --tls-dir /etc/nats-tls"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -35,9 +46,9 @@ names() {
 roles="--schedulers=$(names scheduler) --prefill=$(names prefill) --decode=$(names decode) --clients=$(names client)"
 
 # shellcheck disable=SC2086  # $roles is split into flags on purpose (names have no spaces)
-$kvpush nats-config $roles > "$tmp/users.conf" 2>/dev/null
+$kvpush nats-config $roles $server_flags > "$tmp/users.conf" 2>/dev/null
 if ! cmp -s "$tmp/users.conf" "$users_conf"; then
-    echo "make-secrets.sh: $users_conf is not what \`kvpush nats-config $roles\` writes; regenerate it (README.md)" >&2
+    echo "make-secrets.sh: $users_conf is not what \`kvpush nats-config $roles $server_flags\` writes; regenerate it (README.md)" >&2
     exit 1
 fi
 # shellcheck disable=SC2086
@@ -68,3 +79,21 @@ secret kvpush-nats-scheduler "$(pattern scheduler)" name
 secret kvpush-nats-prefill "$(pattern prefill)" name
 secret kvpush-nats-decode "$(pattern decode)" name
 secret kvpush-nats-client "$(pattern client)" name
+
+# The servers are reached as nats-0.nats, ... (the routes in nats.conf, and kvpush's
+# KVPUSH_NATS_URL), nats-0.nats.<namespace>.svc, ... and the Service as nats. Each member
+# is named: a wildcard over one label (*.nats) is no match for OpenSSL, so for Python.
+members=$(sed -n 's|.*"nats://\([^:"]*\):6222".*|\1|p' "$here/nats/nats.conf" | paste -sd, -)
+names="nats,$members,nats.$namespace.svc,*.nats.$namespace.svc,*.nats.$namespace.svc.cluster.local"
+(cd "$here/../.." && "$python" -m tools.dev_certs "$tmp/certs" --server-names "$names" > /dev/null)
+
+tls_secret() {  # tls_secret NAME STEM: a kubernetes.io/tls Secret with STEM.pem, STEM-key.pem and the CA
+    printf -- '---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: %s\n  namespace: %s\n' "$1" "$namespace"
+    printf '  labels:\n    app.kubernetes.io/part-of: kvpush\ntype: kubernetes.io/tls\ndata:\n'
+    for pair in "tls.crt:$2.pem" "tls.key:$2-key.pem" "ca.crt:ca.pem"; do
+        printf '  %s: %s\n' "${pair%%:*}" "$(base64 < "$tmp/certs/${pair#*:}" | tr -d '\n')"
+    done
+}
+
+tls_secret kvpush-nats-server-tls server
+tls_secret kvpush-nats-client-tls client

@@ -10,9 +10,11 @@ real, with /bin/sh and a stand-in ``kvpush`` that records what it was given."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
+import ssl
 import shutil
 import subprocess
 import sys
@@ -64,7 +66,7 @@ def _kvpush_command() -> str:
 
 
 def _make_secrets(folder: Path = K8S) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVPUSH": _kvpush_command()}
+    env = {**os.environ, "KVPUSH": _kvpush_command(), "PYTHON": sys.executable}
     return subprocess.run(["/bin/sh", str(folder / "make-secrets.sh")], capture_output=True, text=True,
                           timeout=60, env=env, cwd=ROOT)
 
@@ -77,7 +79,8 @@ def secrets() -> dict[str, dict[str, str]]:
     documents = [d for d in yaml.safe_load_all(result.stdout) if d]
     for document in documents:
         _validate(document)
-    return {d["metadata"]["name"]: d.get("stringData") or {} for d in documents}
+    return {d["metadata"]["name"]: {**{k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()},
+                                    **(d.get("stringData") or {})} for d in documents}
 
 
 def _find(documents: list[dict], kind: str, name: str) -> dict:
@@ -228,6 +231,31 @@ def _nats(rendered) -> tuple[dict, dict, str, str]:
     return statefulset, container, data["nats.conf"], data["users.conf"]
 
 
+def _secret_files(volume: dict, data: dict[str, str], folder: Path) -> Path:
+    """A Secret volume's files as the kubelet lays them out (``items`` rename keys), in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    items = volume["secret"].get("items") or [{"key": key, "path": key} for key in data]
+    for item in items:
+        assert item["key"] in data, f"the Secret {volume['secret']['secretName']} has no key {item['key']}"
+        (folder / item["path"]).write_text(data[item["key"]])
+    return folder
+
+
+def _nats_folder(rendered, secrets, folder: Path) -> Path:
+    """nats.conf and users.conf in ``folder``, with every Secret the NATS pods mount laid out
+    beside them and the mount paths in the two files pointing there."""
+    statefulset, container, config, users = _nats(rendered)
+    for mount in container["volumeMounts"]:
+        volume = next((v for v in statefulset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]), {})
+        if "secret" in volume:
+            files = _secret_files(volume, secrets[volume["secret"]["secretName"]], folder / mount["name"])
+            config = config.replace(mount["mountPath"], str(files))
+            users = users.replace(mount["mountPath"], str(files))
+    (folder / "nats.conf").write_text(config)
+    (folder / "users.conf").write_text(users)
+    return folder
+
+
 def _conf_value(config: str, key: str) -> str:
     match = re.search(rf"^\s*{key}\s*[:=]?\s*(.+?)\s*$", config, re.MULTILINE)
     assert match, f"nats.conf sets no {key}"
@@ -276,9 +304,8 @@ def test_nats_is_a_three_member_cluster_with_jetstream_on_its_own_volumes(render
 def test_nats_server_accepts_its_configuration_with_the_secret_passwords_and_not_without(rendered, secrets, tmp_path):
     """nats-server itself parses the rendered config: syntax, unknown fields, the include,
     and every $VARIABLE (each user's password) must come from the pod's environment."""
-    _, container, config, users = _nats(rendered)
-    (tmp_path / "nats.conf").write_text(config)
-    (tmp_path / "users.conf").write_text(users)
+    _, container, _, _ = _nats(rendered)
+    _nats_folder(rendered, secrets, tmp_path)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "POD_NAME": "nats-0"}
     for source in container.get("envFrom", []):
         env.update(secrets[source["secretRef"]["name"]])
@@ -295,9 +322,7 @@ def test_every_password_is_a_plain_string_to_nats_server(rendered, secrets, tmp_
     """nats-server parses a $VARIABLE's value as a config token: a password such as
     "-x..." or "12-x..." (about 1 in 50 of kvpush's random ones) is a broken number or
     date, and the server does not start. make-secrets.sh puts a letter in front of each."""
-    _, _, config, users = _nats(rendered)
-    (tmp_path / "nats.conf").write_text(config)
-    (tmp_path / "users.conf").write_text(users)
+    _nats_folder(rendered, secrets, tmp_path)
     server = secrets["kvpush-nats-server"]
     assert all(re.fullmatch(r"[A-Za-z][-_A-Za-z0-9]+", p) for p in server.values())
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "POD_NAME": "nats-0", **server}
@@ -305,6 +330,58 @@ def test_every_password_is_a_plain_string_to_nats_server(rendered, secrets, tmp_
     result = subprocess.run([server_binary(), "-c", "nats.conf", "-t"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=30, env={**env, first: "-" + "x" * 23})
     assert result.returncode != 0, "nats-server now takes a password starting with '-': the letter can go"
+
+
+def test_nats_listens_on_the_pod_and_requires_mutual_tls_on_clients_and_routes(rendered):
+    """users.conf binds every address of the pod (the probes and the other pods reach it)
+    and requires a client certificate; its files, and the routes' own, are the mounted
+    Secret's under the names the tls blocks give."""
+    statefulset, container, config, users = _nats(rendered)
+    assert _conf_value(users, "host") == "0.0.0.0"
+    found = _mount_of(statefulset, container, lambda v: v.get("secret", {}).get("secretName") == "kvpush-nats-server-tls")
+    assert found, "the NATS pods mount no kvpush-nats-server-tls"
+    mount, volume = found
+    laid_out = {f"{mount['mountPath']}/{item['path']}": item["key"] for item in volume["secret"]["items"]}
+    for where, block in (("users.conf", _conf_block(users, "tls")), ("nats.conf's cluster", _conf_block(config, "cluster"))):
+        tls = re.search(r"tls\s*\{(.*?)\}", block, re.DOTALL).group(1) if where != "users.conf" else block
+        files = {key: _conf_value(tls, key) for key in ("cert_file", "key_file", "ca_file")}
+        assert {laid_out.get(path) for path in files.values()} == {"tls.crt", "tls.key", "ca.crt"}, (where, files)
+        assert _conf_value(tls, "verify") == "true", f"{where}: the peer must present a certificate"
+
+
+async def test_kvpush_pods_log_in_over_mutual_tls_under_each_members_name(rendered, secrets, tmp_path, monkeypatch):
+    """A real nats-server with the rendered users.conf and make-secrets.sh's certificates:
+    the gateway and a prefill pod, with their own environment and mounted files, log in
+    under each member's name (nats-0.nats, ...) and the server's certificate is checked
+    against it; a name it does not hold is refused."""
+    import nats
+
+    from services.launch.natsd import LocalNatsServer
+
+    folder = _nats_folder(rendered, secrets, tmp_path / "nats")
+    for variable, password in secrets["kvpush-nats-server"].items():
+        monkeypatch.setenv(variable, password)
+    members = [urlsplit(u).hostname for u in _config_map(rendered, _kvpush_env_name(rendered))["KVPUSH_NATS_URL"].split(",")]
+    with LocalNatsServer(config=folder / "users.conf") as server:
+        for workload, pod in ((_find(rendered, "Deployment", "gateway"), "gateway-0"),
+                              (_find(rendered, "StatefulSet", "prefill"), "prefill-1")):
+            _, launched = _run_container(rendered, secrets, workload, pod, tmp_path / pod)
+            env = launched["env"]
+            user = nats_security.nats_user(env)
+            options = nats_security.connect_options(env, service=None if user == "gateway" else user)
+            for member in members:
+                nc = await nats.connect(server.url, tls_hostname=member, allow_reconnect=False, connect_timeout=5,
+                                        **options)
+                assert nc.is_connected and nc.connected_server_version.major >= 2
+                await nc.close()
+            with pytest.raises(ssl.SSLCertVerificationError):
+                await nats.connect(server.url, tls_hostname="nats.example.com", allow_reconnect=False,
+                                   connect_timeout=5, **options)
+
+
+def _kvpush_env_name(rendered) -> str:
+    container = _containers(_find(rendered, "Deployment", "gateway"))[0]
+    return container["envFrom"][0]["configMapRef"]["name"]
 
 
 def _identities(users_conf: str) -> list[permissions.Identity]:
@@ -320,7 +397,9 @@ def test_nats_users_and_permissions_are_what_shared_permissions_renders(rendered
     _, _, _, users = _nats(rendered)
     identities = _identities(users)
     assert len(identities) == users.count("user:"), "every user has its role comment"
-    assert users == permissions.render_config(identities, permissions.env_password), \
+    tls = {key: _conf_value(_conf_block(users, "tls"), key) for key in ("cert_file", "key_file", "ca_file")}
+    assert users == permissions.render_config(identities, permissions.env_password, tls=tls,
+                                              listen=_conf_value(users, "host")), \
         "deploy/k8s/nats/users.conf differs from what shared.permissions renders: regenerate it (deploy/k8s/README.md)"
 
     by_name = {i.name: i.role for i in identities}
@@ -409,22 +488,24 @@ def _environment(rendered, secrets, container: dict, pod_name: str) -> dict[str,
 
 def _run_container(rendered, secrets, workload: dict, pod_name: str, tmp_path: Path,
                    drop_password: bool = False) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """Run the container's command as its pod ``pod_name`` would, with the Secret volume's
-    files in a folder here and a stand-in ``kvpush`` that records its argv and environment."""
+    """Run the container's command as its pod ``pod_name`` would, with each Secret volume's
+    files in a folder here (the mount paths in its command and environment pointing there)
+    and a stand-in ``kvpush`` that records its argv and environment."""
     container = _containers(workload)[0]
     argv = container.get("command", []) + container.get("args", [])
     env = _environment(rendered, secrets, container, pod_name)
-    found = _mount_of(workload, container, lambda v: "secret" in v)
-    if found:
-        mount, volume = found
-        files = tmp_path / "secret"
-        files.mkdir()
-        for key, value in secrets[volume["secret"]["secretName"]].items():
-            if not (drop_password and key == pod_name):
-                (files / key).write_text(value)
-        assert any(mount["mountPath"] in part for part in argv), \
-            f"{workload['metadata']['name']}: the command does not read the mounted Secret {mount['mountPath']}"
+    for mount in container.get("volumeMounts", []):
+        volume = _volume(workload, mount["name"])
+        if "secret" not in volume:
+            continue
+        data = {key: value for key, value in secrets[volume["secret"]["secretName"]].items()
+                if not (drop_password and key == pod_name)}
+        files = _secret_files(volume, data, tmp_path / "secret" / mount["name"])
+        assert any(mount["mountPath"] in part for part in [*argv, *env.values()]), \
+            f"{workload['metadata']['name']}: neither the command nor the environment uses the mounted Secret " \
+            f"{mount['mountPath']}"
         argv = [part.replace(mount["mountPath"], str(files)) for part in argv]
+        env = {key: value.replace(mount["mountPath"], str(files)) for key, value in env.items()}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "record.json"
@@ -488,13 +569,15 @@ def test_each_kvpush_pod_starts_as_its_own_nats_identity_on_every_nats_member(re
         env = launched["env"]
 
         urls = args.nats_url.split(",")
-        assert {urlsplit(u).netloc for u in urls} == members and all(u.startswith("nats://") for u in urls), \
-            f"{pod}: KVPUSH_NATS_URL must list every NATS member, not {args.nats_url}"
+        assert {urlsplit(u).netloc for u in urls} == members and all(u.startswith("tls://") for u in urls), \
+            f"{pod}: KVPUSH_NATS_URL must list every NATS member, as tls://, not {args.nats_url}"
         if hasattr(nats_security, "server_urls"):
             assert len(nats_security.server_urls(args.nats_url)) == len(members)
 
         user = nats_security.nats_user(env)
         options = nats_security.connect_options(env, service=user)
+        assert isinstance(options.get("tls"), ssl.SSLContext) and options["tls"].verify_mode == ssl.CERT_REQUIRED, \
+            f"{pod}: no TLS settings for NATS"
         if workload["kind"] == "StatefulSet":
             assert user == pod, f"{pod} logs in as {user!r}"
             secret = _mount_of(workload, container, lambda v: "secret" in v)[1]["secret"]["secretName"]
