@@ -21,9 +21,10 @@ ENV PIP_EXTRA_INDEX_URL=${TORCH_INDEX} \
     VLLM_TARGET_DEVICE=cpu \
     HF_HUB_OFFLINE=1
 
-# vLLM's CPU kernels (vllm/_C*.so) link against the system's libnuma.
+# vLLM's CPU kernels (vllm/_C*.so) link against the system's libnuma. openssl: compose.yaml's
+# nats-init makes development certificates with it (tools/dev_certs.py).
 RUN apt-get update -q \
-    && apt-get install -y -q --no-install-recommends libnuma1 \
+    && apt-get install -y -q --no-install-recommends libnuma1 openssl \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

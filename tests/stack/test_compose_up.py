@@ -94,6 +94,22 @@ def test_compose_up_brings_up_nats_the_scheduler_one_prefill_one_decode_and_the_
     assert all(report["start_order"]["rules"].values()), report["start_order"]
 
 
+def test_every_kvpush_process_is_on_nats_as_its_own_user_over_tls_and_nobody_else_gets_in(run):
+    """nats-init wrote the users, certificates and config; nats-server's /connz lists each
+    kvpush process (the workers' engine cores too) under its own user, over TLS, in
+    kvpush's account; from the host, NATS requires TLS and a user, and refuses none."""
+    report = _report(run)
+    seen = report.get("nats_security")
+    assert seen, report["failures"]
+    assert seen["nats_init_exit_codes"] == [0]
+    users = {c["user"] for c in seen["connections"]}
+    assert {"scheduler-0", "prefill-0", "decode-0", "gateway"} <= users, seen["connections"]
+    assert all(c["tls"] and c["account"] == "KVPUSH" for c in seen["connections"]), seen["connections"]
+    outside = seen["from_the_host"]
+    assert outside["tls_required"] and outside["auth_required"], outside
+    assert "authorization" in outside["anonymous_refused"].lower(), outside
+
+
 def test_outputs_through_the_gateway_and_nats_equal_a_single_instance(run):
     report = _report(run)
     rows = report.get("requests")

