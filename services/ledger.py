@@ -4,7 +4,7 @@
   scheduler holds it, and its attempt. Every write is checked against the revision its
   writer last saw, so of two schedulers that both think they hold a flight, only one
   write lands and the other learns it lost the flight.
-- **answer claims** (``Claims``, the ``kvpush_claims`` stream): exactly one party answers
+- **answer claims** (``Claims``, a ``kvpush_claims_<decode>`` stream per decode): exactly one party answers
   an attempt's client. The decode claims before its first message to the client; a
   scheduler claims before it sends an error final, or before it retries or takes over (a
   *fence*: the old attempt's decode, should it wake up, finds the claim taken and sends
@@ -16,6 +16,7 @@ Flights and finals are keyed by ``wire.flight_key(client, request id)``: the sam
 two clients is two requests.
 
     ledger = await Ledger.open(bus.nc, me=wire.Claimant.scheduler(id, incarnation))  # makes the buckets
+    if (await ledger.claim(flight.transfer_key, flight.decode_id)).won: ...   # a scheduler's fence
     claims = Claims(bus.nc, wire.Claimant.decode(worker_id))   # a decode worker: claims only
     if (await claims.claim(job.transfer_key)).won: ...
 """
@@ -90,37 +91,59 @@ _UNREAD = (nats.errors.TimeoutError, *LEADERLESS)
 
 
 class Claims:
-    """One identity's claims on attempts' answers, in the ``kvpush_claims`` stream
-    (``wire.Claimant`` says why a stream and how a claim is decided).
+    """One identity's claims on attempts' answers, in the claim streams (``wire.Claimant``
+    says why streams and how a claim is decided; ``wire.claims_stream``, one per decode).
 
     A decode needs to publish only on its own claim subjects and to read only its own
     claim messages (a direct get by that subject); a scheduler reads the first and last
-    messages of a claim with the JetStream API, which only schedulers may use."""
+    messages of a claim with the JetStream API, which only schedulers may use, and makes
+    each decode's stream before that decode's first job (``ensure_stream``)."""
 
-    def __init__(self, nc, me: wire.Claimant, timeout_s: float = JS_TIMEOUT_S, within_s: float = ELECTION_S):
+    def __init__(self, nc, me: wire.Claimant, timeout_s: float = JS_TIMEOUT_S, within_s: float = ELECTION_S,
+                 replicas: int = 1, keep_s: float = 660.0):
         self.nc = nc
         self.me = me
         self.timeout_s = timeout_s
         self.within_s = within_s
+        self.replicas = replicas
+        self.keep_s = keep_s  # a claim must outlive every message of its attempt: twice the deadline and more
+        self._made: set[str] = set()  # streams this scheduler made or found
 
-    @staticmethod
-    def stream_config(replicas: int, keep_s: float) -> api.StreamConfig:
+    def stream_config(self, decode_id: str) -> api.StreamConfig:
         return api.StreamConfig(
-            name=wire.CLAIMS_STREAM, subjects=[f"{wire.CLAIMS_SUBJECT_PREFIX}.>"], num_replicas=replicas,
-            storage=api.StorageType.FILE, max_age=keep_s, max_bytes=wire.CLAIMS_MAX_BYTES,
+            name=wire.claims_stream(decode_id), subjects=[wire.claims_scope(decode_id)], num_replicas=self.replicas,
+            storage=api.StorageType.FILE, max_age=self.keep_s, max_bytes=wire.CLAIMS_MAX_BYTES,
             max_msg_size=wire.CLAIM_MAX_MSG_BYTES, max_msgs_per_subject=1, discard=api.DiscardPolicy.NEW,
             deny_delete=True, deny_purge=True, allow_rollup_hdrs=False, allow_direct=True)
 
-    async def claim(self, transfer_key: str) -> Claim:
-        """Claim the attempt with this key: WON if this claimant answers it (now, or by an
-        earlier try of its own whose acknowledgement was lost), LOST if another does,
-        UNKNOWN if JetStream could not say within ``within_s``."""
+    async def ensure_stream(self, decode_id: str) -> None:
+        """A scheduler: make ``decode_id``'s claim stream unless this scheduler made or found it before."""
+        if decode_id in self._made:
+            return
+        js = self.nc.jetstream(timeout=self.timeout_s)
+        try:
+            await through_elections(lambda: js.add_stream(self.stream_config(decode_id)))
+        except nats.js.errors.BadRequestError:
+            pass  # there already, made by another scheduler
+        self._made.add(decode_id)
+
+    def _decode_of(self, decode_id: str | None) -> str:
+        return self.me.name if self.me.role == "decode" else (decode_id or "")
+
+    async def claim(self, transfer_key: str, decode_id: str | None = None) -> Claim:
+        """Claim the attempt with this key, whose decode is ``decode_id`` (a decode claims
+        only its own): WON if this claimant answers it (now, or by an earlier try of its
+        own whose acknowledgement was lost), LOST if another does, UNKNOWN if JetStream
+        could not say within ``within_s``."""
+        decode = self._decode_of(decode_id)
         key = wire.claim_key(transfer_key)
         deadline = time.monotonic() + self.within_s
         pause = 0.05
         while True:
             try:
-                ack = await self._append(self.me.subject(key), 0, wire.claims_of(key))
+                if self.me.role == "scheduler":
+                    await self.ensure_stream(decode)
+                ack = await self._append(self.me.subject(decode, key), 0, wire.claims_of(decode, key))
                 break
             except _UNREAD as exc:
                 if time.monotonic() + pause > deadline:
@@ -133,34 +156,35 @@ class Claims:
         if ack["error"].get("err_code") != WRONG_LAST_SEQUENCE:
             log.warning("JetStream refused a claim: not answering", error=ack["error"].get("description"))
             return Claim(ClaimState.UNKNOWN)
-        return await self.holder(key)
+        return await self.holder(decode, key)
 
-    async def holder(self, key: str) -> Claim:
-        """Who answers the attempt whose claim key is ``key``, as this claimant can tell."""
+    async def holder(self, decode_id: str, key: str) -> Claim:
+        """Who answers the attempt of ``decode_id`` whose claim key is ``key``, as this claimant can tell."""
+        stream = wire.claims_stream(decode_id)
         try:
             if self.me.role == "decode":  # it may read only its own claims: is one there?
-                found = await self._direct_get(self.me.subject(key))
+                found = await self._direct_get(stream, self.me.subject(decode_id, key))
                 if found is None:
                     return Claim(ClaimState.LOST)
                 return Claim(ClaimState.WON, self.me, found[1])
-            first = await self._direct_get(None, {"seq": 1, "next_by_subj": wire.claims_of(key)})
+            first = await self._direct_get(stream, None, {"seq": 1, "next_by_subj": wire.claims_of(decode_id, key)})
             if first is None:
                 return Claim(ClaimState.UNKNOWN)  # refused, yet none there: expired meanwhile
             holder, sequence = first
             if holder.role == "scheduler":  # a takeover may have appended since
-                holder, sequence = await self._direct_get(wire.scheduler_claims_of(key)) or first
+                holder, sequence = await self._direct_get(stream, wire.scheduler_claims_of(decode_id, key)) or first
         except _UNREAD as exc:
             log.warning("a claim was taken but cannot be read", error=type(exc).__name__)
             return Claim(ClaimState.UNKNOWN)
         return Claim(ClaimState.WON if holder == self.me else ClaimState.LOST, holder, sequence)
 
-    async def take(self, transfer_key: str, was: Claim) -> bool:
+    async def take(self, transfer_key: str, decode_id: str, was: Claim) -> bool:
         """A scheduler takes over a claim ``was`` (a dead scheduler's); False if another
         scheduler appended since, or JetStream could not say."""
         key = wire.claim_key(transfer_key)
         try:
-            ack = await through_elections(
-                lambda: self._append(self.me.subject(key), was.sequence, wire.scheduler_claims_of(key)))
+            ack = await through_elections(lambda: self._append(
+                self.me.subject(decode_id, key), was.sequence, wire.scheduler_claims_of(decode_id, key)))
         except _UNREAD:
             return False
         return "error" not in ack
@@ -172,10 +196,11 @@ class Claims:
         })
         return json.loads(reply.data)
 
-    async def _direct_get(self, subject: str | None, query: dict | None = None) -> tuple[wire.Claimant, int] | None:
-        """The last claim message on ``subject`` (or the one ``query`` finds): its claimant
-        and sequence; None if there is none."""
-        api_subject = f"$JS.API.DIRECT.GET.{wire.CLAIMS_STREAM}" + (f".{subject}" if subject else "")
+    async def _direct_get(self, stream: str, subject: str | None,
+                          query: dict | None = None) -> tuple[wire.Claimant, int] | None:
+        """The last claim message on ``subject`` (or the one ``query`` finds) in
+        ``stream``: its claimant and sequence; None if there is none."""
+        api_subject = f"$JS.API.DIRECT.GET.{stream}" + (f".{subject}" if subject else "")
         body = json.dumps(query).encode() if query else b""
         reply = await through_elections(lambda: self.nc.request(api_subject, body, timeout=self.timeout_s))
         headers = reply.headers or {}
@@ -215,24 +240,22 @@ class Ledger:
                     buckets[name] = await js.create_key_value(config)
                 except nats.js.errors.BadRequestError:  # there already, made by another scheduler (maybe another version)
                     buckets[name] = await js.key_value(name)
-            try:  # a claim must outlive every message of its attempt; the deadline bounds those
-                await js.add_stream(Claims.stream_config(replicas, deadline_s * 2 + 60))
-            except nats.js.errors.BadRequestError:
-                pass  # there already
+            claims = Claims(nc, me, replicas=replicas, keep_s=deadline_s * 2 + 60)
+            await claims.ensure_stream("")  # the attempts with no decode yet
         except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError,
                 nats.errors.TimeoutError) as exc:
             raise RuntimeError(
                 f"JetStream did not answer ({type(exc).__name__}): kvpush keeps flights in JetStream, so "
                 "start nats-server with -js (kvpush up and the compose file do)") from None
-        return cls(buckets[wire.FLIGHTS_BUCKET], buckets[wire.FINALS_BUCKET], Claims(nc, me))
+        return cls(buckets[wire.FLIGHTS_BUCKET], buckets[wire.FINALS_BUCKET], claims)
 
     # ------------------------------------------------------------ answer claims
 
-    async def claim(self, transfer_key: str) -> Claim:
-        return await self.claims.claim(transfer_key)
+    async def claim(self, transfer_key: str, decode_id: str) -> Claim:
+        return await self.claims.claim(transfer_key, decode_id)
 
-    async def take_claim(self, transfer_key: str, was: Claim) -> bool:
-        return await self.claims.take(transfer_key, was)
+    async def take_claim(self, transfer_key: str, decode_id: str, was: Claim) -> bool:
+        return await self.claims.take(transfer_key, decode_id, was)
 
     # ------------------------------------------------------------ flight records
 

@@ -60,13 +60,36 @@ def client_inbox(name: str) -> str:
     return f"{wire.CLIENT_INBOX_PREFIX}.{name}"
 
 
-# Schedulers are trusted with the buckets: they make them, write flights, watch them.
+# Schedulers are trusted with JetStream: they make the buckets and the claims stream, write
+# flights and finals, watch them, and read claims. Nobody else may touch a ``$KV.`` subject
+# or the JetStream API, but for a decode's direct get of its own claims (below).
 JETSTREAM_FOR_SCHEDULERS = [
     "$JS.API.>",
     "$JS.FC.>",  # flow control of the flights watch
     "$JS.ACK.>",
-    *(f"$KV.{bucket}.>" for bucket in (wire.FLIGHTS_BUCKET, wire.CLAIMS_BUCKET, wire.FINALS_BUCKET)),
+    *(f"$KV.{bucket}.>" for bucket in (wire.FLIGHTS_BUCKET, wire.FINALS_BUCKET)),
 ]
+
+
+def claim_subjects(role: IdentityRole, name: str) -> list[str]:
+    """Where ``name`` may publish claims (``wire.Claimant``): under its own name only, and a
+    decode only in its own stream (``wire.claims_stream``), so that claims it floods fill
+    only that. A decode may also read its own claim messages, one subject at a time (a
+    direct get by subject; the query form, which could walk the stream, is not allowed)."""
+    if role == "scheduler":
+        return [f"{wire.CLAIMS_SUBJECT_PREFIX}.*.*.scheduler.{name}.*"]
+    if role == "decode":  # only in its own stream, for attempts that are its own
+        own = f"{wire.CLAIMS_SUBJECT_PREFIX}.{name}.*.decode.{name}"
+        return [own, f"$JS.API.DIRECT.GET.{wire.claims_stream(name)}.{own}"]
+    return []
+
+
+# Where a worker answers a request (a job's ack, its agent's metadata): the asking service's
+# inbox. Not ``allow_responses``: with it, a worker could publish once on whatever reply
+# subject a message it receives names, and it receives its own agent announcements, so it
+# could name ``$JS.API...PURGE`` or any ``$KV.`` subject and answer itself there (a deny
+# list does not stop a response). Workers answer only services, never clients.
+SERVICE_REPLIES = wire.SERVICE_INBOX_PREFIX + ".>"
 
 
 def permissions(role: IdentityRole, name: str) -> Permissions:
@@ -75,11 +98,13 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
     if role == "scheduler":
         return Permissions(
             subscribe=[
-                f"{wire.GENERATE_SUBJECT} {wire.SCHEDULER_QUEUE_GROUP}",
-                f"{wire.OWNED_GENERATE.wildcard} {wire.SCHEDULER_QUEUE_GROUP}",
+                wire.GENERATE_SUBJECT,  # every scheduler gets every request (durable intake)
+                wire.OWNED_GENERATE.wildcard,
+                wire.INTAKE.wildcard,
                 wire.CANCEL_SUBJECT,
                 wire.OWNED_CANCEL.wildcard,
                 wire.SCHEDULER_STATUS_SUBJECT,
+                wire.OWNED_STATUS.wildcard,
                 f"{wire.FINAL_SUBJECT} {wire.SCHEDULER_QUEUE_GROUP}",
                 f"{wire.OWNED_FINAL.wildcard} {wire.SCHEDULER_QUEUE_GROUP}",
                 wire.HEARTBEATS.wildcard,
@@ -96,9 +121,11 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.DECODE_JOBS.wildcard,
                 wire.KV_MOVES.partly(sender=name),
                 wire.SCHEDULER_HEARTBEATS(sender=name),
+                wire.INTAKE(sender=name),
                 wire.INVALID_SUBJECT,
                 wire.CLIENT_INBOX_PREFIX + ".>",  # error finals to clients
                 *JETSTREAM_FOR_SCHEDULERS,
+                *claim_subjects(role, name),
             ],
             allow_responses=True,  # status replies
         )
@@ -120,8 +147,8 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.KV_AGENTS(sender=name),
                 wire.KV_AGENT.wildcard,  # ask a decode rank for its agent
                 wire.INVALID_SUBJECT,
+                SERVICE_REPLIES,  # job acks, agent info
             ],
-            allow_responses=True,  # job acks, agent info
         )
     if role == "decode":
         return Permissions(
@@ -141,15 +168,15 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.KV_AGENTS(sender=name),
                 wire.KV_AGENT.wildcard,  # ask a prefill rank for its agent
                 wire.INVALID_SUBJECT,
+                SERVICE_REPLIES,  # job acks, agent info
                 wire.CLIENT_INBOX_PREFIX + ".>",  # token chunks and finals to clients
-                f"$KV.{wire.CLAIMS_BUCKET}.*",  # claim the answer (the key is a secret's hash)
+                *claim_subjects(role, name),  # claim the answer (the key is a secret's hash)
             ],
-            allow_responses=True,  # job acks, agent info
         )
     return Permissions(
         subscribe=[client_inbox(name) + ".>"],
         publish=[wire.OWNED_GENERATE(client=name), wire.OWNED_CANCEL(client=name), wire.OWNED_FINAL(client=name),
-                 wire.SCHEDULER_STATUS_SUBJECT],
+                 wire.OWNED_STATUS(client=name)],
     )
 
 
@@ -187,7 +214,8 @@ class JetStreamLimits:
     server's disk or memory with streams of its own. What kvpush makes (services/ledger.py),
     all on file: the ``kvpush_flights`` bucket (no byte limit: a record is small and expires
     with its request's deadline), the ``kvpush_finals`` bucket (``wire.FINALS_MAX_BYTES``,
-    256 MiB) and the ``kvpush_claims`` stream (``wire.CLAIMS_MAX_BYTES``; small messages).
+    256 MiB), and the claims streams: one per decode and one for attempts with no decode
+    yet (``wire.claims_stream``; ``wire.CLAIMS_MAX_BYTES`` each, small messages).
 
     - ``max_memory``: bytes of memory-backed streams. kvpush keeps none: 0 refuses them.
     - ``max_file``: bytes of file-backed streams, counted once per replica. nats-server
@@ -195,8 +223,9 @@ class JetStreamLimits:
       a stream that would not fit, so finals and claims hold their sum of it at one
       replica, three times that at three (``--jetstream-replicas 3``, deploy/k8s); the
       rest is for the flights, which have no byte limit of their own.
-    - ``max_streams``: streams in the account. kvpush makes three; as many again fit (a
-      bucket made anew beside the old one by an upgrade).
+    - ``max_streams``: streams in the account. kvpush makes three, and one per decode;
+      ``for_identities`` leaves room for four more (a bucket made anew beside the old one
+      by an upgrade).
     - ``max_consumers``: consumers on any one stream (nats-server applies the account's
       limit per stream). Each scheduler watches the flights with one, made anew after a
       reconnect while the old one lingers until the server drops it; 64 leaves room for
@@ -208,6 +237,14 @@ class JetStreamLimits:
     max_file: str = "2GiB"
     max_streams: int = 8
     max_consumers: int = 64
+
+    @classmethod
+    def for_identities(cls, identities: list["Identity"]) -> "JetStreamLimits":
+        """Room for what kvpush makes with these identities: a claims stream per decode,
+        every stream's bytes reserved at three replicas, and 1 GiB for the flights."""
+        decodes = sum(1 for identity in identities if identity.role == "decode")
+        reserved = wire.FINALS_MAX_BYTES + (decodes + 1) * wire.CLAIMS_MAX_BYTES
+        return cls(max_file=f"{(3 * reserved + 2**30) // 2**20}MiB", max_streams=3 + decodes + 4)
 
     def __post_init__(self) -> None:
         for name in ("max_memory", "max_file"):
@@ -222,17 +259,20 @@ class JetStreamLimits:
 def render_config(identities: list[Identity], password: Callable[[Identity], str] = env_password,
                   tls: dict[str, str] | None = None, port: int = 4222, max_payload: str = "8MB",
                   extra: str = "", listen: str | None = "127.0.0.1",
-                  limits: JetStreamLimits = JetStreamLimits()) -> str:
+                  limits: JetStreamLimits | None = None) -> str:
     """A nats-server config with one user per identity and its permissions, all in the
     account ``ACCOUNT`` with JetStream ``limits``. ``password`` writes each user's password
     (by default a ``$VARIABLE`` the server reads from its environment); ``tls``:
     ``cert_file``, ``key_file``, ``ca_file`` for mutual TLS; ``listen``: the address the
-    server binds (None: every address)."""
+    server binds (None: every address); ``limits``: by default what these identities need
+    (``JetStreamLimits.for_identities``)."""
+    limits = limits or JetStreamLimits.for_identities(identities)
     names = [identity.name for identity in identities]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ValueError(f"each identity needs its own name; repeated: {', '.join(duplicated)}")
-    reserved = (wire.FINALS_MAX_BYTES + wire.CLAIMS_MAX_BYTES) // 2**20
+    decodes = sum(1 for identity in identities if identity.role == "decode")
+    reserved = (wire.FINALS_MAX_BYTES + (decodes + 1) * wire.CLAIMS_MAX_BYTES) // 2**20
     lines = [
         "# Generated by `kvpush nats-config` (shared/permissions.py): one user per identity, in",
         f"# the account {ACCOUNT}, whose JetStream limits bound what its streams may hold.",
@@ -251,8 +291,10 @@ def render_config(identities: list[Identity], password: Callable[[Identity], str
         f"      max_memory: {limits.max_memory}",
         "      # bytes in file-backed streams, once per replica; a stream's max_bytes is reserved",
         f"      # when it is made (finals and claims: {reserved} MiB at one replica, {3 * reserved} at three)",
+        "      # and 1 GiB for the flights",
         f"      max_file: {limits.max_file}",
-        "      # streams: kvpush makes three (kvpush_flights, kvpush_finals, kvpush_claims)",
+        "      # streams: kvpush makes three (kvpush_flights, kvpush_finals, kvpush_claims) and",
+        "      # one per decode (kvpush_claims_<decode>), and an upgrade may make a few anew",
         f"      max_streams: {limits.max_streams}",
         "      # consumers on any one stream: each scheduler watches the flights with one",
         f"      max_consumers: {limits.max_consumers}",

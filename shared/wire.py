@@ -58,8 +58,9 @@ Durable (JetStream KV buckets, msgpack values; see "durable state" below):
                                           holds it, and its attempt; another scheduler adopts it
     kvpush_finals    flight_key(<client>, <request id>)  StoredFinal    the last message, for a
                                           fetch again
-    kvpush_claims    (a stream) kvpush.claims.<claim_key(key)>.<claimant>: who answers that
-                     attempt's client: the decode (before its first message) or a scheduler
+    kvpush_claims_<decode>  (a stream per decode) kvpush.claims.<decode>.<claim_key(key)>.<claimant>:
+                     who answers that attempt's client: the decode (before its first message)
+                     or a scheduler
 
 Services take replies on inboxes under ``_KVPUSH_INBOX.<identity>``, out of clients' reach;
 clients on inboxes under ``_INBOX.<client>``.
@@ -86,8 +87,8 @@ Protocol history:
     5 - flights outlive their scheduler: flight records, answer claims and stored finals
         in JetStream; scheduler heartbeats; ``kvpush.final``; CancelJob carries the error
         the decode sends when it holds the answer; RequestProgress carries the final.
-    6 - integrity under per-identity users: answer claims move from a KV bucket to the
-        ``kvpush_claims`` stream, the claimant named by the subject; flights and finals
+    6 - integrity under per-identity users: answer claims move from a KV bucket to a
+        stream per decode, the claimant named by the subject; flights and finals
         are keyed by (client, request id); status on ``kvpush.scheduler.status.<client>``.
         Not compatible with version 5 peers (their claims and keys differ).
 """
@@ -749,24 +750,38 @@ def flight_key(owner: str, request_id: str) -> str:
     return f"o.{owner}.{request_id}" if owner else f"p.{request_id}"
 
 
-# Answer claims: a plain stream, not a KV bucket. nats-py's buckets always allow rollups
+# Answer claims: plain streams, not a KV bucket. nats-py's buckets always allow rollups
 # (one ``Nats-Rollup: all`` publish wipes every claim) and a decode's writes to ``$KV.``
-# subjects cannot be told apart from a rollup by subject permissions. In this stream the
-# claimant's identity is part of the subject, which NATS lets only that identity publish:
+# subjects cannot be told apart from a rollup by subject permissions. Each decode has a
+# stream of its own (``claims_stream``), so that a decode that floods claims fills only its
+# own; the attempts whose decode is not chosen yet (pull, before prefill ended) have one of
+# the schedulers'. In these streams the claimant's identity is part of the subject, which
+# NATS lets only that identity publish:
 #
-#     kvpush.claims.<claim key>.decode.<worker id>
-#     kvpush.claims.<claim key>.scheduler.<scheduler id>.<incarnation>
+#     kvpush.claims.<decode id>.<claim key>.decode.<decode id>
+#     kvpush.claims.<decode id>.<claim key>.scheduler.<scheduler id>.<incarnation>
 #
 # A claim is a publish with ``Nats-Expected-Last-Subject-Sequence: 0`` over
-# ``kvpush.claims.<claim key>.>``: the first one lands, every later one is refused. The
-# attempt's answerer is the first message; when that is a scheduler's, a scheduler that
-# takes the flight over appends its own over the last scheduler message's sequence, and
-# the last scheduler message answers. The stream refuses rollups, purges, deletes and
-# any message over CLAIM_MAX_MSG_BYTES.
-CLAIMS_STREAM = "kvpush_claims"
+# ``kvpush.claims.<decode id>.<claim key>.>``: the first one lands, every later one is
+# refused. The attempt's answerer is the first message; when that is a scheduler's, a
+# scheduler that takes the flight over appends its own over the last scheduler message's
+# sequence, and the last scheduler message answers. The streams refuse rollups, purges,
+# deletes and any message over CLAIM_MAX_MSG_BYTES.
+CLAIMS_STREAM_PREFIX = "kvpush_claims"
 CLAIMS_SUBJECT_PREFIX = "kvpush.claims"
+NO_DECODE = "="  # the decode token of an attempt with none chosen: no identity can be it
 CLAIM_MAX_MSG_BYTES = 512  # headers and all: a claim's value is empty
-CLAIMS_MAX_BYTES = 64 * 1024 * 1024  # ~300 B a claim: ~200,000 claims in their keep time
+CLAIMS_MAX_BYTES = 16 * 1024 * 1024  # per stream: ~55,000 claims of ~300 B in their keep time
+
+
+def claims_stream(decode_id: str) -> str:
+    """The stream that holds the claims of the attempts whose decode is ``decode_id``."""
+    return f"{CLAIMS_STREAM_PREFIX}_{decode_id}" if decode_id else CLAIMS_STREAM_PREFIX
+
+
+def claims_scope(decode_id: str) -> str:
+    """The subjects of ``claims_stream(decode_id)``."""
+    return f"{CLAIMS_SUBJECT_PREFIX}.{decode_id or NO_DECODE}.>"
 
 
 def claim_key(transfer_key: str) -> str:
@@ -798,32 +813,32 @@ class Claimant(msgspec.Struct, frozen=True):
     def token(self) -> str:
         return f"decode.{self.name}" if self.role == "decode" else f"scheduler.{self.name}.{self.incarnation}"
 
-    def subject(self, key: str) -> str:
-        """Where this claimant claims the attempt whose claim key is ``key``."""
-        return f"{CLAIMS_SUBJECT_PREFIX}.{key}.{self.token}"
+    def subject(self, decode_id: str, key: str) -> str:
+        """Where this claimant claims the attempt of decode ``decode_id`` whose claim key is ``key``."""
+        return f"{CLAIMS_SUBJECT_PREFIX}.{decode_id or NO_DECODE}.{key}.{self.token}"
 
     @classmethod
     def of_subject(cls, subject: str) -> "Claimant | None":
-        """The claimant a claims-stream subject names, or None if it names none."""
+        """The claimant a claim subject names, or None if it names none."""
         parts = subject.split(".")
-        if len(parts) == 5 and parts[3] == "decode" and identity_problem(parts[4]) is None:
-            return cls.decode(parts[4])
-        if len(parts) == 6 and parts[3] == "scheduler" and identity_problem(parts[4]) is None:
-            return cls.scheduler(parts[4], parts[5])
+        if len(parts) == 6 and parts[4] == "decode" and identity_problem(parts[5]) is None:
+            return cls.decode(parts[5])
+        if len(parts) == 7 and parts[4] == "scheduler" and identity_problem(parts[5]) is None:
+            return cls.scheduler(parts[5], parts[6])
         return None
 
     def __str__(self) -> str:
         return self.token
 
 
-def claims_of(key: str) -> str:
+def claims_of(decode_id: str, key: str) -> str:
     """Every claim message of one attempt."""
-    return f"{CLAIMS_SUBJECT_PREFIX}.{key}.>"
+    return f"{CLAIMS_SUBJECT_PREFIX}.{decode_id or NO_DECODE}.{key}.>"
 
 
-def scheduler_claims_of(key: str) -> str:
+def scheduler_claims_of(decode_id: str, key: str) -> str:
     """The schedulers' claim messages of one attempt (a takeover checks the last one)."""
-    return f"{CLAIMS_SUBJECT_PREFIX}.{key}.scheduler.>"
+    return f"{CLAIMS_SUBJECT_PREFIX}.{decode_id or NO_DECODE}.{key}.scheduler.>"
 
 
 class FlightRecord(Internal):

@@ -188,17 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the address the server binds (default 127.0.0.1: this machine only; 0.0.0.0 for "
                                   "every interface, so that workers on other hosts can connect)")
     nats_config.add_argument("--port", type=int, default=4222)
-    from shared.permissions import JetStreamLimits
-
-    defaults = JetStreamLimits()
     for flag, dest, kind, what in (
-            ("--js-max-memory", "max_memory", str, "bytes in memory-backed streams (kvpush keeps none)"),
-            ("--js-max-file", "max_file", str, "bytes in file-backed streams, once per replica"),
-            ("--js-max-streams", "max_streams", int, "streams in the account (kvpush makes three)"),
-            ("--js-max-consumers", "max_consumers", int, "consumers on any one stream")):
-        nats_config.add_argument(flag, dest=f"js_{dest}", type=kind, default=getattr(defaults, dest),
+            ("--js-max-memory", "max_memory", str, "bytes in memory-backed streams (kvpush keeps none; default 0)"),
+            ("--js-max-file", "max_file", str, "bytes in file-backed streams, once per replica (default: what "
+                                               "kvpush reserves for these identities at three replicas, + 1 GiB)"),
+            ("--js-max-streams", "max_streams", int, "streams in the account (default: three, one per decode, "
+                                                     "and four more)"),
+            ("--js-max-consumers", "max_consumers", int, "consumers on any one stream (default 64)")):
+        nats_config.add_argument(flag, dest=f"js_{dest}", type=kind, default=None,
                                  metavar="SIZE" if kind is str else "N",
-                                 help=f"JetStream limit of kvpush's account: {what} (default {getattr(defaults, dest)})")
+                                 help=f"JetStream limit of kvpush's account: {what}")
     nats_config.add_argument("--out", help="the config file (default: standard output)")
     nats_config.add_argument("--sample", action="store_true", help="print deploy/nats-server.conf and stop")
     nats_config.set_defaults(func=tools.cmd_nats_config)

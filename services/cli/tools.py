@@ -11,6 +11,7 @@ from pathlib import Path
 from services.cli.common import model_path, say
 
 def cmd_nats_config(args) -> int:
+    import dataclasses
     import os
 
     from shared import permissions
@@ -30,8 +31,9 @@ def cmd_nats_config(args) -> int:
             folder = Path(args.tls_dir).resolve()
             tls = {"cert_file": str(folder / "server.pem"), "key_file": str(folder / "server-key.pem"),
                    "ca_file": str(folder / "ca.pem")}
-        limits = permissions.JetStreamLimits(max_memory=args.js_max_memory, max_file=args.js_max_file,
-                                             max_streams=args.js_max_streams, max_consumers=args.js_max_consumers)
+        given = {name: getattr(args, f"js_{name}") for name in ("max_memory", "max_file", "max_streams", "max_consumers")
+                 if getattr(args, f"js_{name}") is not None}
+        limits = dataclasses.replace(permissions.JetStreamLimits.for_identities(identities), **given)
         config = permissions.render_config(identities, password, tls=tls, port=args.port, listen=args.listen,
                                            limits=limits)
     except ValueError as exc:

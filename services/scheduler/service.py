@@ -545,7 +545,7 @@ class Scheduler(Service):
         decode said it will send nothing (it could not learn whether it won the claim), so
         even a claim it holds does not answer the client."""
         # Fence the attempt first: once we hold its claim, its decode can never answer.
-        claim = await self.ledger.claim(flight.transfer_key)
+        claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.state is ClaimState.UNKNOWN:
             return  # JetStream cannot say: the next check tries again
         if claim.by_decode and not decode_gave_up:  # the decode answers already: tokens may be out
@@ -625,7 +625,7 @@ class Scheduler(Service):
         if not moved.moved:
             return f"prefill {flight.prefill_id} did not move it: {moved.reason}"
         # Fence the first decode: from now on it can never answer this attempt.
-        claim = await self.ledger.claim(flight.transfer_key)
+        claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.by_decode or claim.state is ClaimState.UNKNOWN:
             # It answers already (it computed the prompt itself), or it may: watch it as streaming.
             flight.streaming = True
@@ -665,7 +665,7 @@ class Scheduler(Service):
             return
         self._stop_attempt(flight)
         body = to_error_body(error)
-        claim = await self.ledger.claim(flight.transfer_key)
+        claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.state is ClaimState.UNKNOWN:
             # Whether the decode answers cannot be told: saying it too could be a second
             # final. The flight stays ours; the watch ends it again once JetStream answers.
@@ -794,7 +794,7 @@ class Scheduler(Service):
         if self._early_cancels.take(flight.owner, flight.request_id, time.monotonic()):
             await self._end(flight, Cancelled(f"request {flight.request_id} was cancelled by the client"))
             return
-        claim = await self.ledger.claim(flight.transfer_key)
+        claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.by_decode or claim.state is ClaimState.UNKNOWN:
             # We watch it to its end, as its holder did (or, if JetStream cannot say who
             # answers, until its deadline, when ending it asks again).
@@ -805,7 +805,7 @@ class Scheduler(Service):
                 self.flights.remove(flight)
                 await self.ledger.forget(flight.owner, flight.request_id, flight.revision)
                 return
-            if not await self.ledger.take_claim(flight.transfer_key, claim):
+            if not await self.ledger.take_claim(flight.transfer_key, flight.decode_id, claim):
                 self.flights.remove(flight)  # someone else moved first; it holds the flight
                 return
         await self._cancel_jobs(flight, "its scheduler was lost; retried")
@@ -930,6 +930,8 @@ class Scheduler(Service):
                 f"{self.bus.max_payload} bytes; raise max_payload or send a shorter prompt"
             )
         subject = (wire.prefill_job_subject if isinstance(job, wire.PrefillJob) else wire.decode_job_subject)(worker_id)
+        if isinstance(job, wire.DecodeJob):  # where it claims its answer: there before it can
+            await self.ledger.claims.ensure_stream(worker_id)
         try:
             reply = await self.bus.request(subject, body, DISPATCH_TIMEOUT_S)
         except Exception as exc:

@@ -391,7 +391,7 @@ async def test_the_default_config_refuses_plaintext_and_anonymous_logins(default
 async def test_the_default_config_puts_every_user_in_an_account_with_the_default_jetstream_limits(default_server):
     assert "authorization {" not in default_server.config  # users there would be in $G, which takes no limits
     assert f"accounts {{\n  {permissions.ACCOUNT} {{\n" in default_server.config
-    defaults = permissions.JetStreamLimits()
+    defaults = _default_limits(default_server)
     for name in default_server.passwords:  # every user logs in, and into kvpush's account
         nc = await default_server.connect(name)
         await nc.close()
@@ -402,6 +402,12 @@ async def test_the_default_config_puts_every_user_in_an_account_with_the_default
         await nc.close()
     assert (limits.max_memory, limits.max_storage, limits.max_streams, limits.max_consumers) == (
         0, _bytes(defaults.max_file), defaults.max_streams, defaults.max_consumers)
+
+
+def _default_limits(server) -> "permissions.JetStreamLimits":
+    """What ``kvpush nats-config`` sets by default for the server's identities."""
+    return permissions.JetStreamLimits.for_identities(
+        [permissions.Identity(name.rsplit("-", 1)[0], name) for name in server.passwords])
 
 
 def _bytes(size: str) -> int:
@@ -428,8 +434,8 @@ async def scheduler_js(default_server):
     await nc.close()
 
 
-async def test_a_stream_past_max_streams_is_refused(scheduler_js):
-    limit = permissions.JetStreamLimits().max_streams
+async def test_a_stream_past_max_streams_is_refused(default_server, scheduler_js):
+    limit = _default_limits(default_server).max_streams
     for index in range(limit):
         await scheduler_js.add_stream(name=f"probe-{index}", subjects=[f"probe.{index}"])
     why = await _refused(scheduler_js.add_stream(name="one-too-many", subjects=["probe.more"]))
@@ -442,14 +448,14 @@ async def test_a_memory_stream_is_refused(scheduler_js):
     assert "insufficient memory resources" in why
 
 
-async def test_a_stream_reserving_more_disk_than_max_file_is_refused(scheduler_js):
-    too_big = _bytes(permissions.JetStreamLimits().max_file) + 1
+async def test_a_stream_reserving_more_disk_than_max_file_is_refused(default_server, scheduler_js):
+    too_big = _bytes(_default_limits(default_server).max_file) + 1
     why = await _refused(scheduler_js.add_stream(name="too-big", subjects=["probe.big"], max_bytes=too_big))
     assert "insufficient storage resources" in why
 
 
-async def test_a_consumer_past_max_consumers_on_one_stream_is_refused(scheduler_js):
-    limit = permissions.JetStreamLimits().max_consumers
+async def test_a_consumer_past_max_consumers_on_one_stream_is_refused(default_server, scheduler_js):
+    limit = _default_limits(default_server).max_consumers
     await scheduler_js.add_stream(name="watched", subjects=["probe.watched"])
     for index in range(limit):
         await scheduler_js.add_consumer("watched", durable_name=f"c{index}")

@@ -246,8 +246,10 @@ async def forget_flights(server) -> None:
         for bucket in (wire.FLIGHTS_BUCKET, wire.FINALS_BUCKET):
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await js.delete_key_value(bucket)
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await js.delete_stream(wire.CLAIMS_STREAM)
+        for stream in await js.streams_info():
+            if stream.config.name.startswith(wire.CLAIMS_STREAM_PREFIX):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await js.delete_stream(stream.config.name)
     finally:
         await nc.close()
 

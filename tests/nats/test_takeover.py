@@ -125,9 +125,11 @@ async def test_a_flight_whose_scheduler_died_in_prefill_is_taken_over_fenced_and
         await prefill.handoff(retried, kv_transfer_params={"remote_block_ids": [1]})
     final = await one_final(replies)
     assert replies.tokens() == REPLY_TOKENS and final["finish_reason"] == "length"
-    # The fenced attempt's decode can never answer: a scheduler holds its claim.
-    late = await decode.claims.claim(old.transfer_key)
-    assert late.state is ClaimState.LOST and not decode.claims_won.get(old.transfer_id)
+    if mode == "push":  # the fenced attempt's decode can never answer: a scheduler holds its claim
+        late = await decode.claims.claim(old.transfer_key)
+        assert late.state is ClaimState.LOST and not decode.claims_won.get(old.transfer_id)
+    else:  # pull: that attempt died in prefill, so it never had a decode that could answer it
+        assert old.transfer_id not in {job.transfer_id for job in decode.jobs}
 
 
 async def test_a_flight_whose_scheduler_died_while_it_waited_for_a_worker_is_dispatched_by_the_next(

@@ -33,7 +33,7 @@ PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 20 kinds, so ~12
 STRUCTS = [
     wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
-    wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.FlightRecord, wire.StoredFinal,
+    wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.IntakeSettled, wire.FlightRecord, wire.StoredFinal,
     wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents,
 ]
 UNIONS = [wire.PrefillMessage, wire.DecodeMessage, wire.KvControl, wire.Completion]

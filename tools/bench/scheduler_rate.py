@@ -851,7 +851,7 @@ async def _bucket_state(nc) -> dict:
 
     js = nc.jetstream(timeout=5.0)
     state = {}
-    for bucket, stream in ((wire.FLIGHTS_BUCKET, f"KV_{wire.FLIGHTS_BUCKET}"), (wire.CLAIMS_STREAM, wire.CLAIMS_STREAM),
+    for bucket, stream in ((wire.FLIGHTS_BUCKET, f"KV_{wire.FLIGHTS_BUCKET}"), (wire.CLAIMS_STREAM_PREFIX, wire.claims_stream("decode-0")),
                            (wire.FINALS_BUCKET, f"KV_{wire.FINALS_BUCKET}")):
         try:
             info = await js.stream_info(stream)
