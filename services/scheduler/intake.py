@@ -86,7 +86,8 @@ class HeldRequest:
     headers: dict | None
     received_ns: int
     held_since: float  # monotonic
-    designated: str
+    designated: str  # the scheduler that takes it...
+    designated_incarnation: str  # ...in this start of it (one that restarted never had it)
 
 
 @dataclass
@@ -109,17 +110,21 @@ class IntakeBook:
         """Its designated scheduler wrote it down or refused it: the copy is not needed."""
         self._held.pop(key, None)
 
-    def orphaned(self, live: list[str], now: float) -> list[HeldRequest]:
-        """The copies to take now: among the live schedulers this one is designated, and
-        the one designated at arrival is no longer live, or has left the copy unsettled
-        for ``grace_s`` (the two saw different schedulers live: neither took it). Copies
-        past ``keep_s`` are dropped."""
+    def orphaned(self, live: dict[str, str], now: float) -> list[HeldRequest]:
+        """The copies to take now (``live``: each live scheduler's incarnation): among the
+        live schedulers this one is designated, and the start designated at arrival is no
+        longer live (it left, or restarted), or has left the copy unsettled for
+        ``grace_s`` (the two saw different schedulers live: neither took it). Copies past
+        ``keep_s`` are dropped."""
         taken = []
         for key, request in list(self._held.items()):
             age = now - request.held_since
+            gone = live.get(request.designated) != request.designated_incarnation
+            # A restarted taker is live under the same id but never had the request: not it.
+            candidates = [s for s in live if not (gone and s == request.designated)]
             if age > self.keep_s:
                 del self._held[key]
-            elif designated(key, live) == self.me and (request.designated not in live or age > self.grace_s):
+            elif designated(key, candidates) == self.me and (gone or age > self.grace_s):
                 del self._held[key]
                 taken.append(request)
         return taken

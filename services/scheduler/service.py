@@ -365,13 +365,15 @@ class Scheduler(Service):
         elif cancel is not None:  # another scheduler's, already ended, or not here yet: keep it for a while
             self._early_cancels.remember(owner, cancel.request_id, time.monotonic())
 
-    def _live_schedulers(self, now: float) -> list[str]:
-        """Who takes requests, as far as this scheduler can tell: those heard within the
-        timeout, and itself once it has heard a whole round (or if it hears nobody)."""
-        others = [s for s in self.schedulers.live(now) if s != self.scheduler_id]
-        if not others or now - self._started_at > HEARD_A_ROUND_S:
-            others.append(self.scheduler_id)
-        return others
+    def _live_schedulers(self, now: float) -> dict[str, str]:
+        """Who takes requests, as far as this scheduler can tell (each with its current
+        start): those heard within the timeout, and itself once it has heard a whole round
+        (or if it hears nobody)."""
+        live = self.schedulers.live_incarnations(now)
+        live.pop(self.scheduler_id, None)
+        if not live or now - self._started_at > HEARD_A_ROUND_S:
+            live[self.scheduler_id] = self.incarnation
+        return live
 
     async def _on_intake_settled(self, msg) -> None:
         settled = await self.bus.decoded(msg, wire.IntakeSettled)
@@ -381,10 +383,12 @@ class Scheduler(Service):
     async def _on_generate(self, msg) -> None:
         now = time.monotonic()
         key, request_id = intake_key(wire.owner_of(msg.subject), msg.reply or "", msg.data)
-        chosen = designated(key, self._live_schedulers(now))
+        live = self._live_schedulers(now)
+        chosen = designated(key, list(live))
         if chosen != self.scheduler_id:
             self._intake.hold(HeldRequest(key, request_id, msg.subject, msg.reply or "", msg.data,
-                                          dict(msg.headers) if msg.headers else None, time.time_ns(), now, chosen))
+                                          dict(msg.headers) if msg.headers else None, time.time_ns(), now, chosen,
+                                          live.get(chosen, "")))
             return
         self._take(msg, key, request_id, time.time_ns())
 

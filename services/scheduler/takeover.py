@@ -66,6 +66,10 @@ class SchedulerLiveness:
     def live(self, now: float) -> list[str]:
         return [s for s, (inc, _) in self._heard.items() if not self.is_gone(s, inc, now)]
 
+    def live_incarnations(self, now: float) -> dict[str, str]:
+        """Each live scheduler's current start."""
+        return {s: inc for s, (inc, _) in self._heard.items() if not self.is_gone(s, inc, now)}
+
 
 def orphans(holdings: dict[str, Holding], liveness: SchedulerLiveness, now: float,
             held_here: set[str]) -> list[tuple[str, Holding]]:
