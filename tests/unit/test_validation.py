@@ -138,3 +138,32 @@ def test_a_prompt_with_no_tokens_is_empty():
 ])
 def test_request_id_of_recovers_what_the_client_sent(data, expected):
     assert request_id_of(data) == expected
+
+
+def test_a_text_prompt_too_long_in_bytes_is_refused_before_the_tokenizer_sees_it():
+    """The scheduler tokenizes on one thread: a 1M-token prompt held it for seconds, and
+    every request behind it waited (issue 24, point 6). One that cannot fit the context at
+    the vocabulary's longest token is refused before tokenizing."""
+    seen: list[int] = []
+
+    def tokenize(text: str) -> list[int]:
+        seen.append(len(text))
+        return [ord(c) % VOCAB for c in text]
+
+    validator = RequestValidator(tokenize, VOCAB, MAX_MODEL_LEN, max_token_bytes=4)
+    huge = json.dumps({"prompt": "x " * 1_000_000}).encode()
+    with pytest.raises(PromptTooLong, match="bytes"):
+        validator.validate(huge)
+    assert seen == []
+    validator.validate(json.dumps({"prompt": "x" * 8, "max_tokens": 1}).encode())  # a short one still is
+    assert seen == [8]
+
+
+def test_the_byte_bound_is_the_longest_token_of_the_real_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    from services.scheduler.validation import max_token_bytes
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    bound = max_token_bytes(tokenizer)
+    assert bound >= max(len(tokenizer.decode([i]).encode()) for i in range(len(tokenizer)))
