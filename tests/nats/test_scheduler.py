@@ -32,7 +32,7 @@ from services.scheduler import service
 from services.scheduler.prefixes import Prompt
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
-from shared import permissions, wire
+from shared import wire
 from shared.block_keys import block_keys
 from tests.nats.deployed import NATS_KINDS, NatsUnderTest
 
