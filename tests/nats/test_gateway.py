@@ -1,6 +1,8 @@
 """The OpenAI-compatible gateway, driven by the real ``openai`` client and plain HTTP, over
 a real nats-server, a real scheduler and fake workers (tests/nats/test_scheduler.py's,
 which answer with REPLY_TOKENS). The built-in model's tokenizer renders chat prompts.
+Each test runs on a plain server (the gateway anonymous) and on the deployed per-identity
+one (tests/nats/deployed.py; the gateway a client identity of its own).
 
 What an answer says, how each error maps to an HTTP status and an OpenAI error object,
 the request id, the trace, and a client that disconnects mid-stream."""
@@ -8,7 +10,10 @@ the request id, the trace, and a client that disconnects mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import urllib.parse
 
 import httpx
 import openai
@@ -19,6 +24,7 @@ from services.scheduler.service import Scheduler
 from services.scheduler.validation import load_validator
 from shared import wire
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
+    PLAIN_ONLY,
     REPLY_TOKENS,
     FakeWorker,
     client,
@@ -36,17 +42,55 @@ MAX_MODEL_LEN = 256
 
 def scheduler(server, model_dir: str, **kwargs) -> Scheduler:
     """A scheduler with the built-in model's tokenizer, as the gateway renders chats with it."""
-    return Scheduler(server.url, load_validator(model_dir, MAX_MODEL_LEN), **kwargs)
+    name = server.identity("scheduler")
+    return Scheduler(server.url_for(name), load_validator(model_dir, MAX_MODEL_LEN), scheduler_id=name, **kwargs)
+
+
+def password_of(server, name: str) -> str | None:
+    """``name``'s NATS password on the deployed server (None on the plain one)."""
+    return urllib.parse.urlsplit(server.url_for(name)).password
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.asynccontextmanager
+async def gateway_on(server, model_dir: str, **kwargs):
+    """The gateway on a free port. On the deployed server it logs in as a client identity
+    of its own, as ``kvpush gateway`` does: from KVPUSH_NATS_USER and _PASSWORD (set only
+    while it connects, so that no other connection of the test reads them)."""
+    login = {}
+    if server.deployed:
+        name = server.identity("client")
+        login = {"KVPUSH_NATS_USER": name, "KVPUSH_NATS_PASSWORD": password_of(server, name)}
+    gateway = Gateway(server.url, model_dir, port=0, **kwargs)
+    with environment(login):
+        await gateway.__aenter__()
+    try:
+        yield gateway
+    finally:
+        await gateway.close()
 
 
 @pytest.fixture
 async def stack(server, client, running, model_dir):
     """A scheduler, a prefill and a decode (answering), and the gateway on a free port."""
     sched = await running(scheduler(server, model_dir, deadline_s=5.0))
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     await workers_seen(client, prefill, decode)
-    gateway = await running(Gateway(server.url, model_dir, port=0))
+    gateway = await running(gateway_on(server, model_dir))
     return sched, prefill, decode, gateway
 
 
@@ -155,10 +199,10 @@ async def test_the_openai_client_raises_its_own_errors_for_ours(stack):
 
 async def test_overloaded_no_workers_and_deadline_map_to_429_503_504(server, client, running, model_dir):
     sched = await running(scheduler(server, model_dir, max_in_flight=1, deadline_s=1.5))
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "hold"))
     await workers_seen(client, prefill, decode)
-    gateway = await running(Gateway(server.url, model_dir, port=0))
+    gateway = await running(gateway_on(server, model_dir))
     async with httpx.AsyncClient(timeout=30) as http:
         held = asyncio.create_task(http.post(gateway.url + "/v1/completions", json={"prompt": "hi"}))
         await until(lambda: len(sched.flights) == 1, what="the first request held")
@@ -187,6 +231,7 @@ async def test_health_ready_models_and_a_generated_request_id(stack):
     assert reply.json()["id"] == "cmpl-" + decode.jobs[-1].request_id
 
 
+@PLAIN_ONLY  # it listens on kvpush.generate beside the schedulers, which no deployed identity may
 async def test_an_incoming_traceparent_joins_the_requests_trace(stack, client):
     _, _, _, gateway = stack
     seen = []
@@ -207,10 +252,10 @@ async def test_an_incoming_traceparent_joins_the_requests_trace(stack, client):
 
 async def test_a_client_that_disconnects_mid_stream_cancels_its_request(server, client, running, model_dir):
     sched = await running(scheduler(server, model_dir))
-    prefill = await running(FakeWorker(server.url, "prefill", "hold"))
-    decode = await running(FakeWorker(server.url, "decode", "start_then_hold"))
+    prefill = await running(FakeWorker(server, "prefill", "hold"))
+    decode = await running(FakeWorker(server, "decode", "start_then_hold"))
     await workers_seen(client, prefill, decode)
-    gateway = await running(Gateway(server.url, model_dir, port=0))
+    gateway = await running(gateway_on(server, model_dir))
     async with httpx.AsyncClient(timeout=30) as http:
         async with http.stream("POST", gateway.url + "/v1/completions",
                                json={"prompt": "hello", "max_tokens": 3, "stream": True}) as reply:

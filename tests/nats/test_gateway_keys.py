@@ -7,8 +7,6 @@ tests/nats/test_gateway_tenants.py.)"""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import openai
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from services.gateway.keys import KeyRing
 from services.gateway.limits import Limits
 from services.gateway.service import Gateway
-from tests.nats.test_gateway import REPLY_TOKENS, TEXT, scheduler
+from tests.nats.test_gateway import REPLY_TOKENS, TEXT, gateway_on, scheduler
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     FakeWorker,
     client,
@@ -46,8 +44,8 @@ burst = 2
 @pytest.fixture
 async def workers(server, client, running, model_dir):
     sched = await running(scheduler(server, model_dir, deadline_s=10.0))
-    prefill = await running(FakeWorker(server.url, "prefill", "answer"))
-    decode = await running(FakeWorker(server.url, "decode", "answer"))
+    prefill = await running(FakeWorker(server, "prefill", "answer"))
+    decode = await running(FakeWorker(server, "decode", "answer"))
     await workers_seen(client, prefill, decode)
     return sched, prefill, decode
 
@@ -70,7 +68,7 @@ async def complete(gateway: Gateway, key: str, **fields):
 
 async def test_without_a_valid_key_v1_is_401_as_an_openai_error_and_health_needs_none(workers, running,
                                                                                       model_dir, server):
-    gateway = await running(Gateway(server.url, model_dir, port=0, keys=KeyRing.single("sk-right")))
+    gateway = await running(gateway_on(server, model_dir, keys=KeyRing.single("sk-right")))
     with pytest.raises(openai.AuthenticationError) as refused:
         await complete(gateway, "sk-wrong")
     assert refused.value.status_code == 401
@@ -91,7 +89,7 @@ async def test_a_key_past_its_concurrency_limit_gets_429_and_other_keys_are_serv
                                                                                   server, keys):
     _, _, decode = workers
     decode.on_job = "start_then_hold"  # team-a's first request streams one token, then waits
-    gateway = await running(Gateway(server.url, model_dir, port=0, keys=keys))
+    gateway = await running(gateway_on(server, model_dir, keys=keys))
     held = await api(gateway, "sk-team-a").completions.create(
         model=gateway.served_model_name, prompt="hello", max_tokens=3, temperature=0, stream=True)
     first = await held.__anext__()
@@ -112,7 +110,7 @@ async def test_a_key_past_its_concurrency_limit_gets_429_and_other_keys_are_serv
 
 async def test_a_key_past_its_rate_gets_429_with_retry_after_and_other_keys_are_served(workers, running, model_dir,
                                                                                       server, keys):
-    gateway = await running(Gateway(server.url, model_dir, port=0, keys=keys))
+    gateway = await running(gateway_on(server, model_dir, keys=keys))
     for _ in range(2):  # its burst
         assert (await complete(gateway, "sk-team-c")).choices[0].text == TEXT
     with pytest.raises(openai.RateLimitError) as refused:
@@ -127,7 +125,7 @@ async def test_two_keys_sharing_the_gateways_identity_with_one_request_id_each_g
     """Both keys have no NATS user of their own: the gateway keeps their ids apart (``<tenant>/``)."""
     _, _, decode = workers
     decode.on_job = "start_then_hold"
-    gateway = await running(Gateway(server.url, model_dir, port=0, keys=keys))
+    gateway = await running(gateway_on(server, model_dir, keys=keys))
     same = {"x-request-id": "same-id"}
     a = await api(gateway, "sk-team-a").completions.with_raw_response.create(
         model=gateway.served_model_name, prompt=[1, 2, 3, 4], max_tokens=3, temperature=0, stream=True,
