@@ -112,10 +112,10 @@ class Gateway(Service):
         self.nc = await nats.connect(server_urls(self.nats_url), name="kvpush-gateway", max_reconnect_attempts=-1,
                                      **connect_options())
         for tenant in self.keys.tenants:
-            if tenant.nats_user is not None:
+            if tenant.nats_user is not None:  # like the gateway's own: waits for NATS, and says why it cannot log in
                 self._tenant_connections[tenant.name] = await nats.connect(
                     server_urls(self.nats_url), name=f"kvpush-gateway-{tenant.name}", max_reconnect_attempts=-1,
-                    **connect_options(tenant_login(tenant)))
+                    error_cb=_tenant_errors(tenant), **connect_options(tenant_login(tenant)))
         config = uvicorn.Config(_Guard(build_app(self), self), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off", access_log=False)
         self._server = _Server(config)
@@ -174,6 +174,13 @@ class Gateway(Service):
         return generate(self.connection(tenant), body, timeout=self.timeout_s, headers=headers)
 
 
+def _tenant_errors(tenant: Tenant):
+    async def said(exc: Exception) -> None:
+        log.warning("a tenant's NATS connection failed", tenant=tenant.name, nats_user=tenant.nats_user,
+                    error=str(exc))
+    return said
+
+
 def tenant_login(tenant: Tenant, env=os.environ) -> dict[str, str]:
     """The environment ``connect_options`` reads for ``tenant``'s own connection: the
     gateway's (TLS and all) with the tenant's NATS user and password for its login."""
@@ -220,7 +227,8 @@ class _Guard:
                 limiter.admit(time.monotonic())
         except KvpushError as exc:
             given = headers.get(REQUEST_ID_HEADER) or ""
-            response = _counted(scope["path"], _error_of(exc, given if wire.request_id_problem(given) is None else ""))
+            endpoint = scope["path"] if scope["path"] in (*GENERATIONS, "/v1/models") else "/v1/*"  # bounded labels
+            response = _counted(endpoint, _error_of(exc, given if wire.request_id_problem(given) is None else ""))
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
