@@ -27,7 +27,7 @@ from connector.chaos import Chaos
 from otel.messaging import TEMPORARY, consumer, producer, template_of
 from otel.metrics import instruments
 from shared import errors, wire
-from shared.nats_security import connect_options, server_urls
+from shared.nats_security import connect_options, error_logger, server_urls
 
 log = logging.getLogger("kvpush.bridge")
 _refusals = logging.getLogger("kvpush.connector")  # a refused message is the connector's to report
@@ -74,7 +74,7 @@ class NatsBridge:
         try:
             self._nc = self._loop.run_until_complete(
                 nats.connect(server_urls(self.url), name=f"{self.name}-connector", max_reconnect_attempts=-1,
-                             **connect_options(service=self.name))
+                             error_cb=error_logger(f"{self.name}-connector"), **connect_options(service=self.name))
             )
         except BaseException as exc:  # reported to start()
             self._error = exc

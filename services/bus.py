@@ -19,7 +19,7 @@ from otel.messaging import TEMPORARY, TracedNats
 from otel.metrics import instruments
 from shared import wire
 from shared.errors import BadMessage, ForgedSender, WrongParty, refusal
-from shared.nats_security import connect_options, server_urls
+from shared.nats_security import connect_options, error_logger, server_urls
 
 log = structlog.get_logger("kvpush.bus")
 
@@ -35,8 +35,8 @@ class Bus(TracedNats):
     @classmethod
     async def connect(cls, url: str, service: str, **callbacks) -> "Bus":
         """``callbacks``: nats-py's ``disconnected_cb``, ``reconnected_cb`` (async callables)."""
-        nc = await nats.connect(server_urls(url), name=service, max_reconnect_attempts=-1, **callbacks,
-                                **connect_options(service=service))
+        nc = await nats.connect(server_urls(url), name=service, max_reconnect_attempts=-1,
+                                error_cb=error_logger(service), **callbacks, **connect_options(service=service))
         return cls(nc, service)
 
     @property

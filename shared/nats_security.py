@@ -27,6 +27,7 @@ client logged in as a user under ``_INBOX.<user>``: with per-identity users
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import ssl
 from collections.abc import Mapping, MutableMapping
@@ -99,6 +100,19 @@ def connect_options(env: Mapping[str, str] = os.environ, service: str | None = N
     elif user is not None:
         options["inbox_prefix"] = permissions.client_inbox(user)
     return options
+
+
+def error_logger(who: str):
+    """nats-py's ``error_cb`` for ``who``'s connection: one line per error, never a
+    traceback. nats-py's default logs every failed reconnect with its traceback, which a
+    connection still closing after its server stopped (a stop, an outage) prints over and
+    over."""
+    logger = logging.getLogger("kvpush.nats")
+
+    async def on_error(exc: BaseException) -> None:
+        logger.warning("NATS connection of %s: %s: %s", who, type(exc).__name__, exc)
+
+    return on_error
 
 
 def nats_user(env: Mapping[str, str] = os.environ) -> str | None:

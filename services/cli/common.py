@@ -35,6 +35,7 @@ async def until_signalled() -> None:
 async def connect(nats_url: str, **kwargs):
     import nats
 
-    from shared.nats_security import connect_options, server_urls
+    from shared.nats_security import connect_options, error_logger, server_urls
 
+    kwargs.setdefault("error_cb", error_logger("kvpush"))
     return await nats.connect(server_urls(nats_url), **kwargs, **connect_options())

@@ -52,7 +52,7 @@ from services.gateway.limits import Limiter
 from services.lifecycle import Service
 from shared import settings, wire
 from shared.errors import InvalidField, KvpushError, PromptTooLong
-from shared.nats_security import ENV_VARS, connect_options, server_urls
+from shared.nats_security import ENV_VARS, connect_options, error_logger, server_urls
 
 log = structlog.get_logger("kvpush.gateway")
 _tracer = trace.get_tracer("kvpush.gateway")
@@ -110,7 +110,7 @@ class Gateway(Service):
         self.max_prompt_bytes = await loop.run_in_executor(self._templating, prompt_byte_limit, self.tokenizer,
                                                            self.max_model_len)
         self.nc = await nats.connect(server_urls(self.nats_url), name="kvpush-gateway", max_reconnect_attempts=-1,
-                                     **connect_options())
+                                     error_cb=error_logger("kvpush-gateway"), **connect_options())
         for tenant in self.keys.tenants:
             if tenant.nats_user is not None:  # like the gateway's own: waits for NATS, and says why it cannot log in
                 self._tenant_connections[tenant.name] = await nats.connect(

@@ -75,6 +75,11 @@ class LocalNatsServer:
             cwd=self.config.parent if self.config is not None else None,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
+            # Its own session: a terminal's Ctrl-C reaches the services, which close while
+            # NATS still runs, and whoever started it stops it last. In the caller's process
+            # group, NATS went first, and every service still closing logged tracebacks
+            # from its reconnect attempts.
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import nats
 
 from services.launch.natsd import LocalNatsServer, free_port
 from shared import settings
-from shared.nats_security import connect_options, server_urls
+from shared.nats_security import connect_options, error_logger, server_urls
 from services.cli.client import scheduler_status
 
 PR_SET_PDEATHSIG = 1
@@ -144,7 +144,8 @@ class Stack:
 
     async def wait_ready(self, timeout: float = 300.0, progress=None) -> None:
         """Return once the scheduler routes to every worker; raise if a child died."""
-        nc = await nats.connect(server_urls(self.nats_url), **connect_options(self._env("client")))
+        nc = await nats.connect(server_urls(self.nats_url), error_cb=error_logger("kvpush-up"),
+                                **connect_options(self._env("client")))
         try:
             deadline = time.monotonic() + timeout
             last = None
