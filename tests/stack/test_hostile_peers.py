@@ -204,7 +204,9 @@ async def test_every_forgery_by_every_hostile_role_leaves_the_victims_outputs_ri
         ("a scheduler", "wrong_party", "kvpush.request.progress.decode-9", "progress from decode-9"),
         ("a scheduler", "wrong_party", "kvpush.handoff.prefill-9", "a Handoff from prefill-9"),
         ("a scheduler", "wrong_party", "kvpush.kv.completion.decode-0.prefill-9", "a TransferDone from prefill-9"),
-        ("a scheduler", "wrong_party", "kvpush.cancel.client-9", "a cancel of client-0's request"),
+        # client-9's cancel naming client-0's request id is no refusal: request ids are keyed
+        # per client, so it names client-9's own (unknown) request and cannot reach client-0's
+        # flight; the victims' outputs above show it did not
         # a request goes to one scheduler of the queue group; a flight's events are acted on
         # (and refused) by the scheduler holding it
         ("a scheduler", "invalid_reply", "kvpush.generate.client-9", "a reply into another inbox"),
