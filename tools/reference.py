@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from services.worker.engine import EngineSettings, engine_kwargs
+from services.worker.engine import engine_kwargs
+from services.worker.engine_settings import EngineSettings
 from shared import settings
 
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from shared import connector_kinds
 from shared import settings as defaults
 
 
@@ -56,7 +57,7 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "--mode auto: push when prefill should end within this, else pull", float),
     Setting("--connector", "KVPUSH_CONNECTOR", defaults.CONNECTOR,
             "KV connector of the engines: ours, or vLLM's NixlConnector (pull) or NixlPushConnector, "
-            "for side-by-side comparison", str, ("kvpush", "vllm-nixl", "vllm-nixl-push")),
+            "for side-by-side comparison", str, connector_kinds.NAMES),
     Setting("--prefix-caching", "KVPUSH_PREFIX_CACHING", defaults.PREFIX_CACHING,
             "the engines' prefix caching: a prompt's cached prefix is neither computed nor transferred again",
             str, ("on", "off")),

@@ -14,13 +14,6 @@ from typing import Any
 from services.scheduler.flights import Flight
 from shared import wire
 
-# vLLM's own connectors each do one mode; ours does either, per request.
-CONNECTOR_MODES: dict[str, tuple[wire.TransferMode, ...]] = {
-    "kvpush": ("push", "pull"),
-    "vllm-nixl": ("pull",),
-    "vllm-nixl-push": ("push",),
-}
-
 
 def prefill_job(flight: Flight) -> wire.PrefillJob:
     """Push: decode is already chosen (its registration is the only one prefill may write

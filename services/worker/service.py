@@ -27,7 +27,8 @@ from services.bus import Bus
 from services.lifecycle import BackgroundTasks, Service
 from services.worker.cache_relay import CacheRelay, events_endpoint
 from services.worker.decode import DecodeRole
-from services.worker.engine import EngineLoad, EngineSettings, engine_args, side_channel
+from services.worker.engine import EngineLoad, engine_args, side_channel
+from services.worker.engine_settings import EngineSettings
 from services.worker.jobs import RunningJob
 from services.worker.prefill import PrefillRole
 from shared import settings, wire

@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from connector.engine_wake import WOKEN_FOR_S, WOKEN_WAIT_S, WakeClock, WakeListener
-from services.worker.engine import EngineSettings, wake_engine
+from services.worker.engine import wake_engine
+from services.worker.engine_settings import EngineSettings
 from shared import wire
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from services.launch.natsd import free_port
 from services.launch.stack import Stack, answers
+from shared import connector_kinds
 
 BINDINGS = ("auto", "split", "all")
 KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
@@ -107,14 +108,17 @@ class KvpushSystem:
 
 
 class VllmServeSystem:
-    CONNECTORS = {"vllm-nixl": ("NixlConnector", "pull"), "vllm-nixl-push": ("NixlPushConnector", "push")}
-
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
                  binding: str, log_dir: Path, prefix_caching: str = "off"):
+        """``variant``: a kind of vLLM's own connector (``shared.connector_kinds``)."""
+        kind = connector_kinds.of(variant)
+        if kind.ours:
+            raise ValueError(f"{variant!r} is not one of vLLM's own connectors")
         self.name = variant
         self.prefix_caching = prefix_caching
         self.variants = {variant: {}}
-        self.connector, self.flow = self.CONNECTORS[variant]
+        self.connector = kind.vllm_connector
+        (self.flow,) = kind.modes  # each of vLLM's does one: its proxy's flow
         self.model = model
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -137,7 +141,7 @@ class VllmServeSystem:
         deprecated there). NixlPushConnector: ``kv_both``, as its demo runs it; with
         ``kv_consumer`` on decode, the prefill's handshake back to the decode timed out here
         and no WRITE was ever posted."""
-        if self.connector == "NixlPushConnector":
+        if self.flow == "push":
             return "kv_both"
         return "kv_producer" if role == "prefill" else "kv_consumer"
 
@@ -150,6 +154,17 @@ class VllmServeSystem:
                 "--dtype", "float32",
                 "--max-model-len", str(self.max_model_len)]
 
+    def engine_env(self, engine_index: int, side_channel: int) -> dict[str, str]:
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, engine_index)}
+        if self.flow == "push":
+            # The push proxy sends both legs at once, so decode knows prefill's request id only as
+            # the proxy named it; prefill renews its lease on blocks decode has not received yet
+            # only for heartbeats with its exact id, which the engine otherwise suffixes at random.
+            env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
+        return env
+
     async def start(self, timeout: float = 600) -> None:
         import asyncio
 
@@ -159,15 +174,7 @@ class VllmServeSystem:
         for index, (role, i) in enumerate(engines):
             port, side_channel = free_port(), free_port()
             engine_id = f"{role}-{i}"
-            env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
-                   "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, index)}
-            if self.connector == "NixlPushConnector":
-                # The push proxy sends both legs at once, so decode knows prefill's request id only as
-                # the proxy named it; prefill renews its lease on blocks decode has not received yet
-                # only for heartbeats with its exact id, which the engine otherwise suffixes at random.
-                env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
-            self._spawn(engine_id, self.serve_command(role, port, engine_id), env)
+            self._spawn(engine_id, self.serve_command(role, port, engine_id), self.engine_env(index, side_channel))
             health.append(f"http://127.0.0.1:{port}/health")
             if role == "prefill":
                 prefills.append(f"127.0.0.1:{port}:{engine_id}:{side_channel}")

@@ -1,0 +1,28 @@
+"""What a worker's vLLM engine is started with: the model, its role and the KV connector
+kind. Plain data: the kind's strategy (``services.worker.kinds``) and the engine arguments
+(``services.worker.engine``) read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared import settings
+from shared.settings import FaultSettings
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    role: str | None  # "prefill", "decode", or None for a plain single instance
+    engine_id: str
+    nats_url: str | None
+    max_model_len: int = settings.MAX_MODEL_LEN
+    block_size: int | None = None
+    max_num_seqs: int = 16
+    dtype: str = "float32"
+    tensor_parallel_size: int = 1
+    connector: str = settings.CONNECTOR  # a kind of shared.connector_kinds: ours or vLLM's own
+    faults: FaultSettings = settings.FAULTS
+    incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
+    prefix_caching: bool = settings.PREFIX_CACHING == "on"
+    kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)
