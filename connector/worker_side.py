@@ -62,7 +62,7 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches, num_blocks: int) -> None:
         layout = kv_layout.describe(kv_caches, num_blocks)
-        self.transfer = TransferThread(self.engine_id, self.rank, layout, on_notification=self._on_notification,
+        self.transfer = TransferThread(self.engine_id, self.rank, layout, on_notification=self.on_notification,
                                        incarnation=self.incarnation)
         self.transfer.start()
         for half in self._halves:
@@ -133,7 +133,7 @@ class ConnectorWorker:
 
     # ---------------------------------------------------------------- the transfer thread
 
-    def _on_notification(self, message: bytes) -> None:
+    def on_notification(self, message: bytes) -> None:
         """A peer's notification: decode's READ of blocks our producer serves, or else a
         producer's WRITE into blocks our consumer waits on."""
         note = parse_notification(message)

@@ -273,7 +273,7 @@ def test_a_transfer_moved_before_its_write_lands_in_the_new_decode_and_the_first
             src = [0, 1, 2]
             params = dict(transfer_id=transfer, request_id="moved", prefill_engine_id=prefill_id)
             _start_load(first, wire.DecodeKvParams(**params, transfer_key=key), [4, 5, 6])
-            _until(lambda: worker.producer._rendezvous.peek(transfer) is not None,  # taken in, not just sent
+            _until(lambda: worker.producer.waiting(transfer),  # taken in, not just sent
                    "the first decode's registration")
             move = wire.MoveTransfer(transfer_id=transfer, scheduler_id=scheduler_id, transfer_key=key,
                                      decode_engine_id=second.engine_id, new_transfer_key=new_key)
@@ -434,7 +434,7 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
 
     try:
         bridge.publish(control, registration(transfer))
-        _until(lambda: transfer in worker.producer._rendezvous.pending(), "the registration waiting", 10)
+        _until(lambda: worker.producer.waiting(transfer), "the registration waiting", 10)
         with chaos.hold("producer.matched") as gate:
             prefill = threading.Thread(target=worker.wait_for_save, args=(KvpushMetadata(ready_prefills=[
                 ReadyPrefill("prefill-raced", transfer, [0, 1], mode="push", num_tokens=2 * BLOCK_SIZE,
@@ -482,12 +482,12 @@ def test_a_revoke_without_the_transfers_key_is_refused_and_the_write_still_lands
     try:
         _start_load(decode, wire.DecodeKvParams(transfer_id=transfer, request_id="kept", prefill_engine_id=prefill_id,
                                                 transfer_key=key), dst)
-        _until(lambda: transfer in worker.producer._rendezvous.pending(), "decode's registration waiting", 10)
+        _until(lambda: worker.producer.waiting(transfer), "decode's registration waiting", 10)
         for wrong_key in ("", _key()):
             bridge.publish(control, _revoke(transfer, decode.engine_id, wrong_key))
         refused = _until(lambda: refusals.by(prefill_id)[1:] and refusals.by(prefill_id), "both refusals", 10)
         assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 2
-        assert transfer in worker.producer._rendezvous.pending()  # not closed
+        assert worker.producer.waiting(transfer)  # not closed
         assert completions.of(transfer) == []  # and not answered revoked
 
         worker.wait_for_save(KvpushMetadata(ready_prefills=[
@@ -563,12 +563,12 @@ def test_a_registration_without_the_transfers_key_is_not_matched(nats_server, or
             bridge.publish(control, registration(_key()))
         else:
             bridge.publish(control, registration(_key()))
-            _until(lambda: transfer in worker.producer._rendezvous.pending(), "the registration waiting", 10)
+            _until(lambda: worker.producer.waiting(transfer), "the registration waiting", 10)
             worker.wait_for_save(ready)
         [refused] = _until(lambda: completions.of(transfer), "the answer to the keyless registration", 10)
         assert isinstance(refused, wire.TransferFailed) and refused.code == BadRegistration.code
         assert "key" in refused.reason
-        assert transfer in worker.producer._rendezvous.pending()  # the prompt waits on
+        assert worker.producer.waiting(transfer)  # the prompt waits on
         assert worker.get_finished({"prefill-keyed"}) == (set(), set(), set())
 
         bridge.publish(control, registration(key))
@@ -637,14 +637,14 @@ def test_a_write_notification_without_the_transfers_tag_over_our_blocks_is_no_ar
         if when == "during_the_wait":
             worker.start_load_kv(meta)
         for note in _wrong_notes(transfer, key, blocks):
-            worker._on_notification(note)
+            worker.on_notification(note)
         if when == "before_the_wait":
             worker.start_load_kv(meta)
         refused = _until(lambda: refusals.by(decode_id)[2:] and refusals.by(decode_id), "three refusals", 10)
         assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 3
         assert worker.get_finished(set(), idle=True) == (set(), set(), set())
 
-        worker._on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))
+        worker.on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))
         _, receiving, failed = _until(lambda: (r := worker.get_finished(set(), idle=True))[1] and r, "the arrival", 10)
         assert (receiving, failed) == ({"tagged"}, set())
     finally:
@@ -663,13 +663,13 @@ def test_a_read_notification_without_the_transfers_tag_over_our_blocks_keeps_the
         worker.wait_for_save(KvpushMetadata(ready_prefills=[
             ReadyPrefill("prefill-read", transfer, blocks, mode="pull", num_tokens=2 * BLOCK_SIZE, transfer_key=key)]))
         for note in _wrong_notes(transfer, key, blocks):
-            worker._on_notification(note)
+            worker.on_notification(note)
         refused = _until(lambda: refusals.by(prefill_id)[2:] and refusals.by(prefill_id), "three refusals", 10)
         assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 3
         assert worker.producer.serves(transfer)
         assert worker.get_finished({"prefill-read"}) == (set(), set(), set())
 
-        worker._on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))  # decode's READ
+        worker.on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))  # decode's READ
         assert _sent(worker, "prefill-read") == {"prefill-read"}
     finally:
         worker.shutdown()
