@@ -16,6 +16,8 @@
     ├── Cancelled               the client cancelled the request
     ├── DeadlineExceeded        no final answer within the deadline
     ├── WorkerLost              a worker died after tokens went out (a retry would repeat them)
+    ├── StreamLost              (client side) token chunks were lost on the way
+    ├── InFlight                (kvpush.final) the request has not ended yet
     ├── NotFound                (kvpush.final) no last message is kept for that request id
     ├── LedgerUnavailable       JetStream did not take a flight's record
     ├── BadMessage              an internal message that does not decode (said on kvpush.invalid)
@@ -34,7 +36,8 @@
         │   └── WriteStuck      ...never ended: it may still land, so decode keeps the blocks
         └── ReadFailed          pull: the READ failed
 
-``to_error_body`` is the one boundary that turns any exception into an error reply, and
+``to_error_body`` is the one boundary that turns any exception into an error reply's body
+(``wire.ErrorReply``; a client tells codes apart by these classes' ``code``), and
 ``refusal`` the one that turns a message that does not decode into an ``InvalidMessage``.
 ``http_status`` is the one mapping from a code to an HTTP status (the gateway's).
 """

@@ -12,13 +12,13 @@ Public (JSON, for clients):
 
     kvpush.generate[.<client>]      GenerateRequest  client -> every scheduler, one takes it; with
                                     per-client users, on the client's own subject
-    <client reply subject>          TokenChunk* then FinalReply   decode worker -> client
+    <client reply subject>          Reply: TokenChunk* then FinalReply   decode worker -> client
                                     (or ErrorReply, from whichever service ended it); an inbox
                                     under ``_INBOX.`` (``_INBOX.<client>.`` for a named client)
     kvpush.cancel[.<client>]        CancelRequest    client -> every scheduler; a named client
                                     cancels only its own requests
     kvpush.final[.<client>]         FinalRequest (request), reply: the request's last message
-                                    again (FinalReply or ErrorReply), kept FINALS_KEEP_S after
+                                    again (LastMessage: FinalReply or ErrorReply), kept FINALS_KEEP_S after
                                     it ended; ErrorReply ``in_flight`` if it has not ended,
                                     ``not_found`` if no scheduler knows it (never arrived)
 
@@ -91,6 +91,12 @@ Protocol history:
         stream per decode, the claimant named by the subject; flights and finals
         are keyed by (client, request id); status on ``kvpush.scheduler.status.<client>``.
         Not compatible with version 5 peers (their claims and keys differ).
+    7 - replies are a tagged union (``Reply``): TokenChunk, FinalReply and ErrorReply carry
+        ``"type"`` (``chunk``, ``final``, ``error``), and a client decodes each reply once
+        (``decode_reply``, ``decode_last``) instead of reading a dict. Their other fields
+        are unchanged. A version-6 client still reads version-7 replies (one more JSON
+        field, which it ignores); a version-7 client refuses an untagged version-6 reply,
+        a kept final of a version-6 service too: upgrade services before clients.
 """
 
 from __future__ import annotations
@@ -101,9 +107,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
+from shared import connector_kinds
 from shared.block_keys import KEY_BYTES
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 GENERATE_SUBJECT = "kvpush.generate"
 CANCEL_SUBJECT = "kvpush.cancel"
@@ -116,7 +123,7 @@ CLIENT_INBOX_PREFIX = "_INBOX"
 SERVICE_INBOX_PREFIX = "_KVPUSH_INBOX"
 
 Role = Literal["prefill", "decode"]
-TransferMode = Literal["push", "pull"]
+TransferMode = connector_kinds.TransferMode
 ServeMode = Literal["push", "pull", "local"]
 """How a request is served: its KV pushed or pulled from a prefill worker, or its prompt
 computed by the decode worker itself (``local``)."""
@@ -303,7 +310,11 @@ class ErrorBody(msgspec.Struct):
     message: str
 
 
-class TokenChunk(msgspec.Struct):
+class _Reply(msgspec.Struct, tag_field="type"):
+    """A message to a client's reply inbox; its ``type`` names which one."""
+
+
+class TokenChunk(_Reply, tag="chunk"):
     request_id: str
     token_ids: list[int]
     text: str
@@ -322,7 +333,7 @@ class Timings(msgspec.Struct):
     e2e_ms: float
 
 
-class FinalReply(msgspec.Struct):
+class FinalReply(_Reply, tag="final"):
     request_id: str
     finish_reason: str | None
     usage: Usage
@@ -331,10 +342,16 @@ class FinalReply(msgspec.Struct):
     chunks: int = 0  # how many token chunks came before this final
 
 
-class ErrorReply(msgspec.Struct):
+class ErrorReply(_Reply, tag="error"):
     request_id: str
     error: ErrorBody
     finished: bool = True
+
+
+LastMessage = FinalReply | ErrorReply
+"""How a request ended: its last message on the reply inbox, and the answer on ``kvpush.final``."""
+Reply = TokenChunk | LastMessage
+"""Every message on a client's reply inbox."""
 
 
 # --------------------------------------------------------------------------- internal msgpack
@@ -343,7 +360,7 @@ class Internal(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
-Connector = Literal["kvpush", "vllm-nixl", "vllm-nixl-push"]
+Connector = connector_kinds.Name  # the kinds of KV connector: shared.connector_kinds
 
 
 class WorkerHeartbeat(Internal):
@@ -729,6 +746,20 @@ def decode_json(data: bytes, kind):
     if decoder is None:
         decoder = _json_decoders[kind] = msgspec.json.Decoder(kind)
     return _guarded(decoder.decode, data)
+
+
+_reply_decoder = msgspec.json.Decoder(Reply)
+_last_decoder = msgspec.json.Decoder(LastMessage)
+
+
+def decode_reply(data: bytes) -> Reply:
+    """A message from a client's reply inbox; raises msgspec's errors like ``decode``."""
+    return _guarded(_reply_decoder.decode, data)
+
+
+def decode_last(data: bytes) -> LastMessage:
+    """A ``kvpush.final`` answer (or a kept final); raises msgspec's errors like ``decode``."""
+    return _guarded(_last_decoder.decode, data)
 
 
 # --------------------------------------------------------------------------- durable state

@@ -9,9 +9,12 @@ client asks for the request's final again (``kvpush.final``): a final it missed 
 for ``wire.FINALS_KEEP_S`` after the request ended. Token chunks lost on the way cannot be
 asked for again: each carries its ``seq`` and the final their count, so a gap ends the
 request with ``stream_lost`` instead of an answer with tokens missing. A request itself
-can be lost on its way too: when no scheduler knows it (``not_found``, not ``in_flight``)
+can be lost on its way too: when no scheduler knows it (``NotFound``, not ``InFlight``)
 and nothing came back, the client sends it again, up to ``RESENDS`` times; the schedulers
-take a repeat (same id, same inbox) for the request they have."""
+take a repeat (same id, same inbox) for the request they have.
+
+Each reply is decoded once, into ``wire.Reply`` (``TokenChunk``, ``FinalReply`` or
+``ErrorReply``): callers get structs, and tell them apart with ``match``."""
 
 from __future__ import annotations
 
@@ -20,21 +23,21 @@ import json
 import uuid
 from typing import AsyncIterator, Callable
 
-import msgspec
-
 from shared import wire
-from shared.errors import NoScheduler, PayloadTooLarge, StreamLost
+from shared.errors import InFlight, NoScheduler, NotFound, PayloadTooLarge, StreamLost, to_error_body
 
 
 REFETCH_AFTER_S = 5.0
 RESENDS = 2  # times a request no scheduler knows of is sent again
-FORGOTTEN_AFTER = 2  # "not_found" answers in a row that end a request which had streamed
+FORGOTTEN_AFTER = 2  # NotFound answers in a row that end a request which had streamed
+_NOT_KEPT = (InFlight.code, NotFound.code)  # kvpush.final's answers that hold no final
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after_s: float = REFETCH_AFTER_S,
-                   received: Callable[[dict], bool] | None = None,
-                   headers: dict[str, str] | None = None) -> AsyncIterator[dict]:
-    """Yield each reply (token chunks, then the final message) for one request.
+                   received: Callable[[wire.Reply], bool] | None = None,
+                   headers: dict[str, str] | None = None) -> AsyncIterator[wire.Reply]:
+    """Yield each reply for one request: ``TokenChunk``s, then its last message
+    (``FinalReply`` or ``ErrorReply``).
 
     Raises TimeoutError when no message arrives for ``timeout`` seconds (nor a final
     when asked again), NoScheduler when nobody listens on ``kvpush.generate``. Stopping
@@ -71,20 +74,21 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
                 msg = await sub.next_msg(timeout=min(refetch_after_s, timeout - silent_for))
             except asyncio.TimeoutError:  # nats raises its own subclass
                 final = await ask_final(nc, request_id) if request_id else None
-                unknown = unknown + 1 if final == "not_found" and chunks else 0
+                code = _error_code(final)
+                unknown = unknown + 1 if code == NotFound.code and chunks else 0
                 if unknown >= FORGOTTEN_AFTER:
                     # It streamed, so it arrived; now it is neither running nor kept: its end
                     # was lost with a NATS server. Waiting on would only reach the timeout.
                     finished = True
                     yield _lost(request_id, "no scheduler knows it any more, and its end was never kept")
                     return
-                if final == "not_found" and chunks == 0 and resent < RESENDS:
+                if code == NotFound.code and chunks == 0 and resent < RESENDS:
                     # No scheduler knows it: the request was lost on its way (a NATS server
                     # died with it). The same id on the same inbox: a scheduler that has it
                     # after all takes this one for what it is, a repeat, and says nothing.
                     await nc.publish(subject, data, reply=inbox, headers=headers or None)
                     resent += 1
-                if not isinstance(final, dict):
+                if final is None or code in _NOT_KEPT:
                     continue
                 finished = True
                 yield _unless_lost(final, request_id, chunks)
@@ -92,41 +96,50 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
                 raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
                                   "(kvpush up, or kvpush scheduler) or check --nats-url")
-            reply = json.loads(msg.data)
-            request_id = request_id or reply.get("request_id")
+            reply = wire.decode_reply(msg.data)
+            request_id = request_id or reply.request_id
             heard_at = loop.time()
             if received is not None and not received(reply):
                 continue
-            finished = bool(reply.get("finished"))
-            if finished:
-                yield _unless_lost(reply, request_id, chunks)
-                return
-            if reply.get("seq", chunks) != chunks:
-                # A chunk before this one never came: what follows would be a wrong answer,
-                # so the request ends here with an error (and the finally cancels the rest).
-                yield _lost(request_id, f"token chunk {chunks} never arrived (chunk {reply.get('seq')} did)")
-                return
-            chunks += 1
-            yield reply
+            match reply:
+                case wire.TokenChunk(seq=seq) if seq != chunks:
+                    # A chunk before this one never came: what follows would be a wrong answer,
+                    # so the request ends here with an error (and the finally cancels the rest).
+                    yield _lost(request_id, f"token chunk {chunks} never arrived (chunk {seq} did)")
+                    return
+                case wire.TokenChunk():
+                    chunks += 1
+                    yield reply
+                case _:
+                    finished = True
+                    yield _unless_lost(reply, request_id, chunks)
+                    return
     finally:
         await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
         if not finished and request_id:
             await cancel(nc, request_id)
 
 
-def _unless_lost(final: dict, request_id: str | None, received: int) -> dict:
+def _unless_lost(final: wire.LastMessage, request_id: str | None, received: int) -> wire.LastMessage:
     """The final, or an error if chunks it counts never came (the stream's end was lost)."""
-    sent = final.get("chunks", received)
-    if "error" in final or sent == received:
-        return final
-    return _lost(request_id or final.get("request_id", ""),
-                 f"{sent - received} of its {sent} token chunks never arrived")
+    match final:
+        case wire.FinalReply(chunks=sent) if sent != received:
+            return _lost(request_id or final.request_id, f"{sent - received} of its {sent} token chunks never arrived")
+    return final
 
 
-def _lost(request_id: str | None, what: str) -> dict:
+def _lost(request_id: str | None, what: str) -> wire.ErrorReply:
     error = StreamLost(f"the stream of request {request_id} lost tokens on the way: {what}; the output is "
                        "incomplete, send the request again")
-    return msgspec.to_builtins(wire.ErrorReply(request_id or "", wire.ErrorBody(error.code, str(error))))
+    return wire.ErrorReply(request_id or "", to_error_body(error))
+
+
+def _error_code(reply: wire.LastMessage | None) -> str | None:
+    """The code of an ErrorReply; None for anything else."""
+    match reply:
+        case wire.ErrorReply(error=error):
+            return error.code
+    return None
 
 
 async def cancel(nc, request_id: str) -> None:
@@ -136,26 +149,24 @@ async def cancel(nc, request_id: str) -> None:
     await nc.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
 
 
-async def fetch_final(nc, request_id: str, timeout: float = 2.0) -> dict | None:
+async def fetch_final(nc, request_id: str, timeout: float = 2.0) -> wire.LastMessage | None:
     """The request's final message again (``kvpush.final``); None if none is kept (the
     request has not ended, ended long ago, or no scheduler answers)."""
     final = await ask_final(nc, request_id, timeout)
-    return final if isinstance(final, dict) else None
+    return None if _error_code(final) in _NOT_KEPT else final
 
 
-async def ask_final(nc, request_id: str, timeout: float = 2.0) -> dict | str | None:
-    """The request's final message again, or what the schedulers know instead:
-    ``"in_flight"`` (not ended yet), ``"not_found"`` (no scheduler knows it: it never
-    arrived, or ended long ago); None if no scheduler answered."""
+async def ask_final(nc, request_id: str, timeout: float = 2.0) -> wire.LastMessage | None:
+    """The request's final message again, or the schedulers' ErrorReply that says what
+    they know instead: ``InFlight`` (not ended yet), ``NotFound`` (no scheduler knows it:
+    it never arrived, or ended long ago); None if no scheduler answered."""
     owner = client_of(nc)
     subject = wire.OWNED_FINAL(client=owner) if owner else wire.FINAL_SUBJECT
     try:
         msg = await nc.request(subject, wire.encode_json(wire.FinalRequest(request_id)), timeout=timeout)
     except Exception:  # no responders, or timeout: asked again on the next silence
         return None
-    reply = json.loads(msg.data)
-    code = reply.get("error", {}).get("code")
-    return code if code in ("in_flight", "not_found") else reply
+    return wire.decode_last(msg.data)
 
 
 def client_of(nc) -> str:
@@ -167,17 +178,17 @@ def client_of(nc) -> str:
     return name if head == wire.CLIENT_INBOX_PREFIX else ""
 
 
-async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[list[int], str, dict]:
-    """(all token ids, all text, final message) for one request."""
+async def generate_all(nc, body: dict | bytes, timeout: float = 120.0) -> tuple[list[int], str, wire.LastMessage]:
+    """(all token ids, all text, last message) for one request."""
     token_ids: list[int] = []
     text = []
-    final: dict = {}
     async for reply in generate(nc, body, timeout):
-        if reply.get("finished"):
-            final = reply
-        else:
-            token_ids.extend(reply["token_ids"])
-            text.append(reply["text"])
+        match reply:
+            case wire.TokenChunk():
+                token_ids.extend(reply.token_ids)
+                text.append(reply.text)
+            case _:
+                final = reply
     return token_ids, "".join(text), final
 
 

@@ -6,37 +6,40 @@ import asyncio
 import sys
 
 from services.cli.common import connect, say
+from shared import wire
 
-async def stream(nats_url: str, body: dict, out=sys.stdout) -> dict:
+
+async def stream(nats_url: str, body: dict, out=sys.stdout) -> wire.LastMessage:
     from services.cli.client import generate
 
     nc = await connect(nats_url)
     try:
-        final: dict = {}
         async for reply in generate(nc, body):
-            if reply.get("finished"):
-                final = reply
-            else:
-                out.write(reply["text"])
-                out.flush()
+            match reply:
+                case wire.TokenChunk():
+                    out.write(reply.text)
+                    out.flush()
+                case _:
+                    final = reply
         out.write("\n")
         return final
     finally:
         await nc.close()
 
 
-def describe_final(final: dict) -> str:
-    if "error" in final:
-        return f"error {final['error']['code']}: {final['error']['message']}"
-    t = final.get("timings", {})
-    return (f"finish_reason={final.get('finish_reason')} tokens={final.get('usage', {}).get('completion_tokens')} "
-            f"ttft={t.get('ttft_ms', 0):.0f} ms tpot={t.get('tpot_ms', 0):.1f} ms")
+def describe_final(final: wire.LastMessage) -> str:
+    match final:
+        case wire.ErrorReply(error=error):
+            return f"error {error.code}: {error.message}"
+        case wire.FinalReply(finish_reason=finish_reason, usage=usage, timings=t):
+            return (f"finish_reason={finish_reason} tokens={usage.completion_tokens} "
+                    f"ttft={t.ttft_ms:.0f} ms tpot={t.tpot_ms:.1f} ms")
 
 
 def cmd_generate(args) -> int:
     import uuid
 
-    from shared.errors import KvpushError
+    from shared.errors import KvpushError, to_error_body
 
     body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
     if args.token_ids:
@@ -47,12 +50,12 @@ def cmd_generate(args) -> int:
     try:
         final = asyncio.run(stream(args.nats_url, body))
     except KvpushError as exc:
-        final = {"error": {"code": exc.code, "message": exc.message}}
+        final = wire.ErrorReply(body["request_id"], to_error_body(exc))
     except KeyboardInterrupt:
         say(f"interrupted: request {body['request_id']} cancelled")
         return 130
     say(describe_final(final))
-    return 1 if "error" in final else 0
+    return 1 if isinstance(final, wire.ErrorReply) else 0
 
 
 def cmd_cancel(args) -> int:
@@ -91,8 +94,6 @@ def cmd_status(args) -> int:
             return await scheduler_status(nc, args.timeout)
         finally:
             await nc.close()
-
-    from shared import wire
 
     try:
         status = asyncio.run(ask())

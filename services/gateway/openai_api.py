@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from shared import wire
 from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
 Kind = Literal["completion", "chat"]
@@ -206,9 +207,8 @@ def response_id(kind: Kind, request_id: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + request_id
 
 
-def usage(final: dict) -> dict:
-    used = final.get("usage") or {}
-    prompt, completion = used.get("prompt_tokens", 0), used.get("completion_tokens", 0)
+def usage(final: wire.FinalReply) -> dict:
+    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -231,17 +231,17 @@ def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str
     return event
 
 
-def usage_chunk(request: OpenAiRequest, request_id: str, final: dict) -> dict:
+def usage_chunk(request: OpenAiRequest, request_id: str, final: wire.FinalReply) -> dict:
     """The last event before ``[DONE]`` with ``stream_options.include_usage``: no choices."""
     kind = "text_completion" if request.kind == "completion" else "chat.completion.chunk"
     return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
             "model": request.model, "choices": [], "usage": usage(final)}
 
 
-def response(request: OpenAiRequest, request_id: str, text: str, final: dict,
+def response(request: OpenAiRequest, request_id: str, text: str, final: wire.FinalReply,
              token_ids: list[int] | None = None) -> dict:
     """The whole answer, for a request without ``stream``."""
-    finish = final.get("finish_reason")
+    finish = final.finish_reason
     if request.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"

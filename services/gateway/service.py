@@ -51,7 +51,7 @@ from services.gateway.keys import KeyRing, Tenant
 from services.gateway.limits import Limiter
 from services.lifecycle import Service
 from shared import settings, wire
-from shared.errors import InvalidField, KvpushError, PromptTooLong
+from shared.errors import BadJson, DeadlineExceeded, InvalidField, KvpushError, PromptTooLong
 from shared.nats_security import ENV_VARS, connect_options, error_logger, server_urls
 
 log = structlog.get_logger("kvpush.gateway")
@@ -170,7 +170,7 @@ class Gateway(Service):
         request.generate["prompt_token_ids"] = await asyncio.get_running_loop().run_in_executor(
             self._templating, chat_prompt, self.tokenizer, request.messages)
 
-    def replies(self, tenant: Tenant, body: dict, headers: dict[str, str]) -> AsyncIterator[dict]:
+    def replies(self, tenant: Tenant, body: dict, headers: dict[str, str]) -> AsyncIterator[wire.Reply]:
         return generate(self.connection(tenant), body, timeout=self.timeout_s, headers=headers)
 
 
@@ -333,7 +333,7 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
             try:
                 body = json.loads(data)
             except (ValueError, RecursionError):
-                return _error("bad_json", "the body is not valid JSON", request_id)
+                return _error(BadJson.code, "the body is not valid JSON", request_id)
             request = openai_api.parse(kind, body, gateway.served_model_name)
             gateway.check_prompt_size(request)
             await gateway.prompt_of(request)
@@ -348,59 +348,63 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
         except (KvpushError, TimeoutError) as exc:
             await replies.aclose()
             if isinstance(exc, TimeoutError):
-                return _error("deadline_exceeded", str(exc), request_id)
+                return _error(DeadlineExceeded.code, str(exc), request_id)
             return _error(exc.code, exc.message, request_id)
-        if first.get("finished") and "error" in first:
-            await replies.aclose()
-            return _error(first["error"]["code"], first["error"]["message"], request_id)
+        match first:
+            case wire.ErrorReply(error=error):
+                await replies.aclose()
+                return _error(error.code, error.message, request_id)
         if request.stream:
             return StreamingResponse(_events(request, request_id, first, replies), media_type="text/event-stream",
                                      headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
         return await _whole(request, request_id, first, replies)
 
 
-async def _whole(request, request_id: str, first: dict, replies) -> JSONResponse:
+async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONResponse:
     text: list[str] = []
     token_ids: list[int] = []
     reply = first
     try:
-        while not reply.get("finished"):
-            text.append(reply["text"])
-            token_ids.extend(reply["token_ids"])
+        while isinstance(reply, wire.TokenChunk):
+            text.append(reply.text)
+            token_ids.extend(reply.token_ids)
             reply = await replies.__anext__()
     except (KvpushError, TimeoutError, StopAsyncIteration) as exc:
         await replies.aclose()
-        code = getattr(exc, "code", "deadline_exceeded")
+        code = getattr(exc, "code", DeadlineExceeded.code)
         return _error(code, str(exc), request_id)
-    if "error" in reply:
-        return _error(reply["error"]["code"], reply["error"]["message"], request_id)
-    return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids),
-                        headers={REQUEST_ID_HEADER: request_id})
+    match reply:
+        case wire.ErrorReply(error=error):
+            return _error(error.code, error.message, request_id)
+        case wire.FinalReply():
+            return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids),
+                                headers={REQUEST_ID_HEADER: request_id})
 
 
 def _sse(event: dict | str) -> bytes:
     return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
 
 
-async def _events(request, request_id: str, first: dict, replies) -> AsyncIterator[bytes]:
+async def _events(request, request_id: str, first: wire.Reply, replies) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
     closed, and the client's generate() cancels what did not finish)."""
     reply, sent_first = first, False
     try:
-        while not reply.get("finished"):
-            yield _sse(openai_api.chunk(request, request_id, reply["text"], first=not sent_first,
-                                        token_ids=reply["token_ids"]))
+        while isinstance(reply, wire.TokenChunk):
+            yield _sse(openai_api.chunk(request, request_id, reply.text, first=not sent_first,
+                                        token_ids=reply.token_ids))
             sent_first = True
             reply = await replies.__anext__()
-        if "error" in reply:
-            yield _sse(openai_api.error(reply["error"]["code"], reply["error"]["message"])[1])
-        else:
-            yield _sse(openai_api.chunk(request, request_id, "", reply.get("finish_reason"), first=not sent_first))
-            if request.include_usage:
-                yield _sse(openai_api.usage_chunk(request, request_id, reply))
+        match reply:
+            case wire.ErrorReply(error=error):
+                yield _sse(openai_api.error(error.code, error.message)[1])
+            case wire.FinalReply():
+                yield _sse(openai_api.chunk(request, request_id, "", reply.finish_reason, first=not sent_first))
+                if request.include_usage:
+                    yield _sse(openai_api.usage_chunk(request, request_id, reply))
         yield _sse("[DONE]")
     except (KvpushError, TimeoutError) as exc:
-        yield _sse(openai_api.error(getattr(exc, "code", "deadline_exceeded"), str(exc))[1])
+        yield _sse(openai_api.error(getattr(exc, "code", DeadlineExceeded.code), str(exc))[1])
         yield _sse("[DONE]")
     finally:
         await replies.aclose()  # early: the request is cancelled

@@ -55,7 +55,7 @@ async def test_leaving_the_stream_early_cancels_the_request(nc):
     sched = await nc.subscribe(wire.GENERATE_SUBJECT, cb=fake_scheduler)
     cancel_sub = await nc.subscribe(wire.CANCEL_SUBJECT, cb=_collect(cancels))
     async for reply in generate(nc, {"prompt": "hi", "request_id": "r-early"}):
-        assert reply["token_ids"] == [1]
+        assert reply.token_ids == [1]
         break
     await _until(lambda: cancels)  # the generator's cleanup runs as a task once it is dropped
     await nc.flush()
@@ -112,7 +112,7 @@ async def test_a_named_client_requests_and_cancels_on_its_own_subjects(nc, nats_
     try:
         assert (client_of(named), client_of(nc)) == (name, "")
         async for reply in generate(named, {"prompt": "hi", "request_id": "r-named"}):
-            assert reply["token_ids"] == [1]
+            assert reply.token_ids == [1]
             break
         await _until(lambda: cancels)
         await cancel(named, "r-again")
@@ -131,7 +131,7 @@ async def test_a_named_client_requests_and_cancels_on_its_own_subjects(nc, nats_
         (wire.OWNED_CANCEL(client=name), {"request_id": "r-again"})]
 
 
-async def _stream_with(nc, replies: list, request_id: str) -> list[dict]:
+async def _stream_with(nc, replies: list, request_id: str) -> list[wire.Reply]:
     """Play decode: answer the request with ``replies`` (TokenChunk / FinalReply), in order."""
     async def fake_decode(msg):
         for reply in replies:
@@ -155,8 +155,8 @@ def _final(request_id: str, chunks: int) -> wire.FinalReply:
 
 async def test_a_whole_stream_ends_with_its_final(nc):
     replies = await _stream_with(nc, [_chunk("r-whole", 0), _chunk("r-whole", 1), _final("r-whole", 2)], "r-whole")
-    assert [r.get("token_ids") for r in replies[:-1]] == [[1], [2]]
-    assert replies[-1]["finish_reason"] == "length" and "error" not in replies[-1]
+    assert [r.token_ids for r in replies[:-1]] == [[1], [2]]
+    assert isinstance(replies[-1], wire.FinalReply) and replies[-1].finish_reason == "length"
 
 
 async def test_a_chunk_lost_mid_stream_ends_the_request_with_stream_lost_not_a_short_answer(nc):
@@ -164,9 +164,9 @@ async def test_a_chunk_lost_mid_stream_ends_the_request_with_stream_lost_not_a_s
     cancels: list[bytes] = []
     cancel_sub = await nc.subscribe(wire.CANCEL_SUBJECT, cb=_collect(cancels))
     replies = await _stream_with(nc, [_chunk("r-gap", 0), _chunk("r-gap", 2), _final("r-gap", 3)], "r-gap")
-    assert [r.get("token_ids") for r in replies[:-1]] == [[1]]  # nothing after the gap is passed on
-    assert replies[-1]["finished"] and replies[-1]["error"]["code"] == "stream_lost"
-    assert "chunk 1 never arrived" in replies[-1]["error"]["message"]
+    assert [r.token_ids for r in replies[:-1]] == [[1]]  # nothing after the gap is passed on
+    assert isinstance(replies[-1], wire.ErrorReply) and replies[-1].error.code == "stream_lost"
+    assert "chunk 1 never arrived" in replies[-1].error.message
     await _until(lambda: cancels)  # the rest of the request is cancelled
     await cancel_sub.unsubscribe()
     assert json.loads(cancels[0])["request_id"] == "r-gap"
@@ -174,11 +174,11 @@ async def test_a_chunk_lost_mid_stream_ends_the_request_with_stream_lost_not_a_s
 
 async def test_chunks_lost_at_the_end_turn_the_final_into_stream_lost(nc):
     replies = await _stream_with(nc, [_chunk("r-tail", 0), _final("r-tail", 3)], "r-tail")
-    assert replies[-1]["error"]["code"] == "stream_lost"
-    assert "2 of its 3 token chunks never arrived" in replies[-1]["error"]["message"]
+    assert isinstance(replies[-1], wire.ErrorReply) and replies[-1].error.code == "stream_lost"
+    assert "2 of its 3 token chunks never arrived" in replies[-1].error.message
 
 
-async def _generate_against(nc, request_id: str, on_generate, final_code: str) -> list[dict]:
+async def _generate_against(nc, request_id: str, on_generate, final_code: str) -> list[wire.Reply]:
     """generate() against a scheduler played by ``on_generate`` that answers every
     ``kvpush.final`` with ``final_code`` (``not_found`` or ``in_flight``)."""
     async def final_requests(msg):
@@ -208,7 +208,7 @@ async def test_a_request_no_scheduler_got_is_sent_again_on_the_same_inbox(nc):
             await nc.publish(msg.reply, wire.encode_json(reply))
 
     replies = await _generate_against(nc, "r-lost", scheduler_that_missed_the_first, "not_found")
-    assert [r.get("token_ids") for r in replies] == [[1], None] and "error" not in replies[-1]
+    assert [type(r) for r in replies] == [wire.TokenChunk, wire.FinalReply] and replies[0].token_ids == [1]
     assert len(arrived) == 2 and arrived[0] == arrived[1]  # the same id on the same inbox
 
 
@@ -222,7 +222,7 @@ async def test_a_request_in_flight_is_not_sent_again(nc):
             await nc.publish(msg.reply, wire.encode_json(reply))
 
     replies = await _generate_against(nc, "r-slow", slow_scheduler, "in_flight")
-    assert replies[-1]["finish_reason"] == "length"
+    assert isinstance(replies[-1], wire.FinalReply) and replies[-1].finish_reason == "length"
     assert len(arrived) == 1
 
 
@@ -238,7 +238,7 @@ async def test_a_request_that_streamed_and_is_then_forgotten_ends_with_an_error_
     started = asyncio.get_running_loop().time()
     replies = await _generate_against(nc, "r-forgotten", scheduler_whose_end_was_lost, "not_found")
     assert asyncio.get_running_loop().time() - started < 5  # the timeout, had it waited on
-    assert replies[0]["token_ids"] == [1]
-    assert replies[-1]["finished"] and replies[-1]["error"]["code"] == "stream_lost"
-    assert "no scheduler knows it any more" in replies[-1]["error"]["message"]
+    assert replies[0].token_ids == [1]
+    assert isinstance(replies[-1], wire.ErrorReply) and replies[-1].error.code == "stream_lost"
+    assert "no scheduler knows it any more" in replies[-1].error.message
     assert len(arrived) == 1

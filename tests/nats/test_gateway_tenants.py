@@ -17,6 +17,7 @@ import pytest
 
 from services.cli.client import ask_final, cancel, client_of
 from services.gateway.keys import KeyRing
+from shared import wire
 from tests.nats.test_gateway import REPLY_TOKENS, TEXT, gateway_on, password_of, scheduler
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     FakeWorker,
@@ -48,12 +49,13 @@ def api(gateway, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
 
 
-async def final_of(nc, request_id: str, timeout: float = 5.0) -> dict:
-    """The final kept for ``request_id``, asked as ``nc``'s client, once it is kept."""
+async def final_of(nc, request_id: str, timeout: float = 5.0) -> wire.LastMessage:
+    """The final kept for ``request_id``, asked as ``nc``'s client, once it is kept (or
+    the schedulers' ``not_found``)."""
     deadline = time.monotonic() + timeout
     while True:
         final = await ask_final(nc, request_id)
-        if isinstance(final, dict) or final == "not_found":
+        if final is not None and not (isinstance(final, wire.ErrorReply) and final.error.code == "in_flight"):
             return final
         assert time.monotonic() < deadline, f"no final kept for {request_id} within {timeout} s: {final}"
         await asyncio.sleep(0.05)
@@ -90,7 +92,7 @@ async def test_two_tenants_with_one_request_id_each_get_their_own_and_never_touc
 
     # Fetched again through team-b: team-b's final, not team-a's (in flight).
     b_final = await final_of(b_nc, "same-id")
-    assert b_final["usage"]["prompt_tokens"] == 1
+    assert b_final.usage.prompt_tokens == 1
 
     # A cancel of "same-id" through team-b, then one of a request team-b holds: once the
     # second has reached the decode, the scheduler has handled the first (one subscription,
@@ -116,5 +118,5 @@ async def test_two_tenants_with_one_request_id_each_get_their_own_and_never_touc
     assert a_rest[-1].usage.prompt_tokens == 4 and a_rest[-1].usage.completion_tokens == len(REPLY_TOKENS)
 
     # Each tenant's "same-id" final is its own, fetched through its own connection.
-    assert (await final_of(a_nc, "same-id"))["usage"]["prompt_tokens"] == 4
-    assert (await final_of(b_nc, "same-id"))["usage"]["prompt_tokens"] == 1
+    assert (await final_of(a_nc, "same-id")).usage.prompt_tokens == 4
+    assert (await final_of(b_nc, "same-id")).usage.prompt_tokens == 1

@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 
-import msgspec
 import nats
 import pytest
 
@@ -223,18 +222,18 @@ async def test_a_client_that_missed_its_final_fetches_it_again(server, client, r
     await started(running, server, client, prefill, decode)
     dropped = []
 
-    def drop_the_final(reply: dict) -> bool:
-        if reply.get("finished"):
-            dropped.append(reply)
-            return False
-        return True
+    def drop_the_final(reply: wire.Reply) -> bool:
+        if isinstance(reply, wire.TokenChunk):
+            return True
+        dropped.append(reply)
+        return False
 
     body = {"prompt": "hello", "max_tokens": len(REPLY_TOKENS), "request_id": "r-refetch"}
     got = [reply async for reply in generate(client, body, timeout=10, refetch_after_s=0.3,
                                              received=drop_the_final)]
     assert len(dropped) == 1  # the final did come once, and the hook lost it
-    assert got[-1] == dropped[0] == msgspec.to_builtins(decode.final_reply(decode.jobs[0]))
-    assert [t for reply in got[:-1] for t in reply["token_ids"]] == REPLY_TOKENS
+    assert got[-1] == dropped[0] == decode.final_reply(decode.jobs[0])
+    assert [t for reply in got[:-1] for t in reply.token_ids] == REPLY_TOKENS
 
 
 async def test_a_final_is_fetched_only_by_the_client_that_sent_the_request(server, client, running):
@@ -243,7 +242,7 @@ async def test_a_final_is_fetched_only_by_the_client_that_sent_the_request(serve
     await started(running, server, client, prefill, decode)
     replies = await send(client, "r-anon")
     await one_final(replies, settle_s=0.2)
-    assert (await fetch_final(client, "r-anon"))["finished"] is True
+    assert isinstance(await fetch_final(client, "r-anon"), wire.FinalReply)
     other = await server.connect(server.identity("client"))
     try:
         assert await fetch_final(other, "r-anon") is None  # reads as not found: not its request

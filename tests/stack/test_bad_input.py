@@ -13,6 +13,7 @@ import json
 import pytest
 
 from services.cli.client import generate_all
+from shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,12 +34,12 @@ async def test_bad_request_gets_an_error_and_the_next_request_is_served(stack, n
     data = body if isinstance(body, bytes) else json.dumps({**body, "request_id": name}).encode()
     token_ids, _, final = await generate_all(nc, data, timeout=30)
     assert token_ids == []
-    assert final["finished"] is True
-    assert final["error"]["code"] == code, final
-    message = final["error"]["message"]
+    assert isinstance(final, wire.ErrorReply) and final.finished is True
+    assert final.error.code == code, final
+    message = final.error.message
     assert len(message) > 10 and message[0].isalpha(), message
-    assert final["request_id"] == ("" if isinstance(body, bytes) else name)
+    assert final.request_id == ("" if isinstance(body, bytes) else name)
 
     token_ids, _, final = await generate_all(nc, GOOD, timeout=60)
-    assert "error" not in final
+    assert isinstance(final, wire.FinalReply), final
     assert len(token_ids) == 4

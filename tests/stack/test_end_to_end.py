@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from services.cli.client import generate, generate_all
+from shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -24,9 +25,9 @@ async def test_disaggregated_output_equals_a_single_instance(stack, nc, referenc
     for (name, prompt, max_tokens), expected, (token_ids, _, final) in zip(
         prompts.CORRECTNESS, reference, results
     ):
-        assert "error" not in final, (name, final)
-        assert final["request_id"] == f"eq-{mode}-{name}"
-        assert final["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(expected)}
+        assert isinstance(final, wire.FinalReply), (name, final)
+        assert final.request_id == f"eq-{mode}-{name}"
+        assert final.usage == wire.Usage(prompt_tokens=len(prompt), completion_tokens=len(expected))
         assert token_ids == expected, name
 
 
@@ -34,20 +35,20 @@ async def test_replies_stream_in_chunks_then_one_final_message(stack, nc):
     replies = [r async for r in generate(nc, {"prompt": "def main():", "max_tokens": 12, "ignore_eos": True})]
     chunks, final = replies[:-1], replies[-1]
     assert len(chunks) >= 2, "tokens should stream, not arrive all at once"
-    assert all(c["finished"] is False and c["token_ids"] for c in chunks)
-    assert sum(len(c["token_ids"]) for c in chunks) == 12
-    assert [c["seq"] for c in chunks] == list(range(len(chunks)))  # a gap would be a lost chunk
-    assert final["chunks"] == len(chunks)
-    assert final["finished"] is True and final["finish_reason"] == "length"
-    assert final["usage"]["completion_tokens"] == 12
-    timings = final["timings"]
-    assert 0 < timings["ttft_ms"] <= timings["e2e_ms"]
-    assert timings["tpot_ms"] > 0
+    assert all(isinstance(c, wire.TokenChunk) and c.finished is False and c.token_ids for c in chunks)
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    assert [c.seq for c in chunks] == list(range(len(chunks)))  # a gap would be a lost chunk
+    assert isinstance(final, wire.FinalReply) and final.chunks == len(chunks)
+    assert final.finished is True and final.finish_reason == "length"
+    assert final.usage.completion_tokens == 12
+    timings = final.timings
+    assert 0 < timings.ttft_ms <= timings.e2e_ms
+    assert timings.tpot_ms > 0
 
 
 async def test_text_prompt_is_tokenized_like_the_engine(stack, nc):
     token_ids, text, final = await generate_all(nc, {"prompt": "import os\n", "max_tokens": 8})
-    assert final["finish_reason"] in ("length", "stop")
-    assert final["usage"]["prompt_tokens"] > 0
-    assert len(token_ids) == final["usage"]["completion_tokens"]
+    assert final.finish_reason in ("length", "stop")
+    assert final.usage.prompt_tokens > 0
+    assert len(token_ids) == final.usage.completion_tokens
     assert isinstance(text, str)

@@ -18,7 +18,7 @@ import pytest
 
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, running_rig, wait_until
 from tools.reliability.soak import Soak
-from services.cli.client import ask_final, cancel
+from services.cli.client import cancel, fetch_final
 from shared import wire
 from tests import prompts
 
@@ -44,7 +44,7 @@ def body(index: int, **extra) -> dict:
 
 
 def assert_served(outcome: Outcome, expected: list[int]) -> None:
-    assert "error" not in outcome.final, outcome.final
+    assert isinstance(outcome.final, wire.FinalReply), outcome.final
     assert outcome.tokens == expected
     assert outcome.seconds < DEADLINE_S
 
@@ -116,11 +116,11 @@ async def test_a_client_that_drops_its_reply_subscription_stops_the_request(rig,
     # while it moves to another server) comes back and asks: it is told why, not not_found.
     final = None
     for _ in range(20):  # the scheduler keeps the final in a task of its own, after the progress
-        if isinstance(final := await ask_final(rig.conns["client"], request_id), dict):
+        if (final := await fetch_final(rig.conns["client"], request_id)) is not None:
             break
         await asyncio.sleep(0.5)
-    assert isinstance(final, dict) and final["error"]["code"] == "stream_lost", final
-    assert "nobody listened on the request's reply subject" in final["error"]["message"]
+    assert isinstance(final, wire.ErrorReply) and final.error.code == "stream_lost", final
+    assert "nobody listened on the request's reply subject" in final.error.message
     await assert_healthy(rig, reference)
 
 
@@ -309,7 +309,7 @@ async def test_nats_restart_while_tokens_stream(rig, reference):
     streaming = asyncio.Event()
 
     async def on_reply(reply):
-        if not reply.get("finished"):
+        if isinstance(reply, wire.TokenChunk):
             streaming.set()
 
     tasks = [asyncio.create_task(rig.request(dict(stream), on_reply=on_reply)) for _ in range(3)]

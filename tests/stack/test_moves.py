@@ -61,7 +61,7 @@ async def test_a_transfer_whose_decode_stalls_moves_to_the_other_decode(rig, ref
         rig.release()
 
         outcome = await served
-        assert "error" not in outcome.final, outcome.final
+        assert isinstance(outcome.final, wire.FinalReply), outcome.final
         assert outcome.tokens == reference[LONG]
         done = await wait_until(lambda: [e for e in events if isinstance(e, wire.TransferDone)
                                          and e.transfer_id == first.transfer_id], 10, "the write's end")

@@ -63,7 +63,7 @@ async def test_requests_cross_three_hosts_and_the_kv_crosses_the_link_over_tcp(r
     _, prompt, max_tokens = prompts.CORRECTNESS[index]
     before = rig.prefill_host.bytes_to(rig.decode_host)
     outcome = await rig.request({"prompt_token_ids": prompt, "max_tokens": max_tokens, "transfer_mode": mode})
-    assert "error" not in outcome.final, outcome.final
+    assert isinstance(outcome.final, wire.FinalReply), outcome.final
     assert outcome.tokens == reference[index]
     sent = rig.prefill_host.bytes_to(rig.decode_host) - before
     # UCX_TLS=tcp: had shared memory or CMA carried the KV, the link would not have seen it.
@@ -104,12 +104,12 @@ async def test_one_nats_server_killed_mid_stream_every_request_ends_and_the_clus
     rig.cluster.kill(victim)
     _, prompt, max_tokens = prompts.CORRECTNESS[3]
     during = await rig.request({"prompt_token_ids": prompt, "max_tokens": max_tokens}, timeout=60)
-    assert "error" not in during.final, during.final  # its flight record waited out the election
+    assert isinstance(during.final, wire.FinalReply), during.final  # its flight record waited out the election
     assert during.tokens == reference[3]
     for outcome in await asyncio.gather(*served):
         assert outcome.seconds < DEADLINE_S + 10, outcome
-        if "error" in outcome.final:
-            assert outcome.final["error"]["code"] and outcome.final["error"]["message"], outcome.final
+        if isinstance(outcome.final, wire.ErrorReply):
+            assert outcome.final.error.code and outcome.final.error.message, outcome.final
         else:
             assert outcome.tokens == reference[STREAM], outcome.request_id
     rig.assert_nothing_else_died()
@@ -121,7 +121,7 @@ async def test_one_nats_server_killed_mid_stream_every_request_ends_and_the_clus
     assert rig.cluster.healthy() is None  # routes to both others, JetStream current
     _, prompt, max_tokens = prompts.CORRECTNESS[2]
     after = await rig.request({"prompt_token_ids": prompt, "max_tokens": max_tokens})
-    assert "error" not in after.final, after.final
+    assert isinstance(after.final, wire.FinalReply), after.final
     assert after.tokens == reference[2]
     await rig.assert_blocks_back()
 
@@ -156,8 +156,8 @@ async def test_cutting_the_link_between_prefill_and_decode_during_a_write(rig, r
         await sub.unsubscribe()
     outcome = await served
     assert outcome.seconds < DEADLINE_S + 10
-    if "error" in outcome.final:
-        assert outcome.final["error"]["code"] and outcome.final["error"]["message"], outcome.final
+    if isinstance(outcome.final, wire.ErrorReply):
+        assert outcome.final.error.code and outcome.final.error.message, outcome.final
     else:
         assert outcome.tokens == reference[index]
     await rig.assert_blocks_back(timeout=60)
@@ -166,7 +166,7 @@ async def test_cutting_the_link_between_prefill_and_decode_during_a_write(rig, r
     before = prefill.bytes_to(decode)
     after = await rig.request({"prompt_token_ids": prompts.CROSS_TARGET, "max_tokens": prompts.CROSS_MAX_TOKENS,
                                "transfer_mode": "push"})
-    assert "error" not in after.final, after.final
+    assert isinstance(after.final, wire.FinalReply), after.final
     assert after.tokens == reference[len(prompts.CORRECTNESS)]  # CROSS_TARGET's place in the reference
     await rig.assert_pushed(after)  # written over the mended link, not computed by decode
     assert prefill.bytes_to(decode) > before

@@ -38,7 +38,7 @@ async def _serve(rig, reference, name: str, mode: str) -> wire.Registration | No
     outcome = await rig.request({"prompt_token_ids": prompts.PREFIX_CASES[index][1],
                                  "max_tokens": prompts.PREFIX_MAX_TOKENS, "transfer_mode": mode,
                                  "request_id": f"prefix-{name}"})
-    assert "error" not in outcome.final, (name, outcome.final)
+    assert isinstance(outcome.final, wire.FinalReply), (name, outcome.final)
     assert outcome.tokens == reference[prompts.PREFIX + index], name
     if mode != "push":
         return None
@@ -96,7 +96,7 @@ async def test_both_engines_relay_what_their_prefix_caches_stored_keyed_as_sched
     try:
         outcome = await rig.request({"prompt_token_ids": prompt, "max_tokens": 4, "transfer_mode": "push",
                                      "request_id": "prefix-relayed"})
-        assert "error" not in outcome.final, outcome.final
+        assert isinstance(outcome.final, wire.FinalReply), outcome.final
         wanted = set(block_keys(prompt, BLOCK))
 
         def stored_by(worker_id: str) -> set[bytes]:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from otel import attributes as A
-from tools import trace_view as view
+from otel import trace_view as view
 from shared import wire
 from tests import prompts
 

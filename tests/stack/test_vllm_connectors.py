@@ -11,6 +11,7 @@ import pytest
 from services.cli.client import generate_all
 from services.launch.natsd import LocalNatsServer
 from services.launch.stack import Stack
+from shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,5 +39,5 @@ async def test_vllm_connector_serves_through_the_stack(connector, model_dir, ref
         finally:
             peer.stop()
     for i, (tokens, _, final) in zip(picks, results):
-        assert "error" not in final, final
+        assert isinstance(final, wire.FinalReply), final
         assert tokens == reference[i], prompts.CORRECTNESS[i][0]

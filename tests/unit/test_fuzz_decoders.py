@@ -9,6 +9,7 @@ caller's ``except`` and takes a subscription, a request's task or a thread down.
 from __future__ import annotations
 
 import json
+import math
 import string
 import typing
 from types import SimpleNamespace
@@ -22,7 +23,8 @@ from hypothesis import strategies as st
 from connector import kv_layout
 from connector.completion import Notification, block_tag, notification, parse_notification
 from connector.metadata import ReadyPrefill
-from connector.producer import pair_problem, sources
+from connector.producer import sources
+from connector.transfer_book import pair_problem
 from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
 from shared import wire
 from shared.errors import RequestError
@@ -274,6 +276,57 @@ def test_cancel_request_decode_only_refuses(data):
     except msgspec.MsgspecError:  # what the scheduler catches
         return
     assert isinstance(cancel.request_id, str)
+
+
+# ------------------------------------------------------------------ replies (a client's inbox, kvpush.final)
+
+REPLY_TAGS = {wire.TokenChunk: "chunk", wire.FinalReply: "final", wire.ErrorReply: "error"}
+REPLY_FIELDS = sorted({f.name for k in REPLY_TAGS for f in mi.type_info(k).fields} | {"type"})
+REPLY_LIKE = st.dictionaries(
+    st.sampled_from(REPLY_FIELDS) | st.text(max_size=8),
+    JSON_VALUES | st.sampled_from(list(REPLY_TAGS.values())),
+    max_size=8,
+)
+REPLY_DECODERS = [(wire.decode_reply, wire.Reply), (wire.decode_last, wire.LastMessage)]
+
+
+@pytest.mark.parametrize("decode, kind", REPLY_DECODERS, ids=["Reply", "LastMessage"])
+@FUZZ
+@given(data=st.binary(max_size=200) | (JSON_VALUES | REPLY_LIKE).map(lambda v: json.dumps(v).encode()))
+@example(data=b'{"type": "error", "request_id": "\xff", "error": {"code": "x", "message": "y"}}')
+@example(data=b"[" * 5000)
+def test_a_reply_decode_only_refuses(decode, kind, data):
+    try:
+        reply = decode(data)
+    except msgspec.MsgspecError:
+        return
+    assert isinstance(reply, _members(kind))
+
+
+@PER_KIND
+@given(data=st.data())
+def test_replies_round_trip_carrying_their_tag_and_every_field(data):
+    """Version 7 adds ``type`` to a reply's JSON and keeps every field version 6 had."""
+    reply = data.draw(messages(wire.Reply))
+    if isinstance(reply, wire.FinalReply):  # JSON has no infinity
+        assume(all(math.isfinite(t) for t in msgspec.structs.astuple(reply.timings)))
+    encoded = wire.encode_json(reply)
+    assert wire.decode_reply(encoded) == reply
+    fields = msgspec.json.decode(encoded)
+    assert fields.pop("type") == REPLY_TAGS[type(reply)]
+    assert set(fields) == {f.name for f in mi.type_info(type(reply)).fields}
+
+
+def test_an_untagged_version_6_reply_is_refused():
+    untagged = b'{"request_id": "r", "token_ids": [1], "text": "a", "finished": false, "seq": 0}'
+    with pytest.raises(msgspec.ValidationError, match="type"):
+        wire.decode_reply(untagged)
+
+
+def test_a_chunk_is_not_a_last_message():
+    chunk = wire.encode_json(wire.TokenChunk("r", [1], "a"))
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_last(chunk)
 
 
 # ------------------------------------------------------------------ request_id_of

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway import openai_api
+from shared import wire
 from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
 MODEL = "small"
@@ -85,7 +86,7 @@ def test_a_chat_with_images_is_refused():
 
 def test_replies_are_openai_objects():
     request = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}]}, MODEL)
-    final = {"finish_reason": "stop", "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+    final = wire.FinalReply("r1", "stop", wire.Usage(prompt_tokens=4, completion_tokens=2), wire.Timings(1.0, 1.0, 2.0))
     whole = openai_api.response(request, "r1", "ok", final)
     assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r1"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "ok"}

@@ -279,7 +279,7 @@ class Check:
 
     def _check_model(self) -> Path:
         """The image's model, copied out; the same model as the host's default small one?"""
-        from tools.model_build import build_model, default_model_dir, read_marker
+        from services.launch.model import build_model, default_model_dir, read_marker
 
         out = self.work / "model"
         out.mkdir()
@@ -402,9 +402,11 @@ class Check:
         return found
 
     def _requests(self, expected: list[list[int]]) -> None:
+        import msgspec
         import openai
 
         from services.cli.client import generate_all
+        from shared import wire
 
         gateway = f"http://{self.published('gateway', 8000)}/v1"
         nats_url = f"tls://{self.published('nats', 4222)}"
@@ -472,8 +474,8 @@ class Check:
                 ids, final = answers[row["request_id"]]
                 row["token_ids"] = ids
                 row["seconds"] = round((time.monotonic() - start) / max(1, len(nats_jobs)), 2)
-                if "error" in final:
-                    row["error"] = final["error"]
+                if isinstance(final, wire.ErrorReply):
+                    row["error"] = msgspec.to_builtins(final.error)
         for row in results:
             row["equal"] = row.get("token_ids") == row["reference"]
             if not row["equal"]:
@@ -643,10 +645,10 @@ class Check:
             self.fail(f"could not remove {self.work}")
 
 
-# The tokenizer's corpus (tools.model_build), summed up where it is built.
+# The tokenizer's corpus (services.launch.model), summed up where it is built.
 _CORPUS = r"""
 import hashlib, json, sys
-from tools.model_build import _corpus_files
+from services.launch.model import _corpus_files
 files = _corpus_files()
 h = hashlib.sha256()
 for f in files:

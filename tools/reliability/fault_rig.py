@@ -73,12 +73,15 @@ TLS_FILES = {"cert_file": "certs/server.pem", "key_file": "certs/server-key.pem"
 class Outcome:
     request_id: str
     tokens: list[int]
-    final: dict
+    final: wire.LastMessage
     seconds: float  # to the final message
 
     @property
     def code(self) -> str | None:
-        return self.final.get("error", {}).get("code") if "error" in self.final else None
+        match self.final:
+            case wire.ErrorReply(error=error):
+                return error.code
+        return None
 
 
 @dataclass
@@ -416,13 +419,13 @@ class FaultRig:
         body.setdefault("request_id", f"fault-{uuid.uuid4().hex[:10]}")
         started = time.monotonic()
         tokens: list[int] = []
-        final: dict = {}
-        lost = (lambda reply: not reply.get("finished")) if drop_final else None
+        lost = (lambda reply: isinstance(reply, wire.TokenChunk)) if drop_final else None
         async for reply in generate(self.conns["client"], body, timeout=timeout, received=lost):
-            if reply.get("finished"):
-                final = reply
-            else:
-                tokens.extend(reply["token_ids"])
+            match reply:
+                case wire.TokenChunk():
+                    tokens.extend(reply.token_ids)
+                case _:
+                    final = reply
             if on_reply is not None:
                 await on_reply(reply)
         return Outcome(body["request_id"], tokens, final, time.monotonic() - started)
