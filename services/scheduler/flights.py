@@ -13,15 +13,29 @@ pushed or, in pull mode, once decode took the job.
 
 from __future__ import annotations
 
+import enum
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from services.scheduler.prefixes import Prompt
 from services.scheduler.validation import ValidRequest
 from shared import settings, wire
 
 Verdict = Literal["deadline", "move", "retry", "lost"]
 MAX_MOVES = 2  # moves of one attempt's transfer to another decode
+
+
+class FlightState(enum.IntEnum):
+    """How far the current attempt got. Only ever forward within an attempt (a later step
+    makes the earlier ones moot: a decode that streams took its job); a new attempt starts
+    over. Kept in memory only: a flight's record does not carry it, and a flight taken
+    over starts from ``DISPATCHING`` (``Flight.from_record``)."""
+
+    DISPATCHING = 0  # its jobs are going out
+    DISPATCHED = 1  # decode took its job (push: prefill too; pull: after prefill)
+    KV_WRITTEN = 2  # push: prefill reported the KV written
+    STREAMING = 3  # decode sent the first token (or holds the answer's claim)
 
 
 @dataclass
@@ -41,11 +55,11 @@ class Flight:
     decode_id: str = ""  # "" until chosen (pull: after prefill)
     prefill_incarnation: str = ""  # which start of that worker got the job
     decode_incarnation: str = ""
-    streaming: bool = False  # decode sent the first token
-    kv_pushed: bool = False  # push: prefill reported the KV written
-    decode_took_job: bool = False
+    state: FlightState = FlightState.DISPATCHING
     moves: int = 0  # times this attempt's transfer went to another decode
-    moving: bool = False  # a move is under way
+    # A move is under way (``start_move`` .. ``move_settled``): apart from ``state``, since
+    # the KV can land, or the answer start, while prefill is asked to move the transfer.
+    moving: bool = False
     prompt: Any = None  # services.scheduler.prefixes.Prompt, made at dispatch
     context: Any = None  # the request's trace context, for spans of later attempts
     task: Any = None  # the attempt under way
@@ -61,13 +75,84 @@ class Flight:
         """Its client's and its own id (``wire.flight_key``): what the table and JetStream key it by."""
         return wire.flight_key(self.owner, self.request.request_id)
 
+    @property
+    def streaming(self) -> bool:
+        """Decode sent the first token: a retry would repeat tokens."""
+        return self.state is FlightState.STREAMING
+
     def new_attempt(self, transfer_id: str) -> None:
         self.attempt += 1
         self.transfer_id = transfer_id
         self.transfer_key = secrets.token_hex(16)
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
-        self.streaming = self.kv_pushed = self.decode_took_job = self.moving = False
+        self.state = FlightState.DISPATCHING
+        self.moving = False
         self.moves = 0
+
+    def _reach(self, state: FlightState) -> None:
+        self.state = max(self.state, state)
+
+    # ------------------------------------------------ what happens to it, said by its scheduler
+
+    def key_prompt(self) -> None:
+        """Its prompt's block keys, for prefix-aware picks (made at dispatch)."""
+        self.prompt = Prompt(self.request.prompt_token_ids)
+
+    def place(self, mode: str) -> None:
+        """This attempt serves it in ``mode`` (push, pull or local)."""
+        self.mode = mode
+
+    def assign_prefill(self, beat: wire.WorkerHeartbeat) -> None:
+        """The prefill chosen for this attempt: that start of it."""
+        self.prefill_id, self.prefill_incarnation = beat.worker_id, beat.incarnation
+
+    def assign_decode(self, beat: wire.WorkerHeartbeat) -> None:
+        """The decode chosen for this attempt: that start of it."""
+        self.decode_id, self.decode_incarnation = beat.worker_id, beat.incarnation
+
+    def release_workers(self) -> None:
+        """The fenced attempt's workers no longer matter: no liveness verdict on them."""
+        self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
+
+    def jobs_taken(self) -> None:
+        """Its workers took this attempt's jobs."""
+        self._reach(FlightState.DISPATCHED)
+
+    def kv_written(self) -> None:
+        """Push: prefill wrote the KV into decode's blocks."""
+        self._reach(FlightState.KV_WRITTEN)
+
+    def streaming_started(self) -> None:
+        """Decode answers (or may: its claim was taken): watched to its end, never retried."""
+        self._reach(FlightState.STREAMING)
+
+    def start_move(self) -> None:
+        self.moving = True
+
+    def move_settled(self) -> None:
+        self.moving = False
+
+    def move_declined(self) -> None:
+        """Asked once: the next check does not ask again at once."""
+        self.moves += 1
+
+    def moved(self, decode_id: str, decode_incarnation: str, transfer_key: str) -> None:
+        """The transfer moved to that start of ``decode_id``, under a new secret."""
+        self.moves += 1
+        self.transfer_key = transfer_key
+        self.decode_id, self.decode_incarnation = decode_id, decode_incarnation
+
+    def written_down(self, revision: int) -> None:
+        """Its record in the flights bucket is at ``revision``, as this scheduler wrote it."""
+        self.revision = revision
+
+    def trace_in(self, context: Any) -> None:
+        """Later spans of the flight go under ``context`` (its request's trace)."""
+        self.context = context
+
+    def track(self, task: Any) -> None:
+        """``task`` works on the flight now (an attempt, a move, an end tried again)."""
+        self.task = task
 
     def record(self, holder: str, incarnation: str, now_wall: float, now: float) -> wire.FlightRecord:
         """The flight as its record in the flights bucket (wall-clock deadline)."""
@@ -95,13 +180,13 @@ class Flight:
     def can_move(self) -> bool:
         """Push, its decode chosen, and its KV not written yet: another decode can take it
         without the prompt computed again."""
-        return (self.mode == "push" and self.decode_took_job and not self.kv_pushed and not self.streaming
+        return (self.mode == "push" and self.state is FlightState.DISPATCHED
                 and bool(self.prefill_id) and self.moves < MAX_MOVES)
 
     def needs_prefill(self) -> bool:
-        if self.kv_pushed or self.streaming:
+        if self.state >= FlightState.KV_WRITTEN:
             return False
-        return not (self.mode == "pull" and self.decode_took_job)
+        return not (self.mode == "pull" and self.state is FlightState.DISPATCHED)
 
 
 @dataclass

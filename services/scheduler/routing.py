@@ -114,15 +114,16 @@ class WorkerPool:
         entry = self._workers.get(worker_id)
         return self._cached_blocks(entry, prompt) * entry.beat.block_size if entry is not None else 0
 
-    def pick(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None) -> tuple[str, str]:
-        """(prefill worker id, decode worker id) for a new request."""
+    def pick(self, num_prompt_tokens: int, now: float,
+             prompt: Prompt | None = None) -> tuple[wire.WorkerHeartbeat, wire.WorkerHeartbeat]:
+        """(the prefill's heartbeat, the decode's) for a new request: which start of each."""
         prefills = self._live_entries("prefill", now)
         decodes = self._live_entries("decode", now)
         if not prefills or not decodes:
             raise NoWorkers(
                 f"no live workers to serve the request: {len(prefills)} prefill, {len(decodes)} decode"
             )
-        return (self.pick_prefill(now, num_prompt_tokens, prompt=prompt),
+        return (self.pick_prefill(num_prompt_tokens, now, prompt=prompt),
                 self.pick_decode(num_prompt_tokens, now, prompt=prompt))
 
     def require(self, role: str, now: float) -> None:
@@ -130,13 +131,15 @@ class WorkerPool:
         if not self._live_entries(role, now):
             raise NoWorkers(f"no live {role} worker to serve the request")
 
-    def pick_prefill(self, now: float, num_prompt_tokens: int = 0, prompt: Prompt | None = None) -> str:
+    def pick_prefill(self, num_prompt_tokens: int, now: float,
+                     prompt: Prompt | None = None) -> wire.WorkerHeartbeat:
+        """The prefill for a prompt of ``num_prompt_tokens``, counted as sent to it."""
         prefill = self._best_prefill(now, prompt)
         if prefill is None:
             raise NoWorkers("no live prefill worker to serve the request")
         prefill.dispatched += 1
         prefill.dispatched_tokens += num_prompt_tokens
-        return prefill.beat.worker_id
+        return prefill.beat
 
     def _best_prefill(self, now: float, prompt: Prompt | None = None) -> _Entry | None:
         """The prefill that would end a new prompt first: the fewest tokens to compute
@@ -171,12 +174,13 @@ class WorkerPool:
         return any(e.beat.waiting == 0 for e in self._live_entries("decode", now) if e.beat.worker_id != decode_id)
 
     def pick_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
-                    exclude: str = "") -> str:
+                    exclude: str = "") -> wire.WorkerHeartbeat:
+        """The decode for a prompt of ``num_prompt_tokens`` (not ``exclude``), counted as sent to it."""
         decode = self._best_decode(num_prompt_tokens, now, prompt, exclude)
         if decode is None:
             raise NoWorkers("no live decode worker to serve the request")
         decode.dispatched += 1
-        return decode.beat.worker_id
+        return decode.beat
 
     def _best_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
                      exclude: str = "") -> _Entry | None:

@@ -109,7 +109,7 @@ async def test_a_request_survives_the_kill_of_the_scheduler_that_took_it(
     victim = SchedulerProcess(server, server.identity("scheduler"), model_dir, tmp_path / "hold",
                               HOLD_POINTS.get(moment))
     try:
-        await until(lambda: victim.name in survivor._live_schedulers(time.monotonic()), timeout=60,
+        await until(lambda: victim.name in survivor.admission.live_schedulers(time.monotonic()), timeout=60,
                     what="the victim scheduler heartbeating")
         await workers_seen(client, prefill, decode)
         # The client: plain nats-py, one publish, then only its reply subject. It never asks again.

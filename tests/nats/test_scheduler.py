@@ -28,7 +28,7 @@ import pytest
 
 from services.cli.client import cancel, client_of, generate_all
 from services.ledger import Claims
-from services.scheduler import service
+from services.scheduler import timing
 from services.scheduler.prefixes import Prompt
 from services.scheduler.service import Scheduler
 from services.scheduler.validation import RequestValidator
@@ -458,8 +458,8 @@ async def test_a_decode_that_went_silent_after_taking_the_job_is_retried_around(
 async def test_a_decode_that_does_not_ack_is_retried_around(server, client, running, how):
     """``no_subscription``: it heartbeats but takes no jobs (NATS answers "no responders" at
     once). ``no_reply``: it takes the job and never acks (the scheduler's request times out
-    after service.DISPATCH_TIMEOUT_S)."""
-    sched = await running(scheduler(server, deadline_s=4 * service.DISPATCH_TIMEOUT_S))
+    after timing.DISPATCH_TIMEOUT_S)."""
+    sched = await running(scheduler(server, deadline_s=4 * timing.DISPATCH_TIMEOUT_S))
     prefill = await running(FakeWorker(server, "prefill"))
     mute = await running(FakeWorker(server, "decode", "no_ack", subscribe=how == "no_reply"))
     spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
@@ -467,7 +467,7 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
 
     started = time.monotonic()
     sub = await send(client, request_body(f"r-{how}"))
-    replies = await replies_to_final(sub, timeout=3 * service.DISPATCH_TIMEOUT_S)
+    replies = await replies_to_final(sub, timeout=3 * timing.DISPATCH_TIMEOUT_S)
     took = time.monotonic() - started
 
     [answered] = spare.jobs
@@ -490,9 +490,9 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
     if how == "no_reply":
         assert [job.transfer_id for job in mute.jobs] == failed, seen
         assert {c.transfer_id for c in mute.cancels} == set(failed), seen
-        assert took >= service.DISPATCH_TIMEOUT_S
+        assert took >= timing.DISPATCH_TIMEOUT_S
     else:
-        assert mute.jobs == [] and took < service.DISPATCH_TIMEOUT_S, seen
+        assert mute.jobs == [] and took < timing.DISPATCH_TIMEOUT_S, seen
     await assert_nothing_more(sched, client, sub)
 
 
@@ -529,7 +529,7 @@ async def test_past_the_deadline_the_client_gets_an_error_and_the_workers_a_canc
 
     assert final["request_id"] == "r-late" and final["finished"] is True
     assert final["error"]["code"] == "deadline_exceeded", final
-    assert deadline_s <= took < deadline_s + 2 * service.WATCH_INTERVAL_S + 1.0
+    assert deadline_s <= took < deadline_s + 2 * timing.WATCH_INTERVAL_S + 1.0
     [job] = decode.jobs
     await until(lambda: prefill.cancels and decode.cancels, what="the workers' CancelJob")
     for cancels in (prefill.cancels, decode.cancels):
@@ -545,8 +545,8 @@ async def test_with_no_workers_at_all_the_request_fails_at_once(server, client, 
     token_ids, _, final = await generate_all(client, request_body("r-alone"), timeout=5)
     assert time.monotonic() - started < 2.0
     assert token_ids == []
-    assert final["request_id"] == "r-alone"
-    assert final["error"]["code"] == "no_workers", final
+    assert final.request_id == "r-alone"
+    assert isinstance(final, wire.ErrorReply) and final.error.code == "no_workers", final
 
 
 @pytest.mark.parametrize("data", [
@@ -573,7 +573,7 @@ async def test_a_malformed_heartbeat_is_reported_and_the_scheduler_serves_on(ser
     sched.pool.forget(garbled.worker_id)  # its good heartbeats came before: not the decode to pick
     token_ids, _, final = await generate_all(client, request_body("r-after-garbage"), timeout=10)
     assert token_ids == REPLY_TOKENS
-    assert "error" not in final and final["request_id"] == "r-after-garbage"
+    assert isinstance(final, wire.FinalReply) and final.request_id == "r-after-garbage"
 
 
 async def test_a_bad_request_is_refused_and_the_next_one_served(server, client, running):
@@ -583,11 +583,11 @@ async def test_a_bad_request_is_refused_and_the_next_one_served(server, client, 
     decode = await running(FakeWorker(server, "decode"))
     await workers_seen(client, prefill, decode)
     token_ids, _, final = await generate_all(client, b"{not json", timeout=5)
-    assert token_ids == [] and final["finished"] is True
-    assert (final["request_id"], final["error"]["code"]) == ("", "bad_json")
+    assert token_ids == [] and isinstance(final, wire.ErrorReply) and final.finished is True
+    assert (final.request_id, final.error.code) == ("", "bad_json")
     assert prefill.jobs == decode.jobs == []
     token_ids, _, final = await generate_all(client, request_body("r-good"), timeout=10)
-    assert token_ids == REPLY_TOKENS and "error" not in final
+    assert token_ids == REPLY_TOKENS and isinstance(final, wire.FinalReply)
     assert prefill.jobs[0].request_id == decode.jobs[0].request_id == "r-good"
 
 
@@ -738,7 +738,7 @@ async def _only_the_sender_cancels(server, client, running, owned: bool) -> None
         intruders.append((await server.connect_anonymous(), wire.CANCEL_SUBJECT))
     for n, (nc, subject) in enumerate(intruders, start=1):
         await nc.publish(subject, wire.encode_json(wire.CancelRequest(request_id)))
-        await until(lambda: len(sched._early_cancels) == n, what="the scheduler taking the cancel as another's")
+        await until(lambda: len(sched.early_cancels) == n, what="the scheduler taking the cancel as another's")
     assert sched.flights.by_request(client_of(owner), request_id) is flight
     await round_trip(sched.bus.nc)
     await owner.flush()
@@ -799,7 +799,7 @@ async def _bad_reply_refused(server, client, running, reply: str, owned: bool) -
     assert prefill.jobs == decode.jobs == []
 
     token_ids, _, final = await generate_all(sender, request_body("r-good-reply"), timeout=10)  # served on
-    assert token_ids == REPLY_TOKENS and "error" not in final
+    assert token_ids == REPLY_TOKENS and isinstance(final, wire.FinalReply)
     if not owned:
         await sender.close()
 

@@ -147,7 +147,7 @@ async def test_a_prompt_being_tokenized_does_not_stop_the_scheduler_answering(se
     await workers_seen(client, prefill, decode)
     sub = await send(client, request_body("r-long", prompt="the long prompt"))
     try:
-        await until(lambda: sched._validating == 1, what="the prompt in the tokenizer")
+        await until(lambda: sched.admission.validating == 1, what="the prompt in the tokenizer")
         status = await client.request(status_subject(client), b"", timeout=5)  # answered meanwhile
         assert decode.worker_id in wire.decode_json(status.data, wire.SchedulerStatus).decode_workers
     finally:
@@ -216,8 +216,8 @@ async def test_a_flood_of_unique_requests_and_cancels_stays_within_its_bounds_an
                              f"nats-server said: {server.log_tail()}") from None
     assert len(finals) == FLOOD - MAX_IN_FLIGHT
     assert {f["error"]["code"] for f in finals.values()} == {"overloaded"}
-    assert len(sched._early_cancels) <= sched._early_cancels.max_entries == 10_000
-    assert len(sched._holdings) <= MAX_IN_FLIGHT and len(sched.pool) == 2
+    assert len(sched.early_cancels) <= sched.early_cancels.max_entries == 10_000
+    assert len(sched.adoption.holdings) <= MAX_IN_FLIGHT and len(sched.pool) == 2
     assert psutil.Process().memory_info().rss - rss_before < FLOOD_RSS_BOUND
 
     for flight in list(sched.flights):  # the held ones end: the scheduler is back to serving

@@ -3,7 +3,7 @@ for each; and WorkerPool.is_live, which tells a live start of a worker from a de
 
 from __future__ import annotations
 
-from services.scheduler.flights import Flight, FlightTable
+from services.scheduler.flights import Flight, FlightState, FlightTable
 from services.scheduler.routing import WorkerPool
 from services.scheduler.validation import ValidRequest
 from shared import wire
@@ -29,14 +29,28 @@ def _dead(*dead: str):
     return lambda worker_id, incarnation: worker_id not in dead
 
 
-def _placed(table: FlightTable, mode: str = "push", **state) -> Flight:
+_REACH = {  # how a flight gets to each state: what its scheduler hears
+    FlightState.DISPATCHING: (),
+    FlightState.DISPATCHED: (Flight.jobs_taken,),
+    FlightState.KV_WRITTEN: (Flight.jobs_taken, Flight.kv_written),
+    FlightState.STREAMING: (Flight.jobs_taken, Flight.streaming_started),
+}
+
+
+def _placed(table: FlightTable, mode: str = "push", state: FlightState = FlightState.DISPATCHING,
+            decode: bool = True, moves: int = 0, moving: bool = False) -> Flight:
     flight = _flight(mode=mode)
     table.add(flight)
     table.bind(flight, "t1")
-    flight.prefill_id, flight.prefill_incarnation = "p", "inc-p"
-    flight.decode_id, flight.decode_incarnation = "d", "inc-d"
-    for name, value in state.items():
-        setattr(flight, name, value)
+    flight.assign_prefill(_beat("p", "prefill", "inc-p"))
+    if decode:
+        flight.assign_decode(_beat("d", "decode", "inc-d"))
+    for step in _REACH[state]:
+        step(flight)
+    for _ in range(moves):
+        flight.move_declined()
+    if moving:
+        flight.start_move()
     return flight
 
 
@@ -61,10 +75,15 @@ def test_bind_starts_a_new_attempt_and_maps_only_its_transfer_id():
     flight = _flight()
     table.add(flight)
     table.bind(flight, "t1")
-    flight.prefill_id, flight.streaming, flight.kv_pushed = "p", True, True
+    flight.assign_prefill(_beat("p"))
+    flight.kv_written()
+    flight.streaming_started()
+    flight.move_declined()
+    flight.start_move()
     table.bind(flight, "t2")
     assert (flight.attempt, flight.transfer_id) == (2, "t2")
-    assert (flight.prefill_id, flight.streaming, flight.kv_pushed) == ("", False, False)
+    assert (flight.prefill_id, flight.state, flight.streaming) == ("", FlightState.DISPATCHING, False)
+    assert (flight.moves, flight.moving) == (0, False)
     assert table.by_transfer("t2") is flight
     assert table.by_transfer("t1") is None
 
@@ -114,7 +133,7 @@ def test_decode_lost_before_streaming_is_retried():
 
 def test_decode_lost_after_streaming_is_lost():
     table = FlightTable()
-    _placed(table, streaming=True)
+    _placed(table, state=FlightState.STREAMING)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "lost", "d")]
 
 
@@ -126,25 +145,25 @@ def test_prefill_lost_before_the_kv_was_pushed_is_retried():
 
 def test_prefill_lost_after_the_kv_was_pushed_does_not_matter():
     table = FlightTable()
-    _placed(table, kv_pushed=True)
+    _placed(table, state=FlightState.KV_WRITTEN)
     assert _verdicts(table, 1.0, _dead("p")) == []
 
 
 def test_prefill_lost_after_decode_took_a_pull_job_does_not_matter():
     table = FlightTable()
-    _placed(table, mode="pull", decode_took_job=True)
+    _placed(table, mode="pull", state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _dead("p")) == []
 
 
 def test_prefill_lost_after_decode_took_a_push_job_is_retried():
     table = FlightTable()
-    _placed(table, decode_took_job=True)
+    _placed(table, state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _dead("p")) == [("r", "retry", "p")]
 
 
 def test_pull_prefill_lost_before_decode_was_chosen_is_retried():
     table = FlightTable()
-    _placed(table, mode="pull", decode_id="", decode_incarnation="")
+    _placed(table, mode="pull", decode=False)
     assert _verdicts(table, 1.0, _dead("p")) == [("r", "retry", "p")]
 
 
@@ -158,7 +177,8 @@ def test_a_lost_worker_on_the_last_attempt_is_lost():
     table = FlightTable(max_attempts=2)
     flight = _placed(table)
     table.bind(flight, "t2")
-    flight.prefill_id, flight.decode_id = "p", "d"
+    flight.assign_prefill(_beat("p"))
+    flight.assign_decode(_beat("d", "decode"))
     assert flight.attempt == 2
     assert _verdicts(table, 1.0, _dead("p")) == [("r", "lost", "p")]
 
@@ -196,11 +216,11 @@ def test_each_flight_gets_its_own_verdict():
     on_dead = _flight("on-dead")
     table.add(on_dead)
     table.bind(on_dead, "t-dead")
-    on_dead.decode_id = "dead"
+    on_dead.assign_decode(_beat("dead", "decode"))
     fine = _flight("fine")
     table.add(fine)
     table.bind(fine, "t-fine")
-    fine.decode_id = "ok"
+    fine.assign_decode(_beat("ok", "decode"))
     assert sorted(_verdicts(table, 2.0, _dead("dead"))) == [
         ("late", "deadline", ""), ("on-dead", "retry", "dead")]
 
@@ -262,42 +282,92 @@ def test_early_cancels_are_bounded_and_expire():
 
 def test_a_push_decode_lost_before_its_kv_was_written_is_moved_not_retried():
     table = FlightTable(max_attempts=1)  # a move computes nothing again: it needs no attempt left
-    _placed(table, decode_took_job=True)
+    _placed(table, state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "move", "d")]
 
 
 def test_no_move_once_the_kv_was_written_or_the_answer_started_or_in_pull():
-    for state in ({"kv_pushed": True}, {"streaming": True}):
+    for state in (FlightState.KV_WRITTEN, FlightState.STREAMING):
         table = FlightTable()
-        _placed(table, decode_took_job=True, **state)
+        _placed(table, state=state)
         assert _verdicts(table, 1.0, _dead("d"))[0][1] != "move", state
     table = FlightTable()
-    _placed(table, mode="pull", decode_took_job=True)
+    _placed(table, mode="pull", state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
 
 
 def test_no_move_when_the_prefill_is_lost_too_or_after_max_moves():
     table = FlightTable()
-    _placed(table, decode_took_job=True)
+    _placed(table, state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _dead("p", "d")) == [("r", "retry", "d")]
     table = FlightTable()
-    _placed(table, decode_took_job=True, moves=2)
+    _placed(table, state=FlightState.DISPATCHED, moves=2)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
 
 
 def test_a_flight_being_moved_gets_no_verdict_but_its_deadline():
     table = FlightTable()
-    _placed(table, decode_took_job=True, moving=True)
+    _placed(table, state=FlightState.DISPATCHED, moving=True)
     assert _verdicts(table, 1.0, _dead("d")) == []
     assert _verdicts(table, 100.0, _dead("d")) == [("r", "deadline", "")]
 
 
 def test_a_push_transfer_not_yet_written_to_an_overloaded_decode_is_moved():
     table = FlightTable()
-    _placed(table, decode_took_job=True)
+    _placed(table, state=FlightState.DISPATCHED)
     assert _verdicts(table, 1.0, _all_live) == []
     moved = [(f.request_id, v, w) for f, v, w in table.check(1.0, _all_live, lambda decode_id: decode_id == "d")]
     assert moved == [("r", "move", "d")]
     table = FlightTable()
-    _placed(table, decode_took_job=True, kv_pushed=True)  # written: it stays
+    _placed(table, state=FlightState.KV_WRITTEN)  # written: it stays
     assert table.check(1.0, _all_live, lambda decode_id: True) == []
+
+
+def test_a_settled_move_is_checked_again_and_a_declined_one_counts_as_a_move():
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.DISPATCHED, moving=True)
+    flight.move_settled()
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "move", "d")]
+    flight.move_declined()
+    flight.move_declined()
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]  # MAX_MOVES asked
+
+
+def test_a_moved_transfer_has_its_new_decode_and_secret():
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.DISPATCHED)
+    flight.moved("d-2", "inc-d2", "new-key")
+    assert (flight.decode_id, flight.decode_incarnation, flight.transfer_key, flight.moves) == (
+        "d-2", "inc-d2", "new-key", 1)
+    assert flight.state is FlightState.DISPATCHED
+
+
+# ------------------------------------------------------------------ FlightState
+
+
+def test_the_state_only_moves_forward_within_an_attempt():
+    flight = _flight()
+    flight.streaming_started()  # the first token came before the job's ack was read
+    flight.jobs_taken()
+    flight.kv_written()
+    assert (flight.state, flight.streaming) == (FlightState.STREAMING, True)
+    flight.new_attempt("t2")
+    assert (flight.state, flight.streaming) == (FlightState.DISPATCHING, False)
+
+
+def test_a_pull_flight_needs_its_prefill_until_decode_takes_the_job():
+    flight = _flight(mode="pull")
+    assert flight.needs_prefill()
+    flight.jobs_taken()
+    assert not flight.needs_prefill()
+
+
+def test_the_workers_chosen_are_those_starts_and_released_together():
+    flight = _flight()
+    flight.assign_prefill(_beat("p", "prefill", "inc-p"))
+    flight.assign_decode(_beat("d", "decode", "inc-d"))
+    assert (flight.prefill_id, flight.prefill_incarnation, flight.decode_id, flight.decode_incarnation) == (
+        "p", "inc-p", "d", "inc-d")
+    flight.release_workers()
+    assert (flight.prefill_id, flight.prefill_incarnation, flight.decode_id, flight.decode_incarnation) == (
+        "", "", "", "")

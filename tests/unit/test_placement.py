@@ -89,7 +89,7 @@ def test_the_pool_reports_the_load_of_the_workers_it_would_pick_and_counts_promp
     pool.observe(_beat("p-idle", "prefill", queued_prompt_tokens=1000, prefill_tokens_per_s=2000.0), now=0.0)
     pool.observe(_beat("d-0", "decode"), now=0.0)
     assert pool.prefill_load(now=0.1) == PromptLoad(1000, 2000.0)
-    assert pool.pick_prefill(now=0.1, num_prompt_tokens=9000) == "p-idle"
+    assert pool.pick_prefill(9000, now=0.1).worker_id == "p-idle"
     assert pool.prefill_load(now=0.1) == PromptLoad(9000, 3000.0)  # p-idle now holds 10000
     assert pool.decode_load(16, now=0.1) == DecodeLoad(running=0, waiting=0)
     pool.pick_decode(16, now=0.1)

@@ -61,8 +61,9 @@ def test_the_next_turn_goes_to_the_decode_and_prefill_that_hold_the_last_one():
     next_turn = first_turn + answer + list(range(500, 520))
     assert pool.prefill_load(1.1, Prompt(next_turn)).cached_tokens == 40
     assert pool.decode_load(68, 1.1, Prompt(next_turn)).cached_tokens == 48
-    assert pool.pick(68, now=1.1, prompt=Prompt(next_turn)) == ("p-1", "d-1")
-    assert pool.pick(68, now=1.1, prompt=Prompt(list(range(1000, 1068)))) == ("p-0", "d-0")  # nobody holds it
+    assert [b.worker_id for b in pool.pick(68, now=1.1, prompt=Prompt(next_turn))] == ["p-1", "d-1"]
+    nobody_holds = Prompt(list(range(1000, 1068)))
+    assert [b.worker_id for b in pool.pick(68, now=1.1, prompt=nobody_holds)] == ["p-0", "d-0"]
 
 
 def test_evicted_blocks_no_longer_attract_the_prompt():
@@ -83,10 +84,10 @@ def test_a_held_prefix_does_not_outweigh_a_busier_decode():
     pool.observe(_beat("d-1", "decode"), now=0.0)
     prompt = Prompt(list(range(40)))
     pool.cache_events(_stored("d-0", prompt.token_ids))
-    assert pool.pick_decode(40, now=0.1, prompt=prompt) == "d-1"  # 3 running - 1 > 0 running
+    assert pool.pick_decode(40, now=0.1, prompt=prompt).worker_id == "d-1"  # 3 running - 1 > 0 running
     pool.observe(_beat("d-0", "decode", running=0), now=0.2)
     pool.observe(_beat("d-1", "decode", running=0), now=0.2)
-    assert pool.pick_decode(40, now=0.3, prompt=prompt) == "d-0"  # equal load: the one holding it
+    assert pool.pick_decode(40, now=0.3, prompt=prompt).worker_id == "d-0"  # equal load: the one holding it
 
 
 def test_a_restarted_worker_holds_nothing():
@@ -116,8 +117,8 @@ def test_a_decode_with_requests_queued_while_another_has_none_is_overloaded():
     assert not pool.overloaded("d-0", now=0.1)  # no other decode to move to
     pool.observe(_beat("d-1", "decode"), now=0.0)
     assert pool.overloaded("d-0", now=0.1) and not pool.overloaded("d-1", now=0.1)
-    assert pool.pick_decode(40, now=0.1, exclude="d-1") == "d-0"
-    assert pool.pick_decode(40, now=0.1, exclude="d-0") == "d-1"
+    assert pool.pick_decode(40, now=0.1, exclude="d-1").worker_id == "d-0"
+    assert pool.pick_decode(40, now=0.1, exclude="d-0").worker_id == "d-1"
 
 
 # ---------------------------------------------------------------------- vLLM's events, keyed

@@ -18,6 +18,12 @@ def _beat(worker_id: str, role: str, *, free: int = 100, running: int = 0, waiti
     )
 
 
+def _picked(pool: WorkerPool, num_prompt_tokens: int, now: float) -> tuple[str, str]:
+    """The ids of the (prefill, decode) heartbeats ``pick`` chose."""
+    prefill, decode = pool.pick(num_prompt_tokens, now)
+    return prefill.worker_id, decode.worker_id
+
+
 def _pool(*beats: WorkerHeartbeat, now: float = 0.0) -> WorkerPool:
     pool = WorkerPool(stale_after_s=5.0)
     for beat in beats:
@@ -30,7 +36,7 @@ def test_stale_workers_are_not_picked():
     pool.observe(_beat("p-new", "prefill", running=9), 4.0)
     pool.observe(_beat("d-new", "decode", running=9), 4.0)
     assert pool.live("prefill", 6.0) == [_beat("p-new", "prefill", running=9)]
-    assert pool.pick(10, now=6.0) == ("p-new", "d-new")
+    assert _picked(pool, 10, now=6.0) == ("p-new", "d-new")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -55,7 +61,7 @@ def test_prefill_goes_to_the_least_loaded_worker():
         _beat("p-light", "prefill", running=1),
         _beat("d", "decode"),
     )
-    assert pool.pick(10, now=0.0)[0] == "p-light"
+    assert _picked(pool, 10, now=0.0)[0] == "p-light"
 
 
 def test_decode_goes_to_the_least_busy_worker_with_room():
@@ -64,7 +70,7 @@ def test_decode_goes_to_the_least_busy_worker_with_room():
         _beat("d-busy", "decode", running=5, free=90),
         _beat("d-light", "decode", running=1, free=10),
     )
-    assert pool.pick(10 * BLOCK_SIZE, now=0.0)[1] == "d-light"
+    assert _picked(pool, 10 * BLOCK_SIZE, now=0.0)[1] == "d-light"
 
 
 def test_an_idle_decode_worker_without_room_loses_to_a_busy_one_with_room():
@@ -73,7 +79,7 @@ def test_an_idle_decode_worker_without_room_loses_to_a_busy_one_with_room():
         _beat("d-idle-full", "decode", running=0, free=2),
         _beat("d-busy", "decode", running=7, free=50),
     )
-    assert pool.pick(3 * BLOCK_SIZE, now=0.0)[1] == "d-busy"
+    assert _picked(pool, 3 * BLOCK_SIZE, now=0.0)[1] == "d-busy"
 
 
 def test_when_no_decode_worker_has_room_the_emptiest_is_picked():
@@ -82,13 +88,13 @@ def test_when_no_decode_worker_has_room_the_emptiest_is_picked():
         _beat("d-a", "decode", free=1),
         _beat("d-b", "decode", free=3),
     )
-    assert pool.pick(10 * BLOCK_SIZE, now=0.0)[1] == "d-b"
+    assert _picked(pool, 10 * BLOCK_SIZE, now=0.0)[1] == "d-b"
 
 
 def test_successive_picks_spread_over_idle_workers():
     pool = _pool(_beat("p-1", "prefill"), _beat("p-2", "prefill"),
                  _beat("d-1", "decode"), _beat("d-2", "decode"))
-    picks = [pool.pick(10, now=0.0) for _ in range(4)]
+    picks = [_picked(pool, 10, now=0.0) for _ in range(4)]
     assert sorted(p for p, _ in picks) == ["p-1", "p-1", "p-2", "p-2"]
     assert sorted(d for _, d in picks) == ["d-1", "d-1", "d-2", "d-2"]
 
@@ -96,22 +102,30 @@ def test_successive_picks_spread_over_idle_workers():
 def test_dispatched_jobs_count_against_a_decode_workers_room():
     pool = _pool(_beat("p", "prefill"),
                  _beat("d-small", "decode", free=4), _beat("d-busy", "decode", running=3, free=40))
-    picks = [pool.pick(4 * BLOCK_SIZE, now=0.0)[1] for _ in range(2)]
+    picks = [_picked(pool, 4 * BLOCK_SIZE, now=0.0)[1] for _ in range(2)]
     assert picks == ["d-small", "d-busy"]
 
 
 def test_a_new_heartbeat_resets_the_dispatched_count():
     pool = _pool(_beat("p", "prefill"), _beat("d-1", "decode"), _beat("d-2", "decode"))
-    first = pool.pick(10, now=0.0)[1]
+    first = _picked(pool, 10, now=0.0)[1]
     pool.observe(_beat(first, "decode"), 1.0)
-    second = pool.pick(10, now=1.0)[1]
+    second = _picked(pool, 10, now=1.0)[1]
     assert first == second == "d-1"
+
+
+def test_a_pick_is_the_chosen_workers_heartbeats_and_either_role_is_picked_alone_in_one_order():
+    beats = (_beat("p", "prefill"), _beat("d", "decode"))
+    pool = _pool(*beats)
+    assert pool.pick(10, now=0.0) == beats  # which start of each: its incarnation, its kv_params
+    assert pool.pick_prefill(10, 0.0) == beats[0]
+    assert pool.pick_decode(10, 0.0) == beats[1]
 
 
 def test_a_forgotten_worker_is_not_picked():
     pool = _pool(_beat("p", "prefill"), _beat("d-1", "decode"), _beat("d-2", "decode"))
     pool.forget("d-1")
-    assert pool.pick(10, now=0.0) == ("p", "d-2")
+    assert _picked(pool, 10, now=0.0) == ("p", "d-2")
 
 
 def test_has_served_once_both_roles_have_heartbeated_even_after_they_go_stale():

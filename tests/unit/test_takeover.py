@@ -3,7 +3,7 @@ record round trip (``Flight.record`` / ``Flight.from_record``)."""
 
 from __future__ import annotations
 
-from services.scheduler.flights import Flight
+from services.scheduler.flights import Flight, FlightState
 from services.scheduler.takeover import Holding, SchedulerLiveness, orphans
 from services.scheduler.validation import ValidRequest
 from shared import wire
@@ -76,7 +76,12 @@ def test_the_table_of_heard_schedulers_is_bounded():
 def test_a_flight_comes_back_from_its_record_where_it_was_with_its_deadline_in_this_clock():
     request = ValidRequest("r1", [1, 2, 3], wire.SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=False), "pull")
     flight = Flight(request, "_INBOX.c.x", received_at=1000.0, deadline=50.0, mode="pull", owner="c")
-    flight.attempt, flight.transfer_id, flight.prefill_id, flight.prefill_incarnation = 2, "t2", "p0", "pi"
+    flight.new_attempt("t1")
+    flight.new_attempt("t2")
+    flight.assign_prefill(wire.WorkerHeartbeat(worker_id="p0", role="prefill", free_kv_blocks=1, total_kv_blocks=1,
+                                               running=0, waiting=0, block_size=16, max_model_len=64,
+                                               incarnation="pi"))
+    flight.jobs_taken()
     record = flight.record("s0", "inc", now_wall=2000.0, now=40.0)
     assert record.deadline_at == 2010.0 and record.holder == "s0"
     again = Flight.from_record(wire.decode(wire.encode(record), wire.FlightRecord), 7, now_wall=2004.0, now=500.0)
@@ -84,3 +89,4 @@ def test_a_flight_comes_back_from_its_record_where_it_was_with_its_deadline_in_t
     assert (again.request, again.owner, again.mode, again.attempt, again.transfer_id, again.transfer_key,
             again.prefill_id, again.prefill_incarnation) == (request, "c", "pull", 2, "t2", flight.transfer_key,
                                                              "p0", "pi")
+    assert again.state is FlightState.DISPATCHING  # in memory only: the record does not carry it

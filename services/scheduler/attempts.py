@@ -1,0 +1,153 @@
+"""One attempt at a flight: where it is served (``placement``), which workers serve it,
+and its jobs out to them, each attempt with a fresh transfer id. Push: prefill and decode
+at the same time. Pull: prefill first, then decode, chosen by the load at that moment.
+Local: the decode computes the prompt itself.
+
+``Attempts.dispatch`` raises what stopped the attempt; what to do then (retry, end) is
+``services.scheduler.recovery``'s business."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from opentelemetry import trace
+
+from otel import attributes as A
+from services.scheduler import dispatch
+from services.scheduler.flights import Flight, FlightTable
+from services.scheduler.journal import Journal
+from services.scheduler.outbox import Outbox
+from services.scheduler.placement import Placement, PlacementSettings, place
+from services.scheduler.routing import WorkerPool
+from services.scheduler.timing import WATCH_INTERVAL_S, Uptime
+from shared import connector_kinds, wire
+from shared.errors import EngineFailed, NoWorkers
+
+log = structlog.get_logger("kvpush.scheduler")
+_tracer = trace.get_tracer("kvpush.scheduler")
+
+
+class Attempts:
+    def __init__(self, pool: WorkerPool, flights: FlightTable, journal: Journal, outbox: Outbox,
+                 placement: PlacementSettings, uptime: Uptime):
+        self.pool = pool
+        self.flights = flights
+        self.journal = journal
+        self.outbox = outbox
+        self.placement = placement
+        self.uptime = uptime
+        self._handoffs: dict[str, asyncio.Future] = {}  # pull: transfer id -> its prefill's handoff
+
+    def handoff_arrived(self, handoff: wire.Handoff) -> bool:
+        """Pull: hand the attempt waiting for it its prefill's handoff; False if none waits."""
+        waiting = self._handoffs.get(handoff.transfer_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(handoff)  # pull: now pick decode
+            return True
+        return False
+
+    def stop_waiting(self, transfer_id: str) -> None:
+        """The attempt under ``transfer_id`` is stopped: no handoff is waited for any more."""
+        waiting = self._handoffs.pop(transfer_id, None)
+        if waiting is not None and not waiting.done():
+            waiting.cancel()
+
+    async def _pick(self, flight: Flight, pick):
+        """``pick()`` now. With no live worker: fail at once if this deployment never had
+        one (as far as a whole heartbeat round since our start can tell: a scheduler that
+        just joined has heard nobody yet); otherwise they are down (crashed, restarting),
+        and the request waits for one until its deadline."""
+        while True:
+            try:
+                return pick()
+            except NoWorkers:
+                heard_a_round = self.uptime.heard_a_round(time.monotonic())
+                if flight.attempt <= 1 and not self.pool.has_served() and heard_a_round:
+                    raise
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def dispatch(self, flight: Flight) -> None:
+        """A new attempt at the flight, its jobs out and taken."""
+        flight.key_prompt()  # its block keys, for prefix-aware picks
+        placement = self._place(flight)
+        flight.place(placement.mode)
+        self.flights.bind(flight, uuid.uuid4().hex)
+        span = trace.get_current_span()
+        span.set_attributes({A.TRANSFER_MODE: flight.mode, A.PLACEMENT_REASON: placement.reason,
+                             **{f"{A.PLACEMENT_PREFIX}{k}": v for k, v in placement.numbers.items()}})
+        if flight.mode == "pull":
+            await self._dispatch_pull(flight)
+        elif flight.mode == "local":
+            await self._dispatch_local(flight)
+        else:
+            await self._dispatch_push(flight)
+        flight.jobs_taken()
+        log.info("dispatched", transfer_id=flight.transfer_id, prefill=flight.prefill_id, decode=flight.decode_id,
+                 prompt_tokens=len(flight.request.prompt_token_ids), mode=flight.mode, attempt=flight.attempt)
+
+    def _place(self, flight: Flight) -> Placement:
+        now = time.monotonic()
+        prompt_tokens = len(flight.request.prompt_token_ids)
+        return place(prompt_tokens, flight.request.transfer_mode, self.placement,
+                     connector_kinds.of(self.pool.connector(now)).modes,
+                     self.pool.prefill_load(now, flight.prompt), self.pool.decode_load(prompt_tokens, now, flight.prompt))
+
+    async def _dispatch_local(self, flight: Flight) -> None:
+        """The decode computes the prompt itself: no prefill, no transfer."""
+        decode = await self._pick(
+            flight, lambda: self.pool.pick_decode(len(flight.request.prompt_token_ids), time.monotonic(),
+                                                  prompt=flight.prompt))
+        flight.assign_decode(decode)
+        trace.get_current_span().set_attributes({A.TRANSFER_ID: flight.transfer_id, A.DECODE_WORKER: decode.worker_id})
+        await self.journal.write_down(flight)
+        await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, None))
+
+    async def _dispatch_push(self, flight: Flight) -> None:
+        prefill, decode = await self._pick(
+            flight, lambda: self.pool.pick(len(flight.request.prompt_token_ids), time.monotonic(), prompt=flight.prompt))
+        flight.assign_prefill(prefill)
+        flight.assign_decode(decode)
+        trace.get_current_span().set_attributes(
+            {A.TRANSFER_ID: flight.transfer_id, A.PREFILL_WORKER: prefill.worker_id, A.DECODE_WORKER: decode.worker_id}
+        )
+        await self.journal.write_down(flight)
+        beat = self.pool.beat(prefill.worker_id)  # as it is now, after the write
+        # Both at once: decode registers its blocks while prefill computes.
+        await asyncio.gather(
+            self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight)),
+            self.outbox.send(decode.worker_id, dispatch.decode_job(flight, beat.kv_params if beat else None)),
+        )
+
+    async def _dispatch_pull(self, flight: Flight) -> None:
+        """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
+        from the load at the moment prefill finished, and reads the prefill's blocks."""
+        request, transfer_id = flight.request, flight.transfer_id
+        # A retry waits for a live decode *before* prefill: once prefill is done, its
+        # blocks are held only for a lease, and a READ after that would read freed ones.
+        await self._pick(flight, lambda: self.pool.require("decode", time.monotonic()))
+        prefill = await self._pick(
+            flight, lambda: self.pool.pick_prefill(len(request.prompt_token_ids), time.monotonic(), prompt=flight.prompt))
+        flight.assign_prefill(prefill)
+        span = trace.get_current_span()
+        span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill.worker_id})
+        await self.journal.write_down(flight)
+        handoff_arrived = asyncio.get_running_loop().create_future()
+        self._handoffs[transfer_id] = handoff_arrived
+        try:
+            await self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight))
+            with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
+                handoff: wire.Handoff = await handoff_arrived  # the deadline watch bounds this wait
+        finally:
+            self._handoffs.pop(transfer_id, None)
+        if handoff.error is not None:
+            raise EngineFailed(handoff.error.message)
+        decode = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic(),
+                                       prompt=flight.prompt)  # no waiting now
+        flight.assign_decode(decode)
+        span.set_attribute(A.DECODE_WORKER, decode.worker_id)
+        await self.journal.write_down(flight)
+        # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
+        await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, handoff.kv_transfer_params))
