@@ -17,7 +17,7 @@ import nats
 import pytest
 
 from services.launch.natsd import LocalNatsServer
-from tools.model_build import build_model, default_model_dir
+from services.launch.model import build_model, default_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Services with no OTLP endpoint write their spans as JSON lines (otel/files.py): the

@@ -6,6 +6,9 @@ import asyncio
 import signal
 import sys
 
+from services.launch.model import build_model, default_model_dir
+from shared.nats_security import connect_options, error_logger, server_urls
+
 
 def say(message: str) -> None:
     print(f"[kvpush] {message}", file=sys.stderr, flush=True)
@@ -15,8 +18,6 @@ def model_path(args) -> str:
     """``--model``, or the built-in small model (built on first use)."""
     if args.model:
         return args.model
-    from tools.model_build import build_model, default_model_dir
-
     folder = default_model_dir("small")
     say(f"using the built-in small model in {folder} (building it if needed)")
     return str(build_model(folder))
@@ -34,8 +35,6 @@ async def until_signalled() -> None:
 
 async def connect(nats_url: str, **kwargs):
     import nats
-
-    from shared.nats_security import connect_options, error_logger, server_urls
 
     kwargs.setdefault("error_cb", error_logger("kvpush"))
     return await nats.connect(server_urls(nats_url), **kwargs, **connect_options())

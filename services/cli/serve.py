@@ -7,8 +7,20 @@ import asyncio
 import os
 import time
 
+from otel import setup as otel_setup
+from services import logs
 from services.cli.common import model_path, say, until_signalled
 from services.cli.requests import describe_final, stream
+from services.cli.tools import cmd_trace
+from services.gateway.keys import KeyRing
+from services.gateway.limits import Limits
+from services.gateway.service import Gateway
+from services.launch.stack import Stack
+from services.scheduler.service import Scheduler
+from services.scheduler.validation import load_validator
+from services.worker.service import Worker, worker_id_for
+from shared import wire
+from shared.nats_security import nats_user
 from shared.settings import FaultSettings
 
 DEMO_PROMPTS = [
@@ -23,9 +35,6 @@ def _run_service(service_name: str, log_level: str, make_service, metrics_port: 
     """Run one long-lived service (an async context manager) until SIGINT/SIGTERM.
     ``metrics_port``: its /metrics and /health (a worker's engine core, started by it,
     takes the next port)."""
-    from otel import setup as otel_setup
-    from services import logs
-
     logs.configure(log_level)
     if metrics_port is not None:  # in the environment: the engine core it starts reads it too
         os.environ[otel_setup.METRICS_PORT_ENV] = str(metrics_port)
@@ -45,9 +54,6 @@ def _run_service(service_name: str, log_level: str, make_service, metrics_port: 
 
 
 def cmd_scheduler(args) -> int:
-    from services.scheduler.service import Scheduler
-    from services.scheduler.validation import load_validator
-
     validator = load_validator(model_path(args), args.max_model_len)
     return _run_service("kvpush-scheduler", args.log_level, lambda: Scheduler(
         args.nats_url, validator, scheduler_id=args.scheduler_id, mode=args.mode, deadline_s=args.deadline_s,
@@ -58,11 +64,6 @@ def cmd_scheduler(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from services.gateway.keys import KeyRing
-    from services.gateway.limits import Limits
-    from services.gateway.service import Gateway
-    from shared.nats_security import nats_user
-
     try:
         limits = Limits(args.max_concurrent_per_key, args.rate_per_key, args.burst_per_key)
         if args.api_key and args.api_keys_file:
@@ -81,9 +82,6 @@ def cmd_gateway(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from services.worker.service import Worker, worker_id_for
-    from shared.nats_security import nats_user
-
     try:
         faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
                                on_kv_failure=args.on_kv_failure)
@@ -97,8 +95,6 @@ def cmd_worker(args) -> int:
 
 
 def _start_stack(args, quiet: bool = False):
-    from services.launch.stack import Stack
-
     env = {"KVPUSH_LOG_LEVEL": os.environ.get("KVPUSH_LOG_LEVEL", "WARNING")} if quiet else {}
     stack = Stack(
         model_path(args),
@@ -150,7 +146,7 @@ def cmd_demo(args) -> int:
             body = {"prompt": prompt, "max_tokens": args.max_tokens, "request_id": f"demo-{run_id}-{i}"}
             final = await stream(stack.nats_url, body)
             say(describe_final(final))
-            failures += "error" in final
+            failures += isinstance(final, wire.ErrorReply)
         return failures
 
     run_id = f"{int(time.time())}"
@@ -162,7 +158,5 @@ def cmd_demo(args) -> int:
     if not failures and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         request_id = f"demo-{run_id}-{len(DEMO_PROMPTS) - 1}"
         say(f"where the last request's time went (kvpush trace {request_id}):\n")
-        from services.cli.tools import cmd_trace
-
         cmd_trace(argparse.Namespace(dir=None, summary=False, request_id=request_id))
     return 1 if failures else 0

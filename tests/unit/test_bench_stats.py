@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools.bench import client
-from tools.bench.run import Point, within_capacity
+from tools.bench.results import Point, within_capacity
 from tools.bench.stats import percentile
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.model_build import (
+from services.launch.model import (
     EOS_TOKEN,
     MARKER_NAME,
     PROFILES,

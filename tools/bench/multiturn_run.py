@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from services.launch.model import build_model, default_model_dir
 from tools.bench import multiturn
 from tools.bench.systems import KvpushSystem, Topology, VllmServeSystem
 from tools.otlp_receiver import OtlpReceiver
@@ -88,3 +89,21 @@ def markdown(results: dict) -> str:
         lines.append(f"| {label} | {first.get('p50', 0):.0f} ms | {later.get('p50', 0):.0f} ms | "
                      f"{later.get('p99', 0):.0f} ms | {run['turns']} | {run['failed']} | {len(run['wrong_outputs'])} |")
     return "\n".join(lines) + "\n"
+
+
+def cmd(args) -> int:
+    """``kvpush bench-multiturn``."""
+    systems = tuple(args.systems.split(","))
+    known = {"kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push"}
+    if unknown := [s for s in systems if s not in known]:
+        print(f"unknown systems {unknown}; choose from {', '.join(sorted(known))}", file=sys.stderr)
+        return 2
+    model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
+    load = multiturn.Conversations(count=args.conversations, turns=args.turns, first_len=args.first_len,
+                                   turn_len=args.turn_len, output_len=args.output_len,
+                                   concurrency=args.concurrency, seed=args.seed)
+    results = bench(model, Path(args.out), load, args.max_model_len, Topology(args.prefill, args.decode), systems,
+                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(markdown(results))
+    wrong = sum(len(run["wrong_outputs"]) + run["failed"] for run in results["runs"].values())
+    return 1 if wrong else 0

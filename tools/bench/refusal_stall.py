@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared import wire
+
 SMALL_PROMPT_TOKENS = 64
 
 
@@ -38,7 +40,6 @@ async def run(model: str, huge_tokens: int, small: int, rate: float, huge_at_s: 
     import nats
 
     from services.launch.natsd import LocalNatsServer
-    from shared import wire
     from tools.bench.scheduler_rate import IdleDecode, IdlePrefill
 
     with tempfile.TemporaryDirectory(prefix="kvpush-refusal-stall-") as tmp:
@@ -79,18 +80,26 @@ async def run(model: str, huge_tokens: int, small: int, rate: float, huge_at_s: 
                 log.close()
 
 
-async def _ttft(nc, body: dict) -> tuple[float, dict]:
+async def _ttft(nc, body: dict) -> tuple[float, wire.LastMessage | None]:
     from services.cli.client import generate
 
     sent = time.monotonic()
     first = None
-    final: dict = {}
+    final = None
     async for reply in generate(nc, body, timeout=60):
         if first is None:
             first = time.monotonic() - sent
-        if reply.get("finished"):
+        if not isinstance(reply, wire.TokenChunk):
             final = reply
     return first, final
+
+
+def _code(final: wire.LastMessage | None) -> str | None:
+    """The error code a request ended with; None if it was answered."""
+    match final:
+        case wire.ErrorReply(error=error):
+            return error.code
+    return None
 
 
 async def _drive(nc, huge_tokens: int, small: int, rate: float, huge_at_s: float) -> dict:
@@ -107,14 +116,14 @@ async def _drive(nc, huge_tokens: int, small: int, rate: float, huge_at_s: float
         smalls.append((time.monotonic() - start, asyncio.create_task(_ttft(nc, body))))
     huge_s, huge_final = await huge_task
     results = [(at, *(await task)) for at, task in smalls]
-    ttfts = [ttft * 1000 for _, ttft, final in results if "error" not in final]
+    ttfts = [ttft * 1000 for _, ttft, final in results if _code(final) is None]
     return {
         "huge_tokens": huge_tokens,
         "huge_bytes": len(json.dumps(huge_body)),
-        "huge_answer": huge_final.get("error", {}).get("code"),
+        "huge_answer": _code(huge_final),
         "huge_answer_ms": round(huge_s * 1000, 1),
         "small_requests": small,
-        "small_errors": sum(1 for _, _, final in results if "error" in final),
+        "small_errors": sum(1 for _, _, final in results if _code(final) is not None),
         "small_ttft_ms_p50": round(percentile(ttfts, 50), 1),
         "small_ttft_ms_p99": round(percentile(ttfts, 99), 1),
         "small_ttft_ms_max": round(max(ttfts), 1),
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.model is None:
-        from tools.model_build import build_model, default_model_dir
+        from services.launch.model import build_model, default_model_dir
 
         args.model = str(build_model(default_model_dir("small")))
     result = asyncio.run(run(args.model, args.huge_tokens, args.small, args.rate, args.huge_at_s))

@@ -1,4 +1,4 @@
-"""``kvpush bench``'s tables and plots, from its points (``run.Point``).
+"""``kvpush bench``'s tables and plots, from its points (``results.Point``).
 
 One table per workload: each variant at each rate, with its ratio to vLLM's NixlConnector
 at the same point (TTFT p50 / p99, TPOT p50); kvpush rows add the TTFT split and the
@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-BASELINE = "vllm-nixl"
+from tools.bench import transfer
+from tools.bench.results import BASELINE, within_capacity
 
 
 def _ms(value) -> str:
@@ -27,8 +28,6 @@ def _ratio(value, base) -> str:
 
 
 def workload_table(points: list) -> str:
-    from tools.bench.run import within_capacity
-
     base = {p.rate: p.summary for p in points if p.variant == BASELINE and p.summary}
     out = ["| system | rate (req/s) | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | throughput (req/s) | failed | "
            "TTFT p50 / vLLM | TTFT p99 / vLLM | TPOT p50 / vLLM | within capacity | TTFT split p50 "
@@ -100,8 +99,6 @@ def tables(bench) -> str:
             f"| {r['idle_cpu_s_per_s']:.3f} | {r['waiting_cpu_s_per_s']:.3f} | {r['waiting_by_process']} |\n"
             for r in bench.idle_cpu))
     if bench.raw_nixl:
-        from tools.bench import transfer
-
         parts.append("### Our writer against a raw NIXL WRITE (same run)\n")
         parts.append(transfer.markdown(bench.raw_nixl))
     if bench.errors:

@@ -27,15 +27,18 @@ import math
 import os
 import platform
 import re
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from otel import attributes as A
+from otel import trace_view as view
+from services.launch.model import build_model, default_model_dir
 from shared import wire
-from tools import trace_view as view
-from tools.bench import client
+from tools.bench import client, report, transfer
+from tools.bench.results import Point
 from tools.bench.stats import percentile
 from tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
 from tools.otlp_receiver import OtlpReceiver
@@ -43,7 +46,6 @@ from tools.otlp_receiver import OtlpReceiver
 VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
 SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "kvpush-auto": "kvpush", "kvpush-local": "kvpush",
              "vllm-nixl": "vllm-nixl", "vllm-nixl-push": "vllm-nixl-push"}
-BASELINE = "vllm-nixl"  # what a user would otherwise pick: every ratio is to it
 KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024}
 CLIENT_TIMEOUT_S = 1800
 
@@ -97,39 +99,6 @@ class BenchConfig:
     @property
     def systems(self) -> list[str]:
         return list(dict.fromkeys(SYSTEM_OF[v] for v in self.variants))
-
-
-@dataclass
-class Point:
-    workload: str
-    topology: str
-    system: str
-    variant: str
-    binding: str
-    input_len: int
-    rate: float
-    requests: int
-    result_file: str
-    summary: dict = field(default_factory=dict)
-    cpu_s_per_s: dict[str, float] = field(default_factory=dict)
-    segments_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # kvpush: segment -> p50/p99/mean
-    handoff_overhead_ms: dict[str, float] = field(default_factory=dict)  # kvpush: p50/p99
-    error: str = ""
-
-
-
-def within_capacity(point: Point, points: list[Point]) -> bool:
-    """Whether the system kept up at this point: its TTFT p50 is at most KNEE times its own
-    TTFT p50 at the workload's lightest rate (past capacity the queue, and TTFT with it,
-    grows with the length of the run). The targets apply only at such points."""
-    if point.error or not point.summary:
-        return False
-    mine = [p for p in points if p.variant == point.variant and p.workload == point.workload and p.summary]
-    lightest = min(mine, key=lambda p: p.rate)
-    return point.summary["p50_ttft_ms"] <= KNEE * lightest.summary["p50_ttft_ms"]
-
-
-KNEE = 3.0
 
 
 class Bench:
@@ -290,8 +259,6 @@ class Bench:
     # ------------------------------------------------------------------ extra measurements
 
     def _raw_bandwidth(self) -> list[dict]:
-        from tools.bench import transfer
-
         self.say("raw NIXL WRITE bandwidth between two processes")
         return transfer.run(progress=lambda line: self.say(line))
 
@@ -385,8 +352,6 @@ class Bench:
     # ------------------------------------------------------------------ output
 
     def write(self) -> None:
-        from tools.bench import report
-
         c = self.config
         c.out.mkdir(parents=True, exist_ok=True)
         machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -409,6 +374,47 @@ class Bench:
                                  _f(p.handoff_overhead_ms.get("p99")), p.error[:200], p.result_file])
         (c.out / "tables.md").write_text(report.tables(self))
         report.plots(self.points, c.out / "plots")
+
+
+def cmd(args) -> int:
+    """``kvpush bench``."""
+    variants = args.systems.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown systems {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    bindings = {}
+    for pair in filter(None, (args.binding or "").split(",")):
+        system, _, binding = pair.partition("=")
+        if binding not in BINDINGS:
+            print(f"--binding {pair!r}: give system=binding, binding one of {', '.join(BINDINGS)}", file=sys.stderr)
+            return 2
+        bindings[system] = binding
+    if args.input_lens:
+        topology = Topology(args.prefill, args.decode)
+        shape = "".join([f" mixed ±{args.range_ratio:g}" if args.range_ratio else "",
+                         f" burstiness {args.burstiness:g}" if args.burstiness != 1.0 else "",
+                         f" with {args.background} long generations" if args.background else ""])
+        workloads = [Workload(f"{n} tokens{shape}" if topology == Topology() else f"{n} tokens {topology.label}{shape}",
+                              n, tuple(float(r) for r in args.rates.split(",")), args.requests, topology,
+                              range_ratio=args.range_ratio, burstiness=args.burstiness, background=args.background,
+                              background_output_len=args.background_output_len)
+                     for n in (int(x) for x in args.input_lens.split(","))]
+    else:
+        workloads = list(GRID)
+    model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
+    probe = BINDING_PROBE if args.probe_requests is None else \
+        Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
+    config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
+                         workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
+                         out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
+                         try_bindings=tuple(args.try_bindings.split(",")))
+    bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
+    asyncio.run(bench.run())
+    bench.write()
+    print((Path(args.out) / "tables.md").read_text())
+    failed = [p for p in bench.points if p.error or p.summary.get("failed")]
+    return 1 if bench.errors or failed else 0
 
 
 def _trees(roots: dict[str, int]):

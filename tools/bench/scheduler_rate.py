@@ -57,7 +57,18 @@ import uuid
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
-BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on GPUs (its CPU platform's is 128)
+from otel.messaging import TEMPORARY
+from services.bus import Bus
+from services.cli.client import generate
+from services.launch.natsd import LocalNatsServer
+from services.launch.model import build_model, default_model_dir
+from services.ledger import Claims
+from shared import settings, wire
+from shared.errors import BadJob, KvTransferFailed, to_error_body
+from shared.nats_security import connect_options
+from tools.bench import stats
+from tools.bench.cli import BLOCK_SIZE, scheduler_rate_arguments
+
 KV_CACHE_BYTES = 2 * 1024 ** 3  # the KV cache a stand-in says it has (the stack's engines: 1-2 GiB)
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # small model: layers x (K, V) x kv heads x head_dim x fp32
 AGENT_METADATA_BYTES = 514  # a real NIXL agent's metadata for the small model's cache (measured)
@@ -101,10 +112,6 @@ class _IdleWorker:
     async def start(self) -> None:
         import nats
 
-        from services.bus import Bus
-        from shared import wire
-        from shared.nats_security import connect_options
-
         self.bus = await Bus.connect(self.url, self.worker_id)
         self.kv = await nats.connect(self.url, name=f"{self.worker_id}-connector",
                                      **connect_options(service=self.worker_id))
@@ -140,8 +147,6 @@ class _IdleWorker:
         return task
 
     def agent_info(self):
-        from shared import wire
-
         return wire.AgentInfo(
             engine_id=self.worker_id, rank=0, agent_name=f"{self.worker_id}-0-{self.incarnation[:8]}",
             agent_metadata=bytes(AGENT_METADATA_BYTES), mem_type="DRAM", device_id=0, num_blocks=self.total_blocks,
@@ -163,8 +168,6 @@ class _IdleWorker:
         return {"queued_prompt_tokens": 0, "prefill_tokens_per_s": 0.0}
 
     async def _heartbeat_loop(self) -> None:
-        from shared import settings, wire
-
         while not self._stop.is_set():
             used = min(self.active * 8, self.total_blocks)
             beat = wire.WorkerHeartbeat(
@@ -182,9 +185,6 @@ class _IdleWorker:
                 pass
 
     async def _ack(self, msg) -> None:
-        from otel.messaging import TEMPORARY
-        from shared import wire
-
         if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
 
@@ -219,8 +219,6 @@ class IdlePrefill(_IdleWorker):
         self.refused = 0
 
     async def _on_agent_announced(self, msg) -> None:
-        from shared import wire
-
         try:
             info = wire.decode(msg.data, wire.AgentInfo)
         except Exception:
@@ -229,14 +227,9 @@ class IdlePrefill(_IdleWorker):
             self._agents.add(info.engine_id)
 
     async def _subscribe_connector(self) -> None:
-        from shared import wire
-
         await self.kv.subscribe(wire.KV_CONTROL.partly(engine_id=self.worker_id), cb=self._on_kv_control)
 
     async def _on_job(self, msg) -> None:
-        from shared import wire
-        from shared.errors import BadJob
-
         job = await self.bus.decoded(msg, wire.PrefillMessage, refuse_as=BadJob, nack=True)
         if job is None:
             return
@@ -264,8 +257,6 @@ class IdlePrefill(_IdleWorker):
         await self.bus.publish(wire.HANDOFFS(sender=self.worker_id), wire.encode(handoff))
 
     async def _on_kv_control(self, msg) -> None:
-        from shared import wire
-
         try:
             message = wire.decode(msg.data, wire.KvControl)
         except Exception:
@@ -296,8 +287,6 @@ class IdlePrefill(_IdleWorker):
 
     async def _write(self, job, registration, traceparent: str, order: str) -> None:
         """The rendezvous matched: "WRITE" the KV and report its end."""
-        from shared import wire
-
         if (registration.decode_engine_id != job.decode_engine_id or registration.transfer_key != job.transfer_key
                 or registration.num_tokens != len(job.prompt_token_ids)):
             self.refused += 1
@@ -351,9 +340,6 @@ class IdleDecode(_IdleWorker):
         self.kv_timeouts = 0
 
     async def start(self) -> None:
-        from services.ledger import Claims
-        from shared import wire
-
         await super().start()
         self.ledger = Claims(self.bus.nc, wire.Claimant.decode(self.worker_id))
         self._probe_prefix = self.bus.nc.new_inbox()
@@ -361,8 +347,6 @@ class IdleDecode(_IdleWorker):
         self._spawn(self._renewal_loop())
 
     async def _subscribe_connector(self) -> None:
-        from shared import wire
-
         await self.kv.subscribe(wire.KV_COMPLETIONS.partly(engine_id=self.worker_id), cb=self._on_completion)
 
     async def _on_probe(self, msg) -> None:
@@ -373,8 +357,6 @@ class IdleDecode(_IdleWorker):
                 task.cancel()
 
     async def _on_completion(self, msg) -> None:
-        from shared import wire
-
         try:
             event = wire.decode(msg.data, wire.Completion)
         except Exception:
@@ -391,8 +373,6 @@ class IdleDecode(_IdleWorker):
 
     async def _renewal_loop(self) -> None:
         """connector/scheduler_side.py: one LeaseRenewal per prefill engine every heartbeat."""
-        from shared import settings, wire
-
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), settings.HEARTBEAT_INTERVAL_S)
@@ -409,9 +389,6 @@ class IdleDecode(_IdleWorker):
                     await self.kv.publish(wire.registration_subject(prefill_id, self.worker_id), wire.encode(renewal))
 
     async def _on_job(self, msg) -> None:
-        from shared import wire
-        from shared.errors import BadJob
-
         job = await self.bus.decoded(msg, wire.DecodeMessage, refuse_as=BadJob, nack=True)
         if job is None:
             return
@@ -431,10 +408,6 @@ class IdleDecode(_IdleWorker):
         self._running[job.transfer_id] = self._spawn(self._serve(job, _traceparent(msg)))
 
     async def _serve(self, job, traceparent: str) -> None:
-        from otel.messaging import TEMPORARY
-        from shared import wire
-        from shared.errors import KvTransferFailed, to_error_body
-
         self.active += 1
         claimed = False
         outcome, final = "error", b""
@@ -502,8 +475,6 @@ class IdleDecode(_IdleWorker):
             await self._progress(job, "ended", outcome, final)
 
     async def _progress(self, job, stage: str, outcome: str = "", final: bytes = b"") -> None:
-        from shared import wire
-
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
                                      worker_id=self.worker_id, stage=stage, outcome=outcome, final=final)
         try:
@@ -552,12 +523,10 @@ class SubjectCounter:
             return f"JetStream delivery: {stream} watch -> scheduler"
         if subject.startswith("_INBOX."):
             try:
-                body = json.loads(msg.data)
-            except ValueError:
+                reply = wire.decode_reply(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 return "client inbox: other"
-            if "error" in body:
-                return "ErrorReply -> client"
-            return "FinalReply -> client" if body.get("finished") else "TokenChunk -> client"
+            return f"{type(reply).__name__} -> client"
         if subject.startswith("$KV."):
             bucket = subject.split(".")[1]
             op = headers.get("KV-Operation")
@@ -628,9 +597,7 @@ class SubjectCounter:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    from tools.bench.stats import percentile as linear
-
-    value = linear(values, q)
+    value = stats.percentile(values, q)
     return None if math.isnan(value) else round(value, 3)
 
 
@@ -678,8 +645,6 @@ def parse_topology(text: str) -> tuple[int, int]:
 
 async def _wait_for_workers(nc, prefill_ids: list[str], decode_ids: list[str], processes, timeout: float) -> None:
     """Until every scheduler routes to every stand-in (each answers ``kvpush.scheduler.status``)."""
-    from shared import wire
-
     deadline = time.monotonic() + timeout
     while True:
         for process in processes:
@@ -716,7 +681,7 @@ async def _drive(nc, prompts: list[list[int]], start: int, concurrency: int, dea
                  vocab: int, request_timeout_s: float, run_tag: str, keep: list | None) -> dict:
     """Send ``prompts`` (ids ``start``..) through the real client, ``concurrency`` in flight,
     none started after ``deadline`` (monotonic). What came back, checked."""
-    from services.cli.client import generate
+    import msgspec
 
     latencies: list[float] = []
     sent_at: dict[str, float] = {}
@@ -738,29 +703,32 @@ async def _drive(nc, prompts: list[list[int]], start: int, concurrency: int, dea
                     "request_id": request_id}
             tokens: list[int] = []
             chunks: list[int] = []
-            final: dict = {}
+            final: wire.LastMessage | None = None
             error = ""
             began = time.perf_counter()
             sent_at[request_id] = time.monotonic()
             try:
                 async for reply in generate(nc, body, timeout=request_timeout_s):
-                    if reply.get("finished"):
-                        final = reply
-                    else:
-                        tokens.extend(reply["token_ids"])
-                        chunks.append(reply["seq"])
+                    match reply:
+                        case wire.TokenChunk():
+                            tokens.extend(reply.token_ids)
+                            chunks.append(reply.seq)
+                        case _:
+                            final = reply
             except Exception as exc:  # counted: a bench reports failures, it does not stop at one
                 error = type(exc).__name__
             took_ms = (time.perf_counter() - began) * 1000
-            if not error and "error" in final:
-                error = final["error"]["code"]
+            match final:
+                case wire.ErrorReply(error=said) if not error:
+                    error = said.code
             if error:
                 errors[error] += 1
             else:
                 expected = expected_tokens(prompt, output_tokens, vocab)
-                good = (tokens == expected and chunks == list(range(len(expected))) and final.get("finished")
-                        and final.get("usage", {}).get("completion_tokens") == len(expected)
-                        and final.get("chunks") == len(expected) and final.get("request_id") == request_id)
+                good = (tokens == expected and chunks == list(range(len(expected)))
+                        and isinstance(final, wire.FinalReply) and final.finished
+                        and final.usage.completion_tokens == len(expected)
+                        and final.chunks == len(expected) and final.request_id == request_id)
                 if good:
                     latencies.append(took_ms)
                     ok_ids.append(request_id)
@@ -768,7 +736,8 @@ async def _drive(nc, prompts: list[list[int]], start: int, concurrency: int, dea
                     wrong.append(request_id)
             if keep is not None:
                 keep.append({"request_id": request_id, "prompt": prompt, "tokens": tokens, "chunks": chunks,
-                             "final": final, "error": error, "latency_ms": round(took_ms, 3)})
+                             "final": msgspec.to_builtins(final) if final is not None else {}, "error": error,
+                             "latency_ms": round(took_ms, 3)})
 
     began = time.monotonic()
     await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
@@ -796,8 +765,6 @@ class _LedgerWatch:
         self._count = asyncio.Event()
 
     async def start(self, nc) -> None:
-        from shared import wire
-
         async def on_write(msg) -> None:
             if (self._measuring and msg.subject.startswith(self.prefix) and msg.headers
                     and msg.headers.get("KV-Operation") == "DEL"):
@@ -847,8 +814,6 @@ class _LedgerWatch:
 
 
 async def _bucket_state(nc) -> dict:
-    from shared import wire
-
     js = nc.jetstream(timeout=5.0)
     state = {}
     for bucket, stream in ((wire.FLIGHTS_BUCKET, f"KV_{wire.FLIGHTS_BUCKET}"), (wire.CLAIMS_STREAM_PREFIX, wire.claims_stream("decode-0")),
@@ -871,8 +836,6 @@ async def run_point(model: str, prefill: int, decode: int, concurrency: int, req
     ``time_limit_s`` of load, and none waits longer than ``request_timeout_s``."""
     import nats
     import psutil
-
-    from services.launch.natsd import LocalNatsServer
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(warmup + requests)]
@@ -1045,31 +1008,6 @@ def _stand_in_counts(worker: _IdleWorker) -> dict:
 # --------------------------------------------------------------------------- the command
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=2000, help="measured requests per point (after the warm-up)")
-    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, comma-separated: one point each")
-    parser.add_argument("--topologies", default="1P1D,8P8D", help="stand-in workers, comma-separated: one point each")
-    parser.add_argument("--time-limit-s", type=float, default=60.0,
-                        help="no request starts after this many seconds of a point's load")
-    parser.add_argument("--request-timeout-s", type=float, default=30.0, help="a request silent this long failed")
-    parser.add_argument("--warmup", type=int, default=50, help="requests before each point's measurement")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens of every prompt (random ids)")
-    parser.add_argument("--output-tokens", type=int, default=1, help="tokens of every answer, one chunk each")
-    parser.add_argument("--count-subjects", action="store_true",
-                        help="count every message and byte by subject (a subscriber on >; slows the bench itself)")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
-                        help="the stand-ins' KV block size (vLLM's default: 16 on GPUs, 128 on its CPU platform)")
-    parser.add_argument("--schedulers", type=int, default=1,
-                        help="schedulers sharing the load (a queue group); CPU is summed over them")
-    parser.add_argument("--scheduler-quiet", action="store_true",
-                        help="run the scheduler with WARNING logs and OpenTelemetry off (default: as it ships)")
-    parser.add_argument("--detail", action="store_true", help="keep every request (prompt, tokens, final) in the JSON")
-    parser.add_argument("--model", help="a model folder for the scheduler's validator (default: the small model)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-results/scheduler", help="folder for scheduler_rate.json")
-    parser.add_argument("--name", default="scheduler_rate", help="the result file's name, without .json")
-
-
 def markdown(results: dict) -> str:
     lines = ["| topology | concurrency | ok / sent | refused | client req/s | scheduler-done req/s | p50 ms | p99 ms | "
              "flights held (max) | scheduler CPU ms/req | scheduler CPU s/s | nats-server CPU ms/req | "
@@ -1088,8 +1026,6 @@ def markdown(results: dict) -> str:
 
 
 def cmd(args) -> int:
-    from tools.model_build import build_model, default_model_dir
-
     for name in ("requests", "warmup", "prompt_tokens", "output_tokens", "schedulers", "block_size"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             print(f"--{name.replace('_', '-')} must be at least 1", file=sys.stderr)
@@ -1139,7 +1075,7 @@ def cmd(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvpush bench-scheduler", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    scheduler_rate_arguments(parser)
     return cmd(parser.parse_args(argv))
 
 

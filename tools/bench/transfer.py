@@ -11,12 +11,18 @@ range per region after coalescing) or scattered (a random set of blocks).
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import random
 import statistics
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
+
+from connector.block_ranges import byte_ranges, coalesce
+from shared.wire import AgentInfo
 
 REGIONS = 4
 BLOCK_LEN = 128 * 1024
@@ -59,10 +65,9 @@ def run(progress=print) -> list[dict]:
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from connector.block_ranges import byte_ranges, coalesce
+    # lazy, as torch: kv_layout and the transfer thread import it
     from connector.kv_layout import describe
     from connector.transfer_thread import TransferJob, TransferThread
-    from shared.wire import AgentInfo
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -144,3 +149,14 @@ def markdown(rows: list[dict]) -> str:
         out.append(f"| {r['layout']} | {r['mib']} MiB | {r['descriptors']} | {r['ours_gib_s']:.2f} | "
                    f"{r['raw_gib_s']:.2f} | {100 * r['ratio']:.0f}% |")
     return "\n".join(out) + "\n"
+
+
+def cmd(args) -> int:
+    """``kvpush bench-transfer``."""
+    rows = run(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli.client import cancel
-from shared.errors import KvpushError
+from services.cli.common import model_path, say
+from shared.errors import KvpushError, to_error_body
 from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
-from shared import settings
+from shared import settings, wire
 
 # Expected ends of a request under faults: an answer, or one of these codes. no_scheduler:
 # the client's request met no subscriber (NATS restarting, schedulers not yet resubscribed);
@@ -126,8 +127,7 @@ class Soak:
             self.tally.lost.append(request_id)
             return
         except KvpushError as exc:  # refused before any scheduler took it (no_scheduler while NATS restarts)
-            outcome = Outcome(request_id, [], {"request_id": request_id, "finished": True,
-                                               "error": {"code": exc.code, "message": exc.message}},
+            outcome = Outcome(request_id, [], wire.ErrorReply(request_id, to_error_body(exc)),
                               time.monotonic() - started)
         finally:
             self._in_flight.pop(request_id, None)
@@ -140,7 +140,7 @@ class Soak:
         if code is None and outcome.tokens != self.reference[index]:
             self.tally.wrong.append(outcome.request_id)
         elif code is not None and code not in EXPECTED_CODES:
-            self.tally.unexpected.append(f"{outcome.request_id}: {code}: {outcome.final['error']['message']}")
+            self.tally.unexpected.append(f"{outcome.request_id}: {code}: {outcome.final.error.message}")
 
     async def _settle(self) -> None:
         try:
@@ -289,3 +289,14 @@ async def run_soak(model: str, minutes: float, rate: float, out: Path, fault_eve
     (out / "soak.md").write_text(markdown(report) + "\n")
     return report
 
+
+def cmd(args) -> int:
+    """``kvpush soak``."""
+    report = asyncio.run(run_soak(
+        model_path(args), args.minutes, args.rate, Path(args.out), args.fault_every_s, args.seed,
+        progress=say))
+    print(markdown(report))
+    say(f"results in {args.out}/soak.json")
+    clean = not (report["requests_lost"] or report["wrong_outputs"] or report["unexpected_errors"]
+                 or any(report["leaked_blocks"].values()) or report["processes_died_unexpectedly"])
+    return 0 if clean else 1

@@ -244,11 +244,30 @@ CHAT_TEMPLATE = (
 
 
 def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
-    import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
     raw_tok, n_files = _train_tokenizer(prof)
     eos_id = raw_tok.token_to_id(EOS_TOKEN)
+    _save_tokenizer(tmp, raw_tok, prof)
+    model = _random_model(_qwen2_config(prof, eos_id), eos_id, seed)
+    with _quiet_transformers():
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    _keep_build_files_only(tmp)
+
+    marker = {
+        "build_version": BUILD_VERSION,
+        "profile": name,
+        "profile_params": asdict(prof),
+        "seed": seed,
+        "weights_sha256": _weights_hash(model.state_dict()),
+        "tokenizer_sha256": _file_sha256(tmp / "tokenizer.json"),
+        "tokenizer_corpus_files": n_files,
+        "eos_token_id": eos_id,
+        "file_sizes": {f: (tmp / f).stat().st_size for f in _BUILD_FILES},
+    }
+    (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _save_tokenizer(tmp: Path, raw_tok, prof: ModelProfile) -> None:
+    from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=raw_tok,
@@ -263,7 +282,11 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
         hf_tok.save_pretrained(str(tmp))
     (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")  # whatever this version wrote
 
-    config = Qwen2Config(
+
+def _qwen2_config(prof: ModelProfile, eos_id: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         vocab_size=prof.vocab_size,
         hidden_size=prof.hidden_size,
         intermediate_size=prof.intermediate_size,
@@ -281,6 +304,11 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
         dtype="float32",
         architectures=["Qwen2ForCausalLM"],
     )
+
+
+def _random_model(config, eos_id: int, seed: int):
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     # Leave the caller's global RNG state as it was.
     with torch.random.fork_rng(devices=[]):
@@ -303,9 +331,10 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
         pad_token_id=eos_id,
         do_sample=False,
     )
-    with _quiet_transformers():
-        model.save_pretrained(str(tmp), safe_serialization=True)
+    return model
 
+
+def _keep_build_files_only(tmp: Path) -> None:
     missing = [f for f in _BUILD_FILES if not (tmp / f).is_file()]
     if missing:
         raise RuntimeError(f"model build did not produce {missing}")
@@ -323,19 +352,6 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
     # like any other cache (other users/containers may serve from it).
     for fname in _BUILD_FILES:
         os.chmod(tmp / fname, 0o644)
-
-    marker = {
-        "build_version": BUILD_VERSION,
-        "profile": name,
-        "profile_params": asdict(prof),
-        "seed": seed,
-        "weights_sha256": _weights_hash(model.state_dict()),
-        "tokenizer_sha256": _file_sha256(tmp / "tokenizer.json"),
-        "tokenizer_corpus_files": n_files,
-        "eos_token_id": eos_id,
-        "file_sizes": {f: (tmp / f).stat().st_size for f in _BUILD_FILES},
-    }
-    (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,99 @@
+"""The benchmarks' commands (``kvpush bench``, ``bench-multiturn``, ``bench-scheduler``,
+``bench-transfer``), added to ``kvpush`` through the ``kvpush.commands`` entry points
+(pyproject.toml). Parsers only: each command's function, in its own module, is imported
+when it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.cli.commands import lazy
+
+BLOCK_SIZE = 16  # bench-scheduler's stand-ins: tokens per KV block, vLLM's default on GPUs (its CPU platform's is 128)
+
+
+def register_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="kvpush push/pull against vLLM's own disaggregated serving, one client "
+                                         "(vllm bench serve) for all")
+    bench.add_argument("--systems", default="kvpush-push,kvpush-pull,vllm-nixl,vllm-nixl-push")
+    bench.add_argument("--input-lens", help="one workload per prompt length instead of the built-in grid")
+    bench.add_argument("--rates", default="1", help="with --input-lens: arrival rates in req/s (Poisson)")
+    bench.add_argument("--requests", type=int, default=16, help="with --input-lens: measured requests per point")
+    bench.add_argument("--prefill", type=int, default=1, help="with --input-lens: prefill engines per system")
+    bench.add_argument("--decode", type=int, default=1, help="with --input-lens: decode engines per system")
+    bench.add_argument("--range-ratio", type=float, default=0.0,
+                       help="with --input-lens: prompt lengths uniform in len * [1 - r, 1 + r]")
+    bench.add_argument("--burstiness", type=float, default=1.0, help="with --input-lens: 1 Poisson, lower bursts")
+    bench.add_argument("--background", type=int, default=0,
+                       help="with --input-lens: long generations sent at each point's start, beside it")
+    bench.add_argument("--background-output-len", type=int, default=1024)
+    bench.add_argument("--binding", help="system=auto|split|all,... (default: each system's best, measured)")
+    bench.add_argument("--try-bindings", default="auto,split,all", help="the bindings the probe tries")
+    bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
+    bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
+    bench.add_argument("--model", help="a local model folder instead of a built-in profile")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="bench-results")
+    bench.set_defaults(func=lazy("tools.bench.run:cmd"))
+
+
+def register_multiturn(sub) -> None:
+    multiturn = sub.add_parser("bench-multiturn", help="closed-loop conversations (each turn appends to the last) "
+                                                       "against kvpush with prefix caching on and off")
+    multiturn.add_argument("--conversations", type=int, default=6)
+    multiturn.add_argument("--turns", type=int, default=4)
+    multiturn.add_argument("--first-len", type=int, default=1024, help="tokens of each conversation's opening")
+    multiturn.add_argument("--turn-len", type=int, default=128, help="new tokens of each later turn")
+    multiturn.add_argument("--output-len", type=int, default=32)
+    multiturn.add_argument("--concurrency", type=int, default=2, help="conversations at once")
+    multiturn.add_argument("--systems", default="kvpush-push",
+                           help="kvpush-push|pull|auto|local and vllm-nixl|vllm-nixl-push, comma-separated")
+    multiturn.add_argument("--prefill", type=int, default=1)
+    multiturn.add_argument("--decode", type=int, default=1)
+    multiturn.add_argument("--max-model-len", type=int, default=4096)
+    multiturn.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
+    multiturn.add_argument("--model", help="a local model folder instead of a built-in profile")
+    multiturn.add_argument("--seed", type=int, default=0)
+    multiturn.add_argument("--out", default="bench-results/multiturn")
+    multiturn.set_defaults(func=lazy("tools.bench.multiturn_run:cmd"))
+
+
+def register_scheduler_rate(sub) -> None:
+    bench_scheduler = sub.add_parser("bench-scheduler", help="one real scheduler's request rate against idle "
+                                                             "stand-in workers (real nats-server and client)")
+    scheduler_rate_arguments(bench_scheduler)
+    bench_scheduler.set_defaults(func=lazy("tools.bench.scheduler_rate:cmd"))
+
+
+def register_transfer(sub) -> None:
+    bench_transfer = sub.add_parser("bench-transfer", help="our transfer thread vs a raw NIXL WRITE, 1-256 MiB")
+    bench_transfer.add_argument("--out", help="write the rows as JSON here")
+    bench_transfer.set_defaults(func=lazy("tools.bench.transfer:cmd"))
+
+
+def scheduler_rate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=2000, help="measured requests per point (after the warm-up)")
+    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, comma-separated: one point each")
+    parser.add_argument("--topologies", default="1P1D,8P8D", help="stand-in workers, comma-separated: one point each")
+    parser.add_argument("--time-limit-s", type=float, default=60.0,
+                        help="no request starts after this many seconds of a point's load")
+    parser.add_argument("--request-timeout-s", type=float, default=30.0, help="a request silent this long failed")
+    parser.add_argument("--warmup", type=int, default=50, help="requests before each point's measurement")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens of every prompt (random ids)")
+    parser.add_argument("--output-tokens", type=int, default=1, help="tokens of every answer, one chunk each")
+    parser.add_argument("--count-subjects", action="store_true",
+                        help="count every message and byte by subject (a subscriber on >; slows the bench itself)")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="the stand-ins' KV block size (vLLM's default: 16 on GPUs, 128 on its CPU platform)")
+    parser.add_argument("--schedulers", type=int, default=1,
+                        help="schedulers sharing the load (a queue group); CPU is summed over them")
+    parser.add_argument("--scheduler-quiet", action="store_true",
+                        help="run the scheduler with WARNING logs and OpenTelemetry off (default: as it ships)")
+    parser.add_argument("--detail", action="store_true", help="keep every request (prompt, tokens, final) in the JSON")
+    parser.add_argument("--model", help="a model folder for the scheduler's validator (default: the small model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-results/scheduler", help="folder for scheduler_rate.json")
+    parser.add_argument("--name", default="scheduler_rate", help="the result file's name, without .json")
