@@ -30,6 +30,7 @@ RUN apt-get update -q \
 WORKDIR /app
 COPY pyproject.toml constraints.txt README.md ./
 COPY scripts ./scripts
+COPY kvpush ./kvpush
 COPY services ./services
 COPY shared ./shared
 COPY connector ./connector

@@ -3,7 +3,7 @@
 contact (``kvpush.kv.agent.<engine_id>.<rank>``). Rank r talks to rank r of its peer engine.
 
 Only the engine itself may publish its announcements and answer its agent subject (NATS
-permissions, ``shared.permissions``); the bridge refuses an announcement whose engine id
+permissions, ``kvpush.shared.permissions``); the bridge refuses an announcement whose engine id
 is not its subject's, and a reply that is not the agent asked for is refused here. An
 engine keeps its id across restarts, so a copy names the incarnation it was set up
 with (a registration's, a prefilled prompt's): an agent of another start has other
@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from connector.bridge import NatsBridge
-from shared import errors, wire
+from kvpush.connector.bridge import NatsBridge
+from kvpush.shared import errors, wire
 
 ASK_TIMEOUT_S = 5.0  # a peer rank that does not answer this fast is unreachable
 MAX_AGENTS = 4_096  # peer agents remembered; the least recently learnt go first (asked again if needed)

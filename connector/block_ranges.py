@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from shared.wire import KvRegion
+from kvpush.shared.wire import KvRegion
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,11 @@ from typing import Any, Callable, Iterable
 import msgspec
 import nats
 
-from connector.chaos import Chaos
-from otel.messaging import TEMPORARY, consumer, producer, template_of
-from otel.metrics import instruments
-from shared import errors, wire
-from shared.nats_security import connect_options, error_logger, server_urls
+from kvpush.connector.chaos import Chaos
+from kvpush.otel.messaging import TEMPORARY, consumer, producer, template_of
+from kvpush.otel.metrics import instruments
+from kvpush.shared import errors, wire
+from kvpush.shared.nats_security import connect_options, error_logger, server_urls
 
 log = logging.getLogger("kvpush.bridge")
 _refusals = logging.getLogger("kvpush.connector")  # a refused message is the connector's to report

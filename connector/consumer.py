@@ -15,7 +15,7 @@ timer until prefill answers again or its engine is proven gone (it no longer ans
 its agent subject, or another incarnation does); ``kvpush_kv_stuck_holds`` counts them.
 
 Trust. A notification counts only with the transfer's tag over the blocks we registered
-(``connector.completion``), and a ``TransferFailed`` only from the transfer's own prefill.
+(``kvpush.connector.completion``), and a ``TransferFailed`` only from the transfer's own prefill.
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from connector import kv_layout
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.completion import CompletionCounter, Notification, block_tag, notification, tag_matches
-from connector.kv_wait import KvWaits, Released, Waiting
-from connector.metadata import KvpushMetadata, PullRead
-from connector.outcomes import record_transfer, report_failure
-from connector.transfer_thread import TransferJob, TransferResult, TransferThread
-from otel import attributes as A
-from otel.messaging import context_from_traceparent
-from otel.metrics import instruments
-from shared import wire
-from shared.errors import ReadFailed, WriteStuck, WrongParty, refusal
+from kvpush.connector import kv_layout
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.completion import CompletionCounter, Notification, block_tag, notification, tag_matches
+from kvpush.connector.kv_wait import KvWaits, Released, Waiting
+from kvpush.connector.metadata import KvpushMetadata, PullRead
+from kvpush.connector.outcomes import record_transfer, report_failure
+from kvpush.connector.transfer_thread import TransferJob, TransferResult, TransferThread
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import context_from_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.shared import wire
+from kvpush.shared.errors import ReadFailed, WriteStuck, WrongParty, refusal
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")

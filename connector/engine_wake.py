@@ -4,7 +4,7 @@ vLLM steps an engine whose requests only wait for KV (or whose blocks only wait 
 sent). The connector's ``get_finished`` turns those empty steps into a wait that a transfer
 ending cuts short; this wake cuts it short too, when a new request (or an abort) reaches
 the engine, which the connector would otherwise see only at the next step. The worker
-(``services.worker.engine.wake_engine``) sends the wake just before it hands the request to vLLM, so the wake can arrive first: the
+(``kvpush.services.worker.engine.wake_engine``) sends the wake just before it hands the request to vLLM, so the wake can arrive first: the
 wait that follows a wake is kept short for a moment (``WakeClock``).
 """
 
@@ -40,7 +40,7 @@ class WakeClock:
 
 
 class WakeListener:
-    """A thread receiving wakes on ``address`` (see ``shared.wire.engine_wake_address``)."""
+    """A thread receiving wakes on ``address`` (see ``kvpush.shared.wire.engine_wake_address``)."""
 
     def __init__(self, address: bytes, on_wake: Callable[[], None]):
         self.address = address

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.wire import AgentInfo, KvRegion
+from kvpush.shared.wire import AgentInfo, KvRegion
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import settings
+from kvpush.shared import settings
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ Load it with::
 
     kv_transfer_config = {
         "kv_connector": "KvpushConnector",
-        "kv_connector_module_path": "connector.kvpush_connector",
+        "kv_connector_module_path": "kvpush.connector.kvpush_connector",
         "kv_role": "kv_producer" (prefill) | "kv_consumer" (decode) | "kv_both",
         "engine_id": "<worker id>",
         "kv_connector_extra_config": msgspec.to_builtins(wire.ConnectorConfig(...)),
@@ -46,16 +46,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.consumer import Consumer
-from connector.metadata import KvpushMetadata
-from connector.producer import Producer
-from connector.scheduler_side import ConnectorScheduler
-from connector.worker_side import ConnectorWorker
-from otel import setup as otel_setup
-from shared import wire
-from shared.settings import FaultSettings
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.consumer import Consumer
+from kvpush.connector.metadata import KvpushMetadata
+from kvpush.connector.producer import Producer
+from kvpush.connector.scheduler_side import ConnectorScheduler
+from kvpush.connector.worker_side import ConnectorWorker
+from kvpush.otel import setup as otel_setup
+from kvpush.shared import wire
+from kvpush.shared.settings import FaultSettings
 
 SIDES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}  # kv role -> service name
 

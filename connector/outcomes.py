@@ -1,16 +1,16 @@
 """How a transfer's end is told, by either half of the worker side: metrics for KV that
-moved, and a ``TransferFailed`` (code and reason from a ``shared.errors.TransferError``)
+moved, and a ``TransferFailed`` (code and reason from a ``kvpush.shared.errors.TransferError``)
 for KV that will not."""
 
 from __future__ import annotations
 
 import logging
 
-from connector.bridge import NatsBridge
-from connector.transfer_thread import TransferResult
-from otel.metrics import instruments
-from shared import wire
-from shared.errors import TransferError
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.transfer_thread import TransferResult
+from kvpush.otel.metrics import instruments
+from kvpush.shared import wire
+from kvpush.shared.errors import TransferError
 
 log = logging.getLogger("kvpush.connector")
 

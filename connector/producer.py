@@ -16,7 +16,7 @@ Trust. A registration or revoke comes from the decode its subject names (the bri
 refuses a forged one). It is used only if it carries the transfer's key, which the
 scheduler gave only to us and the decode it chose, and (push) comes from that decode.
 Decode's READ notifications (pull) count only with a tag made with that key over our blocks.
-These decisions are ``connector.transfer_book``'s; the producer acts on them.
+These decisions are ``kvpush.connector.transfer_book``'s; the producer acts on them.
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from connector import chaos, kv_layout
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.completion import Notification, block_tag, notification
-from connector.metadata import KvpushMetadata, ReadyPrefill
-from connector.outcomes import record_transfer, report_failure
-from connector.rendezvous import Match, Refused
-from connector.transfer_book import Refuse, Release, TransferBook
-from connector.transfer_thread import TransferJob, TransferResult, TransferThread
-from otel import attributes as A
-from otel.messaging import context_from_traceparent
-from otel.metrics import instruments
-from shared import wire
-from shared.errors import (
+from kvpush.connector import chaos, kv_layout
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.completion import Notification, block_tag, notification
+from kvpush.connector.metadata import KvpushMetadata, ReadyPrefill
+from kvpush.connector.outcomes import record_transfer, report_failure
+from kvpush.connector.rendezvous import Match, Refused
+from kvpush.connector.transfer_book import Refuse, Release, TransferBook
+from kvpush.connector.transfer_thread import TransferJob, TransferResult, TransferThread
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import context_from_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.shared import wire
+from kvpush.shared.errors import (
     AgentUnreachable,
     BadRegistration,
     LeaseExpired,

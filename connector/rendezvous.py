@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Literal, TypeVar
 
-from shared import settings
+from kvpush.shared import settings
 
 R = TypeVar("R")
 P = TypeVar("P")

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from connector.bridge import NatsBridge
-from connector.leases import Renewals
-from connector.metadata import ExpectedKv, KvpushMetadata, KvpushWorkerMeta, PullRead, ReadyPrefill
-from otel import attributes as A
-from otel.messaging import context_from_traceparent
-from shared import settings, wire
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.leases import Renewals
+from kvpush.connector.metadata import ExpectedKv, KvpushMetadata, KvpushWorkerMeta, PullRead, ReadyPrefill
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import context_from_traceparent
+from kvpush.shared import settings, wire
 
 _tracer = trace.get_tracer("kvpush.connector")
 RENEWAL_BATCH = 2_000  # transfer ids per LeaseRenewal: ~70 kB, far under NATS's 1 MB default payload

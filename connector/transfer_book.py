@@ -2,7 +2,7 @@
 what a revoke closes, what a peer's message may not touch. Pure bookkeeping.
 
 No NATS, NIXL or vLLM; time comes from ``clock`` (or is passed in), so tests drive it
-directly. The book does not lock: its owner (``connector.producer``) holds one lock
+directly. The book does not lock: its owner (``kvpush.connector.producer``) holds one lock
 around every call, for the calls come from vLLM's worker thread, the NATS thread, the
 transfer thread and the lease clock. The book decides; its owner acts on the answer
 (publishes, posts the WRITE, lets vLLM free blocks).
@@ -24,7 +24,7 @@ vLLM's worker thread
   ``forged``: a revoke that came before it proved forged, and was undone.
 - ``serve(ready)``: pull: hold the prompt's blocks for decode's READ, under a lease.
 - ``offer_prefill(ready)``, and from NATS ``offer_registration(registration)``: the
-  rendezvous's answer (``connector.rendezvous``). A ``Match`` is marked writing in the
+  rendezvous's answer (``kvpush.connector.rendezvous``). A ``Match`` is marked writing in the
   same call, so a revoke never finds a match without its write.
 - ``finished(request_ids)``: those vLLM finished whose blocks may go back now; ``busy()``.
 
@@ -51,13 +51,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
-from connector.completion import CompletionCounter, Notification, keys_match, tag_matches
-from connector.leases import ServedReads
-from connector.rendezvous import Match, Refused, Rendezvous
-from shared import wire
+from kvpush.connector.completion import CompletionCounter, Notification, keys_match, tag_matches
+from kvpush.connector.leases import ServedReads
+from kvpush.connector.rendezvous import Match, Refused, Rendezvous
+from kvpush.shared import wire
 
-if TYPE_CHECKING:  # connector.metadata imports vLLM
-    from connector.metadata import ReadyPrefill
+if TYPE_CHECKING:  # kvpush.connector.metadata imports vLLM
+    from kvpush.connector.metadata import ReadyPrefill
 
 MAX_KEYS = 20_000  # transfers remembered (keys, moves, early revokes): a bound, should many never end
 

@@ -24,11 +24,11 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from connector import chaos
-from connector.block_ranges import byte_ranges, coalesce
-from connector.kv_layout import KvLayout
-from otel import attributes as A
-from shared.wire import AgentInfo
+from kvpush.connector import chaos
+from kvpush.connector.block_ranges import byte_ranges, coalesce
+from kvpush.connector.kv_layout import KvLayout
+from kvpush.otel import attributes as A
+from kvpush.shared.wire import AgentInfo
 
 log = logging.getLogger("kvpush.transfer")
 _tracer = trace.get_tracer("kvpush.transfer")

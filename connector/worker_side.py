@@ -2,9 +2,9 @@
 
 ``ConnectorWorker`` owns what a rank has once, whatever its role: the transfer thread
 (the NIXL agent), the NATS subscriptions, the clock that checks leases and overdue KV,
-and the idle wait. It holds a ``Producer`` (prefill: ``connector.producer``), a
-``Consumer`` (decode: ``connector.consumer``), or both (vLLM's kv_both), and merges what
-they report to vLLM. Peer agents are looked up in ``connector.agents``.
+and the idle wait. It holds a ``Producer`` (prefill: ``kvpush.connector.producer``), a
+``Consumer`` (decode: ``kvpush.connector.consumer``), or both (vLLM's kv_both), and merges what
+they report to vLLM. Peer agents are looked up in ``kvpush.connector.agents``.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import os
 import threading
 import time
 
-from connector import kv_layout
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.completion import parse_notification
-from connector.consumer import Consumer
-from connector.engine_wake import WakeClock, WakeListener
-from connector.metadata import KvpushMetadata, KvpushWorkerMeta
-from connector.producer import Producer
-from connector.transfer_thread import TransferThread
-from shared import wire
+from kvpush.connector import kv_layout
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.completion import parse_notification
+from kvpush.connector.consumer import Consumer
+from kvpush.connector.engine_wake import WakeClock, WakeListener
+from kvpush.connector.metadata import KvpushMetadata, KvpushWorkerMeta
+from kvpush.connector.producer import Producer
+from kvpush.connector.transfer_thread import TransferThread
+from kvpush.shared import wire
 
 log = logging.getLogger("kvpush.connector")
 

@@ -12,4 +12,4 @@ COPY otel/__init__.py otel/files.py ./otel/
 COPY tools/__init__.py tools/otlp_receiver.py ./tools/
 COPY tools/compose_check/__init__.py tools/compose_check/otlp_sink.py ./tools/compose_check/
 EXPOSE 4318 16686
-CMD ["/opt/venv/bin/python", "-m", "tools.compose_check.otlp_sink"]
+CMD ["/opt/venv/bin/python", "-m", "kvpush.tools.compose_check.otlp_sink"]

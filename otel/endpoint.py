@@ -2,12 +2,12 @@
 of its own. ``/health``: the process runs. ``/ready``: it serves (a worker once its engine
 is up and it heartbeats, a scheduler once it takes requests: ``mark_ready``); 503 before.
 
-The metrics are kvpush's OpenTelemetry instruments (``otel.metrics``) read by
+The metrics are kvpush's OpenTelemetry instruments (``kvpush.otel.metrics``) read by
 OpenTelemetry's Prometheus exporter, so OTLP and Prometheus see the same numbers, named
 the Prometheus way (``kvpush_ttft_milliseconds``, ``kvpush_requests_total``). A plain
 ``http.server`` thread serves them: nothing in the process's event loop can stall a scrape.
 
-    serve(9100)   # what otel.setup.configure does when KVPUSH_METRICS_PORT is set
+    serve(9100)   # what kvpush.otel.setup.configure does when KVPUSH_METRICS_PORT is set
 """
 
 from __future__ import annotations

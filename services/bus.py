@@ -1,5 +1,5 @@
 """A service's one NATS boundary: the connection, trace context on every request-scoped
-message (``otel.messaging``), and the one place a received message becomes a typed value
+message (``kvpush.otel.messaging``), and the one place a received message becomes a typed value
 or a refusal said on ``kvpush.invalid``.
 
     bus = await Bus.connect(url, name="scheduler-1")
@@ -15,11 +15,11 @@ import msgspec
 import nats
 import structlog
 
-from otel.messaging import TEMPORARY, TracedNats
-from otel.metrics import instruments
-from shared import wire
-from shared.errors import BadMessage, ForgedSender, WrongParty, refusal
-from shared.nats_security import connect_options, error_logger, server_urls
+from kvpush.otel.messaging import TEMPORARY, TracedNats
+from kvpush.otel.metrics import instruments
+from kvpush.shared import wire
+from kvpush.shared.errors import BadMessage, ForgedSender, WrongParty, refusal
+from kvpush.shared.nats_security import connect_options, error_logger, server_urls
 
 log = structlog.get_logger("kvpush.bus")
 

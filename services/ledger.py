@@ -1,4 +1,4 @@
-"""What must outlive a process, in JetStream KV buckets (``shared.wire``, "durable state"):
+"""What must outlive a process, in JetStream KV buckets (``kvpush.shared.wire``, "durable state"):
 
 - **flight records** (schedulers only): each accepted request, which start of which
   scheduler holds it, and its attempt. Every write is checked against the revision its
@@ -36,7 +36,7 @@ import structlog
 from nats.js import api
 from nats.js.kv import KeyValue
 
-from shared import wire
+from kvpush.shared import wire
 
 log = structlog.get_logger("kvpush.ledger")
 

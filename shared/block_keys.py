@@ -1,7 +1,7 @@
 """The key of a whole block of prompt tokens in a worker's prefix cache, the same in
 every process: a worker relays what its engine caches by these keys
-(``services.worker.cache_keys``), and a scheduler looks a prompt's keys up
-(``services.scheduler.prefixes``).
+(``kvpush.services.worker.cache_keys``), and a scheduler looks a prompt's keys up
+(``kvpush.services.scheduler.prefixes``).
 
 Like vLLM's own block hash, a block's key covers every token before it: it is made
 from its parent's key and its own tokens, so a worker can key the blocks vLLM reports

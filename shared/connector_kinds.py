@@ -1,15 +1,15 @@
 """The kinds of KV connector a worker's engine may run, and what each one supports: the
 one table of them. Pure: no NATS, NIXL or vLLM.
 
-- ``kvpush``: ours (``connector.kvpush_connector``), over NATS and NIXL: push or pull,
+- ``kvpush``: ours (``kvpush.connector.kvpush_connector``), over NATS and NIXL: push or pull,
   chosen per request.
 - ``vllm-nixl``: vLLM's own ``NixlConnector``: pull only.
 - ``vllm-nixl-push``: vLLM's own ``NixlPushConnector``: push only.
 
 Any kind may also serve a request ``local`` (the decode computes the prompt: no transfer).
 
-Who reads it: ``shared.wire`` (the heartbeat's ``connector``), the scheduler (the modes a
-flight may take), the worker (one strategy per kind: ``services.worker.kinds``), the CLI
+Who reads it: ``kvpush.shared.wire`` (the heartbeat's ``connector``), the scheduler (the modes a
+flight may take), the worker (one strategy per kind: ``kvpush.services.worker.kinds``), the CLI
 (``--connector``) and the bench (vLLM's connector classes, its proxy's flow).
 """
 

@@ -44,7 +44,7 @@
 
 from __future__ import annotations
 
-from shared.wire import ErrorBody, InvalidMessage
+from kvpush.shared.wire import ErrorBody, InvalidMessage
 
 
 class KvpushError(Exception):

@@ -21,7 +21,7 @@ unset. This module does not import nats, so it can be used (and tested) anywhere
 
 Inboxes. A service (``service=`` its id) takes replies under ``_KVPUSH_INBOX.<id>``, a
 client logged in as a user under ``_INBOX.<user>``: with per-identity users
-(``shared.permissions``) those are the only inboxes each may read.
+(``kvpush.shared.permissions``) those are the only inboxes each may read.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import os
 import ssl
 from collections.abc import Mapping, MutableMapping
 
-from shared import permissions
-from shared.errors import KvpushError
+from kvpush.shared import permissions
+from kvpush.shared.errors import KvpushError
 
 ENV_VARS: dict[str, str] = {
     "nats_user": "KVPUSH_NATS_USER",

@@ -23,7 +23,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from shared import wire
+from kvpush.shared import wire
 
 IdentityRole = Literal["scheduler", "prefill", "decode", "client"]
 
@@ -339,7 +339,7 @@ SAMPLE_HEADER = """\
 # Adding a worker: add its user and reload (`nats-server --signal reload`); nobody is
 # disconnected. Start each worker as its user: its id is its NATS user.
 #
-#   python -m tools.dev_certs                      # dev certificates into deploy/certs/
+#   python -m kvpush.tools.dev_certs                      # dev certificates into deploy/certs/
 #   export NATS_PASSWORD_SCHEDULER_0=... NATS_PASSWORD_PREFILL_0=... (one per user below)
 #   cd deploy && nats-server -c nats-server.conf -js
 #

@@ -1,6 +1,6 @@
 """Every default a kvpush process reads, written once.
 
-The CLI's flags (``services.cli.settings``), the engine settings, the connector and the
+The CLI's flags (``kvpush.services.cli.settings``), the engine settings, the connector and the
 pure cores take their defaults from here; compose and the docs name the same values.
 """
 

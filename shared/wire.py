@@ -4,7 +4,7 @@ Identity. Core NATS never says who published a message, but the server can enfor
 may publish on which subject. So wherever a message says who sent it, the sender's
 identity is also the last token of its subject (``<sender>`` below), and the receiver
 refuses the message if the two differ (``forged_sender``). With one NATS user per worker
-(``shared.permissions``, ``deploy/``), only that worker may publish under its own name,
+(``kvpush.shared.permissions``, ``deploy/``), only that worker may publish under its own name,
 and each worker may read only its own jobs. A worker's id is its NATS user; a restart
 keeps the id and gets a new ``incarnation``.
 
@@ -68,7 +68,7 @@ clients on inboxes under ``_INBOX.<client>``.
 A transfer's ``transfer_key`` is a secret the scheduler gives only the two workers it
 chose (on their private job subjects). Registrations and revokes carry it, and every
 NIXL notification carries a tag made with it over the receiver's block ids
-(``connector.completion``): a completion is accepted only from the chosen peer, for the
+(``kvpush.connector.completion``): a completion is accepted only from the chosen peer, for the
 blocks the receiver itself named.
 
 Protocol history:
@@ -107,8 +107,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from shared import connector_kinds
-from shared.block_keys import KEY_BYTES
+from kvpush.shared import connector_kinds
+from kvpush.shared.block_keys import KEY_BYTES
 
 PROTOCOL_VERSION = 7
 
@@ -360,7 +360,7 @@ class Internal(msgspec.Struct, tag=True, tag_field="type", kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
-Connector = connector_kinds.Name  # the kinds of KV connector: shared.connector_kinds
+Connector = connector_kinds.Name  # the kinds of KV connector: kvpush.shared.connector_kinds
 
 
 class WorkerHeartbeat(Internal):
@@ -458,7 +458,7 @@ CacheKeys = Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_CACHE_KEYS)]
 
 class CacheEvents(Internal):
     """Worker -> schedulers: blocks its engine's prefix cache stored and evicted, by their
-    keys (``shared.block_keys``, at the engine's block size), as vLLM's KV cache events
+    keys (``kvpush.shared.block_keys``, at the engine's block size), as vLLM's KV cache events
     reported them; ``cleared``: it dropped everything first. A worker that relays none
     (prefix caching off) holds nothing a scheduler routes by."""
 
@@ -685,7 +685,7 @@ class DecodeKvParams(_KvParams, kw_only=True):
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):
     """kvpush's connector's ``kv_connector_extra_config``; the timing defaults are
-    ``shared.settings.FaultSettings``'s."""
+    ``kvpush.shared.settings.FaultSettings``'s."""
 
     nats_url: str
     lease_s: float

@@ -16,8 +16,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.launch.natsd import LocalNatsServer
-from services.launch.model import build_model, default_model_dir
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.services.launch.model import build_model, default_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Services with no OTLP endpoint write their spans as JSON lines (otel/files.py): the

@@ -1,8 +1,8 @@
 """Generate a throw-away certificate authority, a server certificate and a client
 certificate, so a NATS server with TLS (deploy/nats-server.conf) can be tried locally.
 
-    python -m tools.dev_certs [FOLDER]        # default: deploy/certs/
-    (or: from tools.dev_certs import generate)
+    python -m kvpush.tools.dev_certs [FOLDER]        # default: deploy/certs/
+    (or: from kvpush.tools.dev_certs import generate)
 
 Writes ca.pem, ca-key.pem, server.pem, server-key.pem (for 127.0.0.1 and localhost, and
 the names given with --server-names; good for client authentication too, so that NATS

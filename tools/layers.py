@@ -64,8 +64,10 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def imports(known: dict[str, Path]) -> dict[str, set[str]]:
-    """Each module's project imports, as module names."""
+def imports(known: dict[str, Path], bare: list[tuple[str, str]] | None = None) -> dict[str, set[str]]:
+    """Each module's project imports, as module names. An import that names a part by its
+    folder alone (``from services import ...``: it would load a second copy of the module,
+    from the checkout rather than the package) is also added to ``bare``."""
     graph: dict[str, set[str]] = {}
     for module, file in known.items():
         targets: set[str] = set()
@@ -81,6 +83,8 @@ def imports(known: dict[str, Path]) -> dict[str, set[str]]:
                 names = [f"{base}.{alias.name}" for alias in node.names] + [base]
             else:
                 continue
+            if bare is not None and names[-1].split(".")[0] in LAYERS:
+                bare.append((module, names[-1]))
             for name in names:
                 target = _resolve(name, known)
                 if target and target != module:
@@ -145,17 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quiet", action="store_true", help="the two counts only")
     args = parser.parse_args(argv)
-    graph = imports(modules())
+    bare: list[tuple[str, str]] = []
+    graph = imports(modules(), bare)
     found_cycles, found_upward = cycles(graph), upward(graph)
     print(f"modules: {len(graph)}  imports: {sum(map(len, graph.values()))}")
     print(f"cycles: {len(found_cycles)}")
     print(f"upward imports: {len(found_upward)}")
+    print(f"imports by a bare folder name: {len(bare)}")
     if not args.quiet:
         for component in found_cycles:
             print("cycle:", " <-> ".join(component))
         for source, target in found_upward:
             print(f"upward: {source} -> {target}")
-    return 1 if found_cycles or found_upward else 0
+        for source, target in bare:
+            print(f"bare: {source} imports {target}")
+    return 1 if found_cycles or found_upward or bare else 0
 
 
 if __name__ == "__main__":

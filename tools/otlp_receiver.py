@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from otel.files import flat_spans, hex_ids
+from kvpush.otel.files import flat_spans, hex_ids
 
 
 class OtlpReceiver:

@@ -1,7 +1,7 @@
 """Greedy outputs of one plain vLLM instance (no connector): the reference that the
 disaggregated path must match token for token.
 
-    python -m tools.reference --model DIR --requests in.json --out out.json
+    python -m kvpush.tools.reference --model DIR --requests in.json --out out.json
 
 ``in.json`` is a list of {"prompt_token_ids": [...], "max_tokens": n}; ``out.json``
 the list of generated token id lists, in the same order.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from services.worker.engine import engine_kwargs
-from services.worker.engine_settings import EngineSettings
-from shared import settings
+from kvpush.services.worker.engine import engine_kwargs
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.shared import settings
 
 
 def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN) -> list[list[int]]:

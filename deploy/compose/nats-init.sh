@@ -23,7 +23,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 # The server is reached as nats inside the compose network, and as 127.0.0.1 from the host.
-python -m tools.dev_certs "$tmp/certs" --server-names nats > /dev/null
+python -m kvpush.tools.dev_certs "$tmp/certs" --server-names nats > /dev/null
 kvpush nats-config --schedulers scheduler-0 --prefill prefill-0 --decode decode-0 --clients gateway,client-0 \
     --listen 0.0.0.0 --tls-dir /etc/kvpush-nats/certs --passwords random --passwords-out "$tmp/passwords" \
     --out "$tmp/nats-server.conf" 2> "$tmp/nats-config.log" || { cat "$tmp/nats-config.log" >&2; exit 1; }

@@ -85,7 +85,7 @@ secret kvpush-nats-client "$(pattern client)" name
 # is named: a wildcard over one label (*.nats) is no match for OpenSSL, so for Python.
 members=$(sed -n 's|.*"nats://\([^:"]*\):6222".*|\1|p' "$here/nats/nats.conf" | paste -sd, -)
 names="nats,$members,nats.$namespace.svc,*.nats.$namespace.svc,*.nats.$namespace.svc.cluster.local"
-(cd "$here/../.." && "$python" -m tools.dev_certs "$tmp/certs" --server-names "$names" > /dev/null)
+(cd "$here/../.." && "$python" -m kvpush.tools.dev_certs "$tmp/certs" --server-names "$names" > /dev/null)
 
 tls_secret() {  # tls_secret NAME STEM: a kubernetes.io/tls Secret with STEM.pem, STEM-key.pem and the CA
     printf -- '---\napiVersion: v1\nkind: Secret\nmetadata:\n  name: %s\n  namespace: %s\n' "$1" "$namespace"

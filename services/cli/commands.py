@@ -2,13 +2,13 @@
 subcommand, its function named by ``lazy`` so that parsing the command line (and
 ``--help``) imports no service, engine or tool.
 
-The services' own commands are in ``services.cli.parsers``. A package above the services
+The services' own commands are in ``kvpush.services.cli.parsers``. A package above the services
 (the benchmarks and the soak in tools/) adds its commands through the ``kvpush.commands``
 entry points of its distribution (pyproject.toml), one per command, named as the
 command::
 
     [project.entry-points."kvpush.commands"]
-    bench = "tools.bench.cli:register_bench"
+    bench = "kvpush.tools.bench.cli:register_bench"
 
 so that the services never import it, and ``kvpush up`` works where it is not installed.
 """

@@ -6,8 +6,8 @@ import asyncio
 import signal
 import sys
 
-from services.launch.model import build_model, default_model_dir
-from shared.nats_security import connect_options, error_logger, server_urls
+from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.shared.nats_security import connect_options, error_logger, server_urls
 
 
 def say(message: str) -> None:

@@ -1,14 +1,14 @@
 """The ``kvpush`` command: one parser, to which each command adds its own subcommand:
-the services' own (``services.cli.parsers``) and those other installed packages add
-(``services.cli.commands``: the benchmarks and the soak in tools/)."""
+the services' own (``kvpush.services.cli.parsers``) and those other installed packages add
+(``kvpush.services.cli.commands``: the benchmarks and the soak in tools/)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from services.cli import commands, parsers
-from shared.nats_security import NatsConfigError, connect_options, export_arguments
+from kvpush.services.cli import commands, parsers
+from kvpush.shared.nats_security import NatsConfigError, connect_options, export_arguments
 
 # The order ``kvpush --help`` lists the commands in; any other comes after these, by name.
 LISTED = ("model", "up", "demo", "scheduler", "gateway", "worker", "generate", "cancel", "bench", "soak",

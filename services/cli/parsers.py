@@ -1,11 +1,11 @@
 """The services' commands' parsers, one function each; each command's function is in
-serve, requests or tools, imported when it runs (``services.cli.commands.lazy``)."""
+serve, requests or tools, imported when it runs (``kvpush.services.cli.commands.lazy``)."""
 
 from __future__ import annotations
 
-from services.cli import settings as cli_settings
-from services.cli.commands import Register, lazy
-from shared import nats_security
+from kvpush.services.cli import settings as cli_settings
+from kvpush.services.cli.commands import Register, lazy
+from kvpush.shared import nats_security
 
 
 def nats_options(p, **nats_default) -> None:
@@ -35,7 +35,7 @@ def add_model(sub) -> None:
     build.add_argument("--out", help="folder (default: ~/.cache/kvpush/models/<profile>)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true")
-    build.set_defaults(func=lazy("services.cli.tools:cmd_model_build"))
+    build.set_defaults(func=lazy("kvpush.services.cli.tools:cmd_model_build"))
 
 
 def add_up(sub) -> None:
@@ -43,14 +43,14 @@ def add_up(sub) -> None:
                                    "127.0.0.1 only (NATS without users or TLS: for this machine; compose.yaml "
                                    "and deploy/ secure it for more); Ctrl-C stops")
     stack_options(up)
-    up.set_defaults(func=lazy("services.cli.serve:cmd_up"))
+    up.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_up"))
 
 
 def add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="start the stack, stream a few requests through NATS, stop")
     stack_options(demo)
     demo.add_argument("--max-tokens", type=int, default=32)
-    demo.set_defaults(func=lazy("services.cli.serve:cmd_demo"))
+    demo.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_demo"))
 
 
 def add_scheduler(sub) -> None:
@@ -59,7 +59,7 @@ def add_scheduler(sub) -> None:
     cli_settings.add(scheduler, "--mode", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
-    scheduler.set_defaults(func=lazy("services.cli.serve:cmd_scheduler"))
+    scheduler.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_scheduler"))
 
 
 def add_gateway(sub) -> None:
@@ -71,7 +71,7 @@ def add_gateway(sub) -> None:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
-    gateway.set_defaults(func=lazy("services.cli.serve:cmd_gateway"))
+    gateway.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_gateway"))
 
 
 def add_worker(sub) -> None:
@@ -82,7 +82,7 @@ def add_worker(sub) -> None:
                                             "keeps the id and gets a new incarnation")
     cli_settings.add(worker, "--connector", "--prefix-caching", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
-    worker.set_defaults(func=lazy("services.cli.serve:cmd_worker"))
+    worker.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_worker"))
 
 
 def add_generate(sub) -> None:
@@ -93,14 +93,14 @@ def add_generate(sub) -> None:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--token-ids", action="store_true", help="the prompt is a list of token ids")
-    generate.set_defaults(func=lazy("services.cli.requests:cmd_generate"))
+    generate.set_defaults(func=lazy("kvpush.services.cli.requests:cmd_generate"))
 
 
 def add_cancel(sub) -> None:
     cancel = sub.add_parser("cancel", help="cancel a request by its request id, wherever it is")
     cancel.add_argument("request_id")
     nats_options(cancel)
-    cancel.set_defaults(func=lazy("services.cli.requests:cmd_cancel"))
+    cancel.set_defaults(func=lazy("kvpush.services.cli.requests:cmd_cancel"))
 
 
 def add_status(sub) -> None:
@@ -111,7 +111,7 @@ def add_status(sub) -> None:
     status.add_argument("--timeout", type=float, default=2.0)
     status.add_argument("--http", metavar="URL", help="instead, ask a gateway or service: exit 0 if URL answers 200 "
                                                       "(e.g. http://127.0.0.1:8000/health)")
-    status.set_defaults(func=lazy("services.cli.requests:cmd_status"))
+    status.set_defaults(func=lazy("kvpush.services.cli.requests:cmd_status"))
 
 
 def add_nats_config(sub) -> None:
@@ -126,7 +126,7 @@ def add_nats_config(sub) -> None:
     nats_config.add_argument("--passwords-out", help="with --passwords random: write NAME=PASSWORD lines here")
     nats_config.add_argument("--tls-dir", default="certs", metavar="DIR",
                              help="the folder with server.pem, server-key.pem and ca.pem, for mutual TLS (default "
-                                  "./certs; `python -m tools.dev_certs DIR` makes development ones)")
+                                  "./certs; `python -m kvpush.tools.dev_certs DIR` makes development ones)")
     nats_config.add_argument("--no-tls", action="store_true",
                              help="write no TLS block, so passwords and data cross the network in the clear: only "
                                   "where something else encrypts every connection (a service mesh's mutual TLS, a "
@@ -147,7 +147,7 @@ def add_nats_config(sub) -> None:
                                  help=f"JetStream limit of kvpush's account: {what}")
     nats_config.add_argument("--out", help="the config file (default: standard output)")
     nats_config.add_argument("--sample", action="store_true", help="print deploy/nats-server.conf and stop")
-    nats_config.set_defaults(func=lazy("services.cli.tools:cmd_nats_config"))
+    nats_config.set_defaults(func=lazy("kvpush.services.cli.tools:cmd_nats_config"))
 
 
 def add_trace(sub) -> None:
@@ -155,7 +155,7 @@ def add_trace(sub) -> None:
     trace.add_argument("request_id", nargs="?")
     trace.add_argument("--summary", action="store_true", help="TTFT split across all recorded requests")
     trace.add_argument("--dir", help="span folder (default: $KVPUSH_TRACE_DIR or ~/.cache/kvpush/traces)")
-    trace.set_defaults(func=lazy("services.cli.tools:cmd_trace"))
+    trace.set_defaults(func=lazy("kvpush.services.cli.tools:cmd_trace"))
 
 
 # name -> register(subparsers); main.LISTED orders them with the installed ones

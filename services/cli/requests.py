@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.cli.common import connect, say
-from shared import wire
+from kvpush.services.cli.common import connect, say
+from kvpush.shared import wire
 
 
 async def stream(nats_url: str, body: dict, out=sys.stdout) -> wire.LastMessage:
-    from services.cli.client import generate
+    from kvpush.client import generate
 
     nc = await connect(nats_url)
     try:
@@ -39,7 +39,7 @@ def describe_final(final: wire.LastMessage) -> str:
 def cmd_generate(args) -> int:
     import uuid
 
-    from shared.errors import KvpushError, to_error_body
+    from kvpush.shared.errors import KvpushError, to_error_body
 
     body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
     if args.token_ids:
@@ -59,7 +59,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from services.cli.client import cancel
+    from kvpush.client import cancel
 
     async def send() -> None:
         nc = await connect(args.nats_url)
@@ -75,7 +75,7 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from services.cli.client import scheduler_status
+    from kvpush.client import scheduler_status
 
     if args.http:
         import urllib.request

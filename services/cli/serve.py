@@ -7,21 +7,21 @@ import asyncio
 import os
 import time
 
-from otel import setup as otel_setup
-from services import logs
-from services.cli.common import model_path, say, until_signalled
-from services.cli.requests import describe_final, stream
-from services.cli.tools import cmd_trace
-from services.gateway.keys import KeyRing
-from services.gateway.limits import Limits
-from services.gateway.service import Gateway
-from services.launch.stack import Stack
-from services.scheduler.service import Scheduler
-from services.scheduler.validation import load_validator
-from services.worker.service import Worker, worker_id_for
-from shared import wire
-from shared.nats_security import nats_user
-from shared.settings import FaultSettings
+from kvpush.otel import setup as otel_setup
+from kvpush.services import logs
+from kvpush.services.cli.common import model_path, say, until_signalled
+from kvpush.services.cli.requests import describe_final, stream
+from kvpush.services.cli.tools import cmd_trace
+from kvpush.services.gateway.keys import KeyRing
+from kvpush.services.gateway.limits import Limits
+from kvpush.services.gateway.service import Gateway
+from kvpush.services.launch.stack import Stack
+from kvpush.services.scheduler.service import Scheduler
+from kvpush.services.scheduler.validation import load_validator
+from kvpush.services.worker.service import Worker, worker_id_for
+from kvpush.shared import wire
+from kvpush.shared.nats_security import nats_user
+from kvpush.shared.settings import FaultSettings
 
 DEMO_PROMPTS = [
     "def fibonacci(n):",

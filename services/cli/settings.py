@@ -1,7 +1,7 @@
 """The services' settings, one table: flag, environment variable, default, help.
 
 A flag's default is its environment variable when set, else the value in
-``shared.settings``; compose configures the services through these variables.
+``kvpush.shared.settings``; compose configures the services through these variables.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared import connector_kinds
-from shared import settings as defaults
+from kvpush.shared import connector_kinds
+from kvpush.shared import settings as defaults
 
 
 @dataclass(frozen=True)

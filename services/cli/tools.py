@@ -1,7 +1,7 @@
 """Commands on local files: a nats-server config, the built-in model, the local traces.
 
 The benchmarks and the soak are tools (tools/): they add their own commands
-(``services.cli.commands``)."""
+(``kvpush.services.cli.commands``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from otel import trace_view as view
-from otel.files import default_trace_dir, read_spans
-from services.cli.common import say
-from services.launch.model import build_model, default_model_dir
-from shared import permissions
+from kvpush.otel import trace_view as view
+from kvpush.otel.files import default_trace_dir, read_spans
+from kvpush.services.cli.common import say
+from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.shared import permissions
 
 
 def cmd_nats_config(args) -> int:
@@ -58,7 +58,7 @@ def cmd_nats_config(args) -> int:
             + ", ".join(permissions.password_variable(identity.name) for identity in identities))
     if tls is not None and not all(Path(path).is_file() for path in tls.values()):
         say(f"note: {Path(tls['cert_file']).parent} does not hold server.pem, server-key.pem and ca.pem (yet); "
-            "nats-server needs them to start (`python -m tools.dev_certs DIR` makes development ones)")
+            "nats-server needs them to start (`python -m kvpush.tools.dev_certs DIR` makes development ones)")
     return 0
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from shared.errors import PayloadTooLarge
+from kvpush.shared.errors import PayloadTooLarge
 
 
 class BodyTooLarge(PayloadTooLarge):

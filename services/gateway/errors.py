@@ -1,18 +1,18 @@
 """The gateway's own refusals: HTTP-only conditions that never travel on NATS, so they
-live here rather than in ``shared.errors`` (whose codes are the wire's).
+live here rather than in ``kvpush.shared.errors`` (whose codes are the wire's).
 
     KvpushError
     ├── Unauthorized            401 no API key, or one the gateway does not know
     └── RateLimited             429 the key started more requests than its rate allows
         └── TooManyConcurrent   429 the key has as many requests in progress as it may
 
-Each carries its HTTP status; ``services.gateway.openai_api.error`` turns it into an
+Each carries its HTTP status; ``kvpush.services.gateway.openai_api.error`` turns it into an
 OpenAI error object (codes as OpenAI's: ``invalid_api_key``, ``rate_limit_exceeded``).
 """
 
 from __future__ import annotations
 
-from shared.errors import KvpushError
+from kvpush.shared.errors import KvpushError
 
 
 class Unauthorized(KvpushError):

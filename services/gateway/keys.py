@@ -31,9 +31,9 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.gateway.errors import Unauthorized
-from services.gateway.limits import Limits
-from shared import wire
+from kvpush.services.gateway.errors import Unauthorized
+from kvpush.services.gateway.limits import Limits
+from kvpush.shared import wire
 
 TENANT_FIELDS = {"key", "nats_user", "nats_password", "nats_password_file", "max_concurrent", "rate_per_s", "burst"}
 

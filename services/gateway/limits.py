@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.gateway.errors import RateLimited, TooManyConcurrent
+from kvpush.services.gateway.errors import RateLimited, TooManyConcurrent
 
 
 @dataclass(frozen=True)

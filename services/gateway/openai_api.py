@@ -8,7 +8,7 @@ only at their neutral value (``n: 1``, ``top_p: 1``, ``logprobs: null``,
 ``repetition_penalty: 1.0``: what ``vllm bench serve`` sends). Anything else is refused
 with a sentence that names it, as is a neutral-only field at another value.
 
-Pure: no HTTP, no NATS. ``services.gateway.service`` serves it.
+Pure: no HTTP, no NATS. ``kvpush.services.gateway.service`` serves it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from shared import wire
-from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
+from kvpush.shared import wire
+from kvpush.shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
 Kind = Literal["completion", "chat"]
 
@@ -262,7 +262,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
 
 def error(code: str, message: str, param: str | None = None, status: int | None = None) -> tuple[int, dict]:
     """(HTTP status, OpenAI error object) for a kvpush error code; ``status`` for a code
-    that is the gateway's own (``services.gateway.errors``), not the wire's."""
+    that is the gateway's own (``kvpush.services.gateway.errors``), not the wire's."""
     status = status or http_status(code)
     return status, {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
                               "param": param, "code": code}}

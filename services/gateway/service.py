@@ -4,13 +4,13 @@
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` (the process is up) and
 ``GET /ready`` (a scheduler routes to at least one prefill and one decode worker) until
 closed. Each HTTP request becomes one kvpush request through the project's client
-(``services.cli.client``): the same subjects, inboxes, cancel on early stop, and a final
+(``kvpush.client``): the same subjects, inboxes, cancel on early stop, and a final
 fetched again if it was lost. A client that disconnects mid-stream cancels its request.
 
-API keys (``services.gateway.keys``): with keys, a ``/v1`` request without a valid
+API keys (``kvpush.services.gateway.keys``): with keys, a ``/v1`` request without a valid
 ``Authorization: Bearer <key>`` gets 401; each key is a tenant with its own kvpush client
 (its own NATS connection and user, when the keys file gives it one) and its own limits
-(``services.gateway.limits``): a generation past them gets 429. ``/health``, ``/ready``
+(``kvpush.services.gateway.limits``): a generation past them gets 429. ``/health``, ``/ready``
 and ``/metrics`` need no key.
 
 Bounded work before the bounds: the body is read as it arrives and refused (413) the
@@ -41,18 +41,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from starlette.datastructures import Headers
 
-from otel import endpoint
-from otel.metrics import instruments
-from services.cli.client import generate, scheduler_status
-from services.gateway import openai_api
-from services.gateway.body import BodyTooLarge, read_body
-from services.gateway.errors import RateLimited
-from services.gateway.keys import KeyRing, Tenant
-from services.gateway.limits import Limiter
-from services.lifecycle import Service
-from shared import settings, wire
-from shared.errors import BadJson, DeadlineExceeded, InvalidField, KvpushError, PromptTooLong
-from shared.nats_security import ENV_VARS, connect_options, error_logger, server_urls
+from kvpush.otel import endpoint
+from kvpush.otel.metrics import instruments
+from kvpush.client import generate, scheduler_status
+from kvpush.services.gateway import openai_api
+from kvpush.services.gateway.body import BodyTooLarge, read_body
+from kvpush.services.gateway.errors import RateLimited
+from kvpush.services.gateway.keys import KeyRing, Tenant
+from kvpush.services.gateway.limits import Limiter
+from kvpush.services.lifecycle import Service
+from kvpush.shared import settings, wire
+from kvpush.shared.errors import BadJson, DeadlineExceeded, InvalidField, KvpushError, PromptTooLong
+from kvpush.shared.nats_security import ENV_VARS, connect_options, error_logger, server_urls
 
 log = structlog.get_logger("kvpush.gateway")
 _tracer = trace.get_tracer("kvpush.gateway")

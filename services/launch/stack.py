@@ -13,10 +13,10 @@ from pathlib import Path
 
 import nats
 
-from services.launch.natsd import LocalNatsServer, free_port
-from shared import settings
-from shared.nats_security import connect_options, error_logger, server_urls
-from services.cli.client import scheduler_status
+from kvpush.services.launch.natsd import LocalNatsServer, free_port
+from kvpush.shared import settings
+from kvpush.shared.nats_security import connect_options, error_logger, server_urls
+from kvpush.client import scheduler_status
 
 PR_SET_PDEATHSIG = 1
 
@@ -133,7 +133,7 @@ class Stack:
             out = open(self.log_dir / f"{name}.log", "ab")
         launcher = self.launchers.get(name, self.launchers.get(role, []))
         process = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "services.cli.main", *args],
+            [*launcher, sys.executable, "-m", "kvpush.services.cli.main", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,

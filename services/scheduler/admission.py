@@ -14,23 +14,23 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from connector import chaos
-from otel import attributes as A
-from otel.messaging import consumer, current_traceparent
-from otel.metrics import instruments
-from services.bus import Bus
-from services.ledger import Ledger
-from services.lifecycle import BackgroundTasks
-from services.scheduler.flights import EarlyCancels, Flight, FlightTable
-from services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
-from services.scheduler.journal import Journal
-from services.scheduler.outbox import Outbox
-from services.scheduler.recovery import Recovery
-from services.scheduler.takeover import SchedulerLiveness
-from services.scheduler.timing import Uptime
-from services.scheduler.validation import RequestValidator, request_id_of
-from shared import wire
-from shared.errors import Cancelled, InvalidField, InvalidReply, LedgerUnavailable, Overloaded, RequestError, refusal
+from kvpush.connector import chaos
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import consumer, current_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.services.bus import Bus
+from kvpush.services.ledger import Ledger
+from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from kvpush.services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
+from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.takeover import SchedulerLiveness
+from kvpush.services.scheduler.timing import Uptime
+from kvpush.services.scheduler.validation import RequestValidator, request_id_of
+from kvpush.shared import wire
+from kvpush.shared.errors import Cancelled, InvalidField, InvalidReply, LedgerUnavailable, Overloaded, RequestError, refusal
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")

@@ -13,18 +13,18 @@ import time
 import structlog
 from opentelemetry import trace
 
-from otel import attributes as A
-from otel.messaging import context_from_traceparent
-from otel.metrics import instruments
-from services.ledger import ClaimState, Ledger
-from services.lifecycle import BackgroundTasks
-from services.scheduler.flights import EarlyCancels, Flight, FlightTable
-from services.scheduler.intake import IntakeBook
-from services.scheduler.outbox import Outbox
-from services.scheduler.recovery import Recovery, otel_context_of
-from services.scheduler.takeover import Holding, SchedulerLiveness, orphans
-from shared import wire
-from shared.errors import Cancelled
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import context_from_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.services.ledger import ClaimState, Ledger
+from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from kvpush.services.scheduler.intake import IntakeBook
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.recovery import Recovery, otel_context_of
+from kvpush.services.scheduler.takeover import Holding, SchedulerLiveness, orphans
+from kvpush.shared import wire
+from kvpush.shared.errors import Cancelled
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")

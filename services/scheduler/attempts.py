@@ -4,7 +4,7 @@ at the same time. Pull: prefill first, then decode, chosen by the load at that m
 Local: the decode computes the prompt itself.
 
 ``Attempts.dispatch`` raises what stopped the attempt; what to do then (retry, end) is
-``services.scheduler.recovery``'s business."""
+``kvpush.services.scheduler.recovery``'s business."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import uuid
 import structlog
 from opentelemetry import trace
 
-from otel import attributes as A
-from services.scheduler import dispatch
-from services.scheduler.flights import Flight, FlightTable
-from services.scheduler.journal import Journal
-from services.scheduler.outbox import Outbox
-from services.scheduler.placement import Placement, PlacementSettings, place
-from services.scheduler.routing import WorkerPool
-from services.scheduler.timing import WATCH_INTERVAL_S, Uptime
-from shared import connector_kinds, wire
-from shared.errors import EngineFailed, NoWorkers
+from kvpush.otel import attributes as A
+from kvpush.services.scheduler import dispatch
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.placement import Placement, PlacementSettings, place
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.timing import WATCH_INTERVAL_S, Uptime
+from kvpush.shared import connector_kinds, wire
+from kvpush.shared.errors import EngineFailed, NoWorkers
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")

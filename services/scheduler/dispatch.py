@@ -2,7 +2,7 @@
 chosen for it.
 
 Pure: no NATS. What each connector makes of a job (engine request ids, vLLM's own
-``kv_transfer_params``) is the worker's business (``services.worker.engine``); the
+``kv_transfer_params``) is the worker's business (``kvpush.services.worker.engine``); the
 scheduler only passes on what the prefill side says about itself: its heartbeat's
 ``kv_params`` in push, or the handoff's ``kv_transfer_params`` in pull.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.scheduler.flights import Flight
-from shared import wire
+from kvpush.services.scheduler.flights import Flight
+from kvpush.shared import wire
 
 
 def prefill_job(flight: Flight) -> wire.PrefillJob:

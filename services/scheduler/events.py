@@ -10,18 +10,18 @@ import time
 
 import structlog
 
-from services.bus import Bus
-from services.ledger import Ledger
-from services.lifecycle import BackgroundTasks
-from services.scheduler.attempts import Attempts
-from services.scheduler.flights import EarlyCancels, Flight, FlightTable
-from services.scheduler.journal import Journal
-from services.scheduler.moves import Moves
-from services.scheduler.outbox import Outbox
-from services.scheduler.recovery import Recovery
-from services.scheduler.routing import WorkerPool
-from shared import wire
-from shared.errors import Cancelled, EngineFailed, InFlight, KvpushError, NotFound, to_error_body
+from kvpush.services.bus import Bus
+from kvpush.services.ledger import Ledger
+from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.attempts import Attempts
+from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.moves import Moves
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.shared import wire
+from kvpush.shared.errors import Cancelled, EngineFailed, InFlight, KvpushError, NotFound, to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
 

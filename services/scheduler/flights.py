@@ -18,9 +18,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from services.scheduler.prefixes import Prompt
-from services.scheduler.validation import ValidRequest
-from shared import settings, wire
+from kvpush.services.scheduler.prefixes import Prompt
+from kvpush.services.scheduler.validation import ValidRequest
+from kvpush.shared import settings, wire
 
 Verdict = Literal["deadline", "move", "retry", "lost"]
 MAX_MOVES = 2  # moves of one attempt's transfer to another decode
@@ -60,7 +60,7 @@ class Flight:
     # A move is under way (``start_move`` .. ``move_settled``): apart from ``state``, since
     # the KV can land, or the answer start, while prefill is asked to move the transfer.
     moving: bool = False
-    prompt: Any = None  # services.scheduler.prefixes.Prompt, made at dispatch
+    prompt: Any = None  # kvpush.services.scheduler.prefixes.Prompt, made at dispatch
     context: Any = None  # the request's trace context, for spans of later attempts
     task: Any = None  # the attempt under way
     revision: int = 0  # of its record in the flights bucket, as this scheduler last wrote it

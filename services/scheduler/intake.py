@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared import wire
+from kvpush.shared import wire
 
 MAX_HELD = 20_000  # copies held at once; past it the oldest go (each is a request's bytes)
 

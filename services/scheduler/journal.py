@@ -10,9 +10,9 @@ import time
 
 import structlog
 
-from services.ledger import Ledger
-from services.scheduler.flights import Flight, FlightTable
-from shared import wire
+from kvpush.services.ledger import Ledger
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.shared import wire
 
 log = structlog.get_logger("kvpush.scheduler")
 

@@ -14,18 +14,18 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from otel import attributes as A
-from services.bus import Bus
-from services.ledger import ClaimState, Ledger
-from services.scheduler import dispatch
-from services.scheduler.flights import Flight, FlightTable
-from services.scheduler.journal import Journal
-from services.scheduler.outbox import Outbox
-from services.scheduler.recovery import Recovery
-from services.scheduler.routing import WorkerPool
-from services.scheduler.timing import MOVE_TIMEOUT_S
-from shared import wire
-from shared.errors import DispatchFailed, NoWorkers
+from kvpush.otel import attributes as A
+from kvpush.services.bus import Bus
+from kvpush.services.ledger import ClaimState, Ledger
+from kvpush.services.scheduler import dispatch
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.timing import MOVE_TIMEOUT_S
+from kvpush.shared import wire
+from kvpush.shared.errors import DispatchFailed, NoWorkers
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")

@@ -7,15 +7,15 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from otel import attributes as A
-from otel.messaging import TEMPORARY
-from otel.metrics import instruments
-from services.bus import Bus
-from services.ledger import Ledger
-from services.scheduler.flights import Flight
-from services.scheduler.timing import DISPATCH_TIMEOUT_S
-from shared import wire
-from shared.errors import DispatchFailed, PayloadTooLarge, to_error_body
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import TEMPORARY
+from kvpush.otel.metrics import instruments
+from kvpush.services.bus import Bus
+from kvpush.services.ledger import Ledger
+from kvpush.services.scheduler.flights import Flight
+from kvpush.services.scheduler.timing import DISPATCH_TIMEOUT_S
+from kvpush.shared import wire
+from kvpush.shared.errors import DispatchFailed, PayloadTooLarge, to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared import settings
+from kvpush.shared import settings
 
 Policy = Literal["push", "pull", "auto"]
 Mode = Literal["push", "pull", "local"]

@@ -1,11 +1,11 @@
 """Which worker holds which prompt prefix in its prefix cache, block by block: what each
 worker's engine reported it cached and evicted (vLLM's KV cache events, relayed onto
-NATS by the worker as ``wire.CacheEvents``), by the keys of ``shared.block_keys``.
+NATS by the worker as ``wire.CacheEvents``), by the keys of ``kvpush.shared.block_keys``.
 
 Every scheduler hears every worker's events, so all of them see the same caches. Still
 an estimate: an event may be lost, or arrive after the request that needed it. Being
 wrong costs only speed: a decode asks prefill for whatever its own cache lacks, and
-prefill computes what its cache lacks (``connector.scheduler_side``).
+prefill computes what its cache lacks (``kvpush.connector.scheduler_side``).
 
 Pure: no NATS. Bounded per worker and in all (``PrefixIndex``).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.block_keys import block_keys
+from kvpush.shared.block_keys import block_keys
 
 MAX_BLOCKS = 200_000  # (worker, block) entries kept in all: ~30 MB at most
 

@@ -15,17 +15,17 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from otel import attributes as A
-from otel.metrics import instruments
-from services.ledger import ClaimState, Ledger
-from services.lifecycle import BackgroundTasks
-from services.scheduler.attempts import Attempts
-from services.scheduler.flights import Flight, FlightTable
-from services.scheduler.journal import TakenOver
-from services.scheduler.outbox import Outbox
-from services.scheduler.routing import WorkerPool
-from services.scheduler.timing import UNKNOWN_CLAIM_GRACE_S, UNKNOWN_CLAIM_RETRY_S
-from shared.errors import DispatchFailed, KvpushError, WorkerLost, to_error_body
+from kvpush.otel import attributes as A
+from kvpush.otel.metrics import instruments
+from kvpush.services.ledger import ClaimState, Ledger
+from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.attempts import Attempts
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.journal import TakenOver
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.timing import UNKNOWN_CLAIM_GRACE_S, UNKNOWN_CLAIM_RETRY_S
+from kvpush.shared.errors import DispatchFailed, KvpushError, WorkerLost, to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.placement import DecodeLoad, PromptLoad
-from services.scheduler.prefixes import PrefixIndex, Prompt
-from shared import settings, wire
-from shared.errors import NoWorkers
+from kvpush.services.scheduler.placement import DecodeLoad, PromptLoad
+from kvpush.services.scheduler.prefixes import PrefixIndex, Prompt
+from kvpush.shared import settings, wire
+from kvpush.shared.errors import NoWorkers
 
 
 @dataclass

@@ -3,12 +3,12 @@ schedulers can share the load), validates them, and dispatches them, each attemp
 fresh transfer id. Push: prefill and decode at the same time. Pull: prefill first, then
 decode, chosen by the load at that moment.
 
-It then watches each request to its end (``services.scheduler.flights``): every accepted request
+It then watches each request to its end (``kvpush.services.scheduler.flights``): every accepted request
 gets a final message within its deadline. It ends requests past their deadline or
 cancelled by the client (``kvpush.cancel``), telling the workers to drop them, and
 retries requests whose worker went silent on other workers.
 
-Each flight is written down in JetStream (``services.ledger``) before any worker hears of
+Each flight is written down in JetStream (``kvpush.services.ledger``) before any worker hears of
 it, and again before each attempt's jobs go out. A scheduler that hears no heartbeat from
 the holder of a record for a timeout takes the flight over (``takeover``) and finishes
 it. Exactly one party answers each attempt's client: whoever wins its claim (the decode,
@@ -37,29 +37,29 @@ import uuid
 
 import structlog
 
-from otel import endpoint
-from otel.metrics import instruments
-from services.bus import Bus
-from services.ledger import Ledger
-from services.lifecycle import BackgroundTasks, Service
-from services.scheduler.admission import Admission, AdmissionSettings
-from services.scheduler.adoption import Adoption
-from services.scheduler.attempts import Attempts
-from services.scheduler.events import Events
-from services.scheduler.flights import EarlyCancels, FlightTable
-from services.scheduler.intake import IntakeBook
-from services.scheduler.journal import Journal
-from services.scheduler.moves import Moves
-from services.scheduler.outbox import Outbox
-from services.scheduler.placement import PlacementSettings
-from services.scheduler.recovery import Recovery
-from services.scheduler.routing import WorkerPool
-from services.scheduler.takeover import SchedulerLiveness
-from services.scheduler.timing import DISPATCH_TIMEOUT_S, INTAKE_GRACE_S, Uptime
-from services.scheduler.validation import RequestValidator
-from services.scheduler.watch import FlightWatch
-from shared import settings, wire
-from shared.nats_security import nats_user
+from kvpush.otel import endpoint
+from kvpush.otel.metrics import instruments
+from kvpush.services.bus import Bus
+from kvpush.services.ledger import Ledger
+from kvpush.services.lifecycle import BackgroundTasks, Service
+from kvpush.services.scheduler.admission import Admission, AdmissionSettings
+from kvpush.services.scheduler.adoption import Adoption
+from kvpush.services.scheduler.attempts import Attempts
+from kvpush.services.scheduler.events import Events
+from kvpush.services.scheduler.flights import EarlyCancels, FlightTable
+from kvpush.services.scheduler.intake import IntakeBook
+from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.moves import Moves
+from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler.placement import PlacementSettings
+from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.takeover import SchedulerLiveness
+from kvpush.services.scheduler.timing import DISPATCH_TIMEOUT_S, INTAKE_GRACE_S, Uptime
+from kvpush.services.scheduler.validation import RequestValidator
+from kvpush.services.scheduler.watch import FlightWatch
+from kvpush.shared import settings, wire
+from kvpush.shared.nats_security import nats_user
 
 log = structlog.get_logger("kvpush.scheduler")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared import settings
+from kvpush.shared import settings
 
 DISPATCH_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = 2.0  # for prefill's answer to a MoveTransfer

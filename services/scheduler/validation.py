@@ -14,8 +14,8 @@ from typing import Callable
 
 import msgspec
 
-from shared import wire
-from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong
+from kvpush.shared import wire
+from kvpush.shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong
 
 MAX_REQUEST_ID_LEN = wire.MAX_REQUEST_ID_LEN
 DEFAULT_MAX_TOKENS = 128  # when a request does not say, and the context has room

@@ -10,16 +10,16 @@ import time
 
 import structlog
 
-from services.lifecycle import BackgroundTasks
-from services.scheduler.admission import Admission
-from services.scheduler.adoption import Adoption
-from services.scheduler.flights import Flight, FlightTable, Verdict
-from services.scheduler.moves import Moves
-from services.scheduler.recovery import Recovery
-from services.scheduler.routing import WorkerPool
-from services.scheduler.takeover import SchedulerLiveness
-from services.scheduler.timing import WATCH_INTERVAL_S
-from shared.errors import DeadlineExceeded, WorkerLost
+from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.admission import Admission
+from kvpush.services.scheduler.adoption import Adoption
+from kvpush.services.scheduler.flights import Flight, FlightTable, Verdict
+from kvpush.services.scheduler.moves import Moves
+from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.takeover import SchedulerLiveness
+from kvpush.services.scheduler.timing import WATCH_INTERVAL_S
+from kvpush.shared.errors import DeadlineExceeded, WorkerLost
 
 log = structlog.get_logger("kvpush.scheduler")
 

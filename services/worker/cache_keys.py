@@ -1,4 +1,4 @@
-"""vLLM's KV cache events, keyed the way schedulers look prompts up (``shared.block_keys``).
+"""vLLM's KV cache events, keyed the way schedulers look prompts up (``kvpush.shared.block_keys``).
 
 vLLM names a cached block by its own hash, seeded per engine; a ``BlockStored`` event
 carries the blocks' hashes, their parent's hash and their tokens. ``CacheKeys`` keeps
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.block_keys import next_key
+from kvpush.shared.block_keys import next_key
 
 
 @dataclass

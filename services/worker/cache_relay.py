@@ -16,8 +16,8 @@ import hashlib
 
 import structlog
 
-from services.worker.cache_keys import CacheChanges, CacheKeys
-from shared import wire
+from kvpush.services.worker.cache_keys import CacheChanges, CacheKeys
+from kvpush.shared import wire
 
 log = structlog.get_logger("kvpush.worker")
 

@@ -7,7 +7,7 @@ dropped its subscription, NATS answers "no responders" there and the request is
 cancelled. The schedulers hear when the first token went out (a retry would now repeat
 tokens) and when the request ended (``kvpush.request.progress``, with the final).
 
-Before its first message to the client, the job claims the answer (``services.ledger``).
+Before its first message to the client, the job claims the answer (``kvpush.services.ledger``).
 If a scheduler claimed it first (it retried the request elsewhere, took it over, or ended
 it), the job sends nothing and stops. Once it holds the claim, it sends the final itself,
 also when a scheduler cancels it (with the error the CancelJob carries).
@@ -24,15 +24,15 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from otel import attributes as A
-from otel.messaging import TEMPORARY, current_traceparent
-from otel.metrics import instruments
-from services.ledger import Claims, ClaimState
-from services.worker.engine import EngineStages, decode_request, wake_engine
-from services.worker.jobs import RunningJob, WorkerContext
-from services.worker.prompt_meter import PromptMeter
-from shared import wire
-from shared.errors import EngineFailed, KvTransferFailed, KvpushError, StreamLost, to_error_body
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import TEMPORARY, current_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.services.ledger import Claims, ClaimState
+from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
+from kvpush.services.worker.jobs import RunningJob, WorkerContext
+from kvpush.services.worker.prompt_meter import PromptMeter
+from kvpush.shared import wire
+from kvpush.shared.errors import EngineFailed, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")

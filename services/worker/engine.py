@@ -1,6 +1,6 @@
 """The worker's side of vLLM: engine settings and arguments, what each KV connector wants
 in a request (engine request id, ``kv_transfer_params``: each kind's strategy in
-``services.worker.kinds``), the engine's load (from vLLM's stat logger hook) and its
+``kvpush.services.worker.kinds``), the engine's load (from vLLM's stat logger hook) and its
 per-request stage times (as child spans)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-from services.worker.engine_settings import EngineSettings
-from services.worker.kinds import strategy
-from shared import wire
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.services.worker.kinds import strategy
+from kvpush.shared import wire
 
 # Set before vLLM is imported anywhere in this process.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -55,18 +55,18 @@ def engine_args(engine: EngineSettings):
     if engine.kv_events_endpoint is not None:
         from vllm.config import KVEventsConfig
 
-        from services.worker.cache_relay import kv_events_config
+        from kvpush.services.worker.cache_relay import kv_events_config
 
         kwargs["kv_events_config"] = KVEventsConfig(**kv_events_config(engine.kv_events_endpoint))
     return AsyncEngineArgs(**kwargs, disable_log_stats=False)
 
 
 # --------------------------------------------------------------------------- per connector kind
-# What each kind does is its strategy's (``services.worker.kinds``); these pick it by name.
+# What each kind does is its strategy's (``kvpush.services.worker.kinds``); these pick it by name.
 
 def wake_engine(engine: EngineSettings) -> None:
     """Tell the engine's connector that a request is being handed to the engine (only
-    kvpush's listens: see ``connector.engine_wake``)."""
+    kvpush's listens: see ``kvpush.connector.engine_wake``)."""
     if engine.role is not None:
         strategy(engine.connector).wake_engine(engine)
 

@@ -1,13 +1,13 @@
 """What a worker's vLLM engine is started with: the model, its role and the KV connector
-kind. Plain data: the kind's strategy (``services.worker.kinds``) and the engine arguments
-(``services.worker.engine``) read it."""
+kind. Plain data: the kind's strategy (``kvpush.services.worker.kinds``) and the engine arguments
+(``kvpush.services.worker.engine``) read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared import settings
-from shared.settings import FaultSettings
+from kvpush.shared import settings
+from kvpush.shared.settings import FaultSettings
 
 
 @dataclass
@@ -21,7 +21,7 @@ class EngineSettings:
     max_num_seqs: int = 16
     dtype: str = "float32"
     tensor_parallel_size: int = 1
-    connector: str = settings.CONNECTOR  # a kind of shared.connector_kinds: ours or vLLM's own
+    connector: str = settings.CONNECTOR  # a kind of kvpush.shared.connector_kinds: ours or vLLM's own
     faults: FaultSettings = settings.FAULTS
     incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
     prefix_caching: bool = settings.PREFIX_CACHING == "on"

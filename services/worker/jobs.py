@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol
 
-from services.bus import Bus
-from shared import wire
+from kvpush.services.bus import Bus
+from kvpush.shared import wire
 
 
 @dataclass
@@ -18,7 +18,7 @@ class RunningJob:
     streaming: bool = False
     ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
     cancel_error: "wire.ErrorBody | None" = None  # what the client is told, if this job holds the answer
-    claim: Any = None  # decode: its answer's claim (services.ledger.Claim), once tried
+    claim: Any = None  # decode: its answer's claim (kvpush.services.ledger.Claim), once tried
 
     @property
     def claimed(self) -> bool:

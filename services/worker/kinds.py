@@ -1,4 +1,4 @@
-"""What each kind of KV connector (``shared.connector_kinds``) asks of the worker: one
+"""What each kind of KV connector (``kvpush.shared.connector_kinds``) asks of the worker: one
 strategy per kind, picked by name with ``strategy(name)``.
 
 - ``transfer_kwargs(engine)``: the engine arguments that load the connector
@@ -12,7 +12,7 @@ strategy per kind, picked by name with ``strategy(name)``.
 - ``wake_engine(engine)``: tell the engine's connector that a request is being handed to
   the engine.
 
-kvpush's connector reads the ``shared.wire`` kv-params structs and speaks NATS. vLLM's are
+kvpush's connector reads the ``kvpush.shared.wire`` kv-params structs and speaks NATS. vLLM's are
 driven the way its examples drive them: prefill and decode share the request id (the
 transfer id), and decode gets the prefill's address (push) or what the prefill engine
 returned (pull), verbatim; they talk over a side channel of their own.
@@ -28,9 +28,9 @@ from typing import ClassVar
 
 import msgspec
 
-from services.worker.engine_settings import EngineSettings
-from shared import connector_kinds, wire
-from shared.connector_kinds import ConnectorKind
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.shared import connector_kinds, wire
+from kvpush.shared.connector_kinds import ConnectorKind
 
 
 class KindStrategy(ABC):
@@ -75,7 +75,7 @@ class KvpushStrategy(KindStrategy):
         return {
             "kv_transfer_config": {
                 "kv_connector": "KvpushConnector",
-                "kv_connector_module_path": "connector.kvpush_connector",
+                "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                 "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
                 "engine_id": engine.engine_id,
                 "kv_connector_extra_config": msgspec.to_builtins(connector_config),
@@ -106,7 +106,7 @@ class KvpushStrategy(KindStrategy):
 
     def wake_engine(self, engine: EngineSettings) -> None:
         """An engine whose requests only wait for transfers sits in a long wait (see
-        ``connector.engine_wake``). Costs a datagram per rank; a missing listener is not an
+        ``kvpush.connector.engine_wake``). Costs a datagram per rank; a missing listener is not an
         error."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
             sender.setblocking(False)

@@ -10,14 +10,14 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from otel import attributes as A
-from otel.messaging import current_traceparent
-from otel.metrics import instruments
-from services.worker.engine import EngineStages, prefill_request, wake_engine
-from services.worker.jobs import RunningJob, WorkerContext
-from services.worker.prompt_meter import PromptMeter
-from shared import wire
-from shared.errors import EngineFailed, to_error_body
+from kvpush.otel import attributes as A
+from kvpush.otel.messaging import current_traceparent
+from kvpush.otel.metrics import instruments
+from kvpush.services.worker.engine import EngineStages, prefill_request, wake_engine
+from kvpush.services.worker.jobs import RunningJob, WorkerContext
+from kvpush.services.worker.prompt_meter import PromptMeter
+from kvpush.shared import wire
+from kvpush.shared.errors import EngineFailed, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")

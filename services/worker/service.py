@@ -19,22 +19,22 @@ import uuid
 import structlog
 from opentelemetry import trace
 
-from otel import attributes as A
-from otel import endpoint
-from otel.messaging import TEMPORARY, trace_id_hex
-from otel.metrics import instruments
-from services.bus import Bus
-from services.lifecycle import BackgroundTasks, Service
-from services.worker.cache_relay import CacheRelay, events_endpoint
-from services.worker.decode import DecodeRole
-from services.worker.engine import EngineLoad, engine_args, side_channel
-from services.worker.engine_settings import EngineSettings
-from services.worker.jobs import RunningJob
-from services.worker.prefill import PrefillRole
-from shared import settings, wire
-from shared.errors import BadJob
-from shared.nats_security import nats_user
-from shared.settings import FaultSettings
+from kvpush.otel import attributes as A
+from kvpush.otel import endpoint
+from kvpush.otel.messaging import TEMPORARY, trace_id_hex
+from kvpush.otel.metrics import instruments
+from kvpush.services.bus import Bus
+from kvpush.services.lifecycle import BackgroundTasks, Service
+from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
+from kvpush.services.worker.decode import DecodeRole
+from kvpush.services.worker.engine import EngineLoad, engine_args, side_channel
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.services.worker.jobs import RunningJob
+from kvpush.services.worker.prefill import PrefillRole
+from kvpush.shared import settings, wire
+from kvpush.shared.errors import BadJob
+from kvpush.shared.nats_security import nats_user
+from kvpush.shared.settings import FaultSettings
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")

@@ -21,7 +21,7 @@ REQUESTS = 3
 def test_bench_runs_every_system_with_vllms_client_and_keeps_every_result(model_dir, tmp_path):
     out = tmp_path / "bench"
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "bench", "--model", model_dir, "--systems", ",".join(VARIANTS),
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--model", model_dir, "--systems", ",".join(VARIANTS),
          "--input-lens", "128", "--rates", "2", "--requests", str(REQUESTS), "--warmup", "1", "--output-len", "8",
          "--binding", "kvpush=auto,vllm-nixl=split,vllm-nixl-push=split", "--out", str(out)],
         capture_output=True, text=True, timeout=850,

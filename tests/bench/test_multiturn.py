@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(900)
 def test_conversations_run_closed_loop_and_every_answer_equals_the_reference(model_dir, tmp_path):
     out = tmp_path / "multiturn"
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "bench-multiturn", "--model", model_dir, "--conversations", "2",
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench-multiturn", "--model", model_dir, "--conversations", "2",
          "--turns", "3", "--first-len", "200", "--turn-len", "40", "--output-len", "6", "--concurrency", "2",
          "--max-model-len", "1024", "--out", str(out)],
         capture_output=True, text=True, timeout=850,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tools.bench.scheduler_rate import expected_tokens
+from kvpush.tools.bench.scheduler_rate import expected_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +22,7 @@ WARMUP = 20
 def test_every_request_gets_its_own_single_token_and_every_stand_in_works(model_dir, tmp_path):
     out = tmp_path / "scheduler"
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "bench-scheduler", "--model", model_dir,
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench-scheduler", "--model", model_dir,
          "--requests", str(REQUESTS), "--warmup", str(WARMUP), "--concurrency", "16", "--topologies", "2P2D",
          "--time-limit-s", "120", "--detail", "--out", str(out)],
         capture_output=True, text=True, timeout=280,

@@ -7,7 +7,7 @@ then fails the test as it would fail a deployment.
 Every service or client of a test logs in as a fresh identity of its role
 (``identity(role)``): on the deployed server one of a pool of users generated up front,
 on the plain one a new name. ``url_for(name)`` carries that identity's password, so the
-code under test connects as it does in production (``shared.nats_security``: TLS from the
+code under test connects as it does in production (``kvpush.shared.nats_security``: TLS from the
 ``KVPUSH_NATS_TLS_*`` variables, which this sets while the server runs)."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import nats
 
-from services.launch.natsd import LocalNatsServer
-from shared import permissions
-from shared.nats_security import connect_options
-from tools import dev_certs
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.shared import permissions
+from kvpush.shared.nats_security import connect_options
+from kvpush.tools import dev_certs
 
 NATS_KINDS = ["plain", "deployed"]
 POOL = {"scheduler": 96, "prefill": 96, "decode": 128, "client": 96}  # identities per role, per server

@@ -10,11 +10,11 @@ import uuid
 import nats
 import pytest
 
-from services.cli import main as cli
-from services.cli.client import cancel, client_of, generate
-from shared import permissions, wire
-from services.launch.natsd import LocalNatsServer
-from shared.errors import NoScheduler, PayloadTooLarge
+from kvpush.services.cli import main as cli
+from kvpush.client import cancel, client_of, generate
+from kvpush.shared import permissions, wire
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.shared.errors import NoScheduler, PayloadTooLarge
 
 
 def _collect(into: list):

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.bridge import NatsBridge
-from connector.scheduler_side import ConnectorScheduler
-from shared import settings, wire
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.scheduler_side import ConnectorScheduler
+from kvpush.shared import settings, wire
 
 ARRIVES_WITHIN_S = 2.5 * settings.HEARTBEAT_INTERVAL_S  # a heartbeat, and room to spare
 
@@ -131,7 +131,7 @@ def test_renewals_stop_as_soon_as_decode_gives_the_wait_up(bridge, scheduler):
     """The worker side reports a given-up wait in its step's worker metadata, before the
     blocks come back (they stay quarantined): prefill's lease must run out even if every
     Revoke is lost."""
-    from connector.metadata import KvpushWorkerMeta
+    from kvpush.connector.metadata import KvpushWorkerMeta
 
     prefill = _id("prefill")
     renewals = _listen(bridge, prefill)
@@ -147,13 +147,13 @@ def test_renewals_stop_as_soon_as_decode_gives_the_wait_up(bridge, scheduler):
 
 
 def test_worker_metadata_of_several_ranks_is_merged():
-    from connector.metadata import KvpushWorkerMeta
+    from kvpush.connector.metadata import KvpushWorkerMeta
 
     assert KvpushWorkerMeta({"a"}).aggregate(KvpushWorkerMeta({"b"})).given_up == {"a", "b"}
 
 
 def test_renewals_for_many_transfers_are_split_to_stay_under_the_payload_limit(bridge, scheduler):
-    from connector.scheduler_side import RENEWAL_BATCH
+    from kvpush.connector.scheduler_side import RENEWAL_BATCH
 
     prefill = _id("prefill")
     renewals = _listen(bridge, prefill)

@@ -22,16 +22,16 @@ import torch
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.completion import block_tag, notification
-from connector.consumer import Consumer
-from connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
-from connector.producer import Producer
-from connector.scheduler_side import ConnectorScheduler
-from connector.worker_side import ConnectorWorker
-from shared import wire
-from shared.errors import (AgentUnreachable, BadMessage, BadRegistration, LeaseExpired, Revoked, WriteFailed,
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.completion import block_tag, notification
+from kvpush.connector.consumer import Consumer
+from kvpush.connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
+from kvpush.connector.producer import Producer
+from kvpush.connector.scheduler_side import ConnectorScheduler
+from kvpush.connector.worker_side import ConnectorWorker
+from kvpush.shared import wire
+from kvpush.shared.errors import (AgentUnreachable, BadMessage, BadRegistration, LeaseExpired, Revoked, WriteFailed,
                            WrongParty)
 
 NUM_BLOCKS = 16
@@ -415,7 +415,7 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
     before any write is posted; the Revoke arrives then. Answering it at once would let
     decode free the blocks while the WRITE is still to be posted into them. The answer
     must wait until the write is given up (here: decode's agent cannot be reached)."""
-    from connector import chaos
+    from kvpush.connector import chaos
 
     prefill_id, decode_id = _id("prefill"), _id("decode")
     bridge = NatsBridge(nats_server.url, name=prefill_id)

@@ -19,10 +19,10 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.service import Gateway
-from services.scheduler.service import Scheduler
-from services.scheduler.validation import load_validator
-from shared import wire
+from kvpush.services.gateway.service import Gateway
+from kvpush.services.scheduler.service import Scheduler
+from kvpush.services.scheduler.validation import load_validator
+from kvpush.shared import wire
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     PLAIN_ONLY,
     REPLY_TOKENS,

@@ -21,7 +21,7 @@ from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     until,
     workers_seen,
 )
-from tools.bench import gateway_body
+from kvpush.tools.bench import gateway_body
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.keys import KeyRing
-from services.gateway.limits import Limits
-from services.gateway.service import Gateway
+from kvpush.services.gateway.keys import KeyRing
+from kvpush.services.gateway.limits import Limits
+from kvpush.services.gateway.service import Gateway
 from tests.nats.test_gateway import REPLY_TOKENS, TEXT, gateway_on, scheduler
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     FakeWorker,

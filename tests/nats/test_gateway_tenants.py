@@ -1,11 +1,11 @@
 """Two API keys, each its own kvpush client with its own NATS user (the keys file's
 ``nats_user``), send the same ``X-Request-Id``: each gets its own answer, and a cancel or
 a final fetched again through one key never touches the other's request. On the deployed
-server (tests/nats/deployed.py: the per-identity config ``shared.permissions.render_config``
+server (tests/nats/deployed.py: the per-identity config ``kvpush.shared.permissions.render_config``
 writes, with TLS) NATS lets each tenant's connection send only on its own subjects and
 read only its own inbox; the scheduler keys requests by (client, id). On the plain server
 only the scheduler's keying keeps them apart. Real nats-server, scheduler and gateway
-(``services.cli.client`` on the gateway's own tenant connections), fake workers."""
+(``kvpush.client`` on the gateway's own tenant connections), fake workers."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import time
 import openai
 import pytest
 
-from services.cli.client import ask_final, cancel, client_of
-from services.gateway.keys import KeyRing
-from shared import wire
+from kvpush.client import ask_final, cancel, client_of
+from kvpush.services.gateway.keys import KeyRing
+from kvpush.shared import wire
 from tests.nats.test_gateway import REPLY_TOKENS, TEXT, gateway_on, password_of, scheduler
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     FakeWorker,

@@ -1,4 +1,4 @@
-"""A real nats-server running the config ``kvpush nats-config`` writes (shared.permissions):
+"""A real nats-server running the config ``kvpush nats-config`` writes (kvpush.shared.permissions):
 each worker, scheduler and client may publish and subscribe only on its own subjects, so
 the sender token of every subject (``wire.forged_sender``) is one that only that sender
 can publish, and no peer can read another's jobs, inbox or agent requests."""
@@ -11,10 +11,10 @@ import signal
 import nats
 import pytest
 
-from services.launch.natsd import LocalNatsServer
-from shared import wire
-from shared.nats_security import connect_options
-from shared.permissions import Identity, literal_password, render_config
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.shared import wire
+from kvpush.shared.nats_security import connect_options
+from kvpush.shared.permissions import Identity, literal_password, render_config
 
 IDENTITIES = [
     Identity("scheduler", "scheduler-0", "pw-s0"),
@@ -215,7 +215,7 @@ async def test_random_passwords_given_through_the_environment_all_start_the_serv
     """nats-server parses a ``$VARIABLE``'s value as a config token: a password that began
     with a digit or ``-`` could read as a broken number and stop the server. Sixty fresh
     ones at once (about one bad in fifty before ``new_password`` began with a letter)."""
-    from shared.permissions import env_password, new_password, password_variable
+    from kvpush.shared.permissions import env_password, new_password, password_variable
 
     identities = [Identity("client", f"client-{i}", new_password()) for i in range(60)]
     for identity in identities:

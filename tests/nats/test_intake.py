@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import client_of
-from services.scheduler.intake import designated, intake_key
-from shared import wire
+from kvpush.client import client_of
+from kvpush.services.scheduler.intake import designated, intake_key
+from kvpush.shared import wire
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     REPLY_TOKENS,
     FakeWorker,
@@ -68,7 +68,7 @@ class SchedulerProcess:
             env |= {"KVPUSH_NATS_USER": name, "KVPUSH_NATS_PASSWORD": server._passwords[name]}
         self.log = open(hold_file.parent / f"{name}.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "scheduler", "--nats-url", server.url, "--model", model_dir,
+            [sys.executable, "-m", "kvpush.services.cli.main", "scheduler", "--nats-url", server.url, "--model", model_dir,
              "--scheduler-id", name, "--max-model-len", "64", "--scheduler-timeout-s", str(SCHEDULER_TIMEOUT_S),
              "--worker-timeout-s", str(WORKER_TIMEOUT_S)],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)

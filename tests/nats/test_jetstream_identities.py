@@ -38,8 +38,8 @@ import nats
 import nats.js.errors
 import pytest
 
-from services.ledger import WRONG_LAST_SEQUENCE, Claim, ClaimState, Claims, Ledger
-from shared import wire
+from kvpush.services.ledger import WRONG_LAST_SEQUENCE, Claim, ClaimState, Claims, Ledger
+from kvpush.shared import wire
 from tests.nats.deployed import NatsUnderTest
 
 FLIGHTS = f"KV_{wire.FLIGHTS_BUCKET}"

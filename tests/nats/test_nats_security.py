@@ -21,10 +21,10 @@ import nats.js.api
 import nats.js.errors
 import pytest
 
-from tools import dev_certs
-from services.launch.natsd import LocalNatsServer, free_port, server_binary, terminate
-from shared import permissions, wire
-from shared.nats_security import connect_options
+from kvpush.tools import dev_certs
+from kvpush.services.launch.natsd import LocalNatsServer, free_port, server_binary, terminate
+from kvpush.shared import permissions, wire
+from kvpush.shared.nats_security import connect_options
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_CONFIG = ROOT / "deploy" / "nats-server.conf"
@@ -467,7 +467,7 @@ async def test_kvpush_s_own_jetstream_state_fits_the_default_limits_at_three_rep
     """The buckets and the claims stream a scheduler makes (services/ledger.py), with
     --jetstream-replicas 3 as deploy/k8s runs them, on a three-server cluster whose account
     has the default limits: nats-server reserves each stream's max_bytes once per replica."""
-    from services.ledger import Ledger
+    from kvpush.services.ledger import Ledger
 
     dev_certs.generate(tmp_path / "certs")
     tls = {"cert_file": str(tmp_path / "certs" / "server.pem"), "key_file": str(tmp_path / "certs" / "server-key.pem"),

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from shared import wire
+from kvpush.shared import wire
 
 BLOCK = 16
 
@@ -28,8 +28,8 @@ def decode_scheduler(model_dir, nats_server, monkeypatch):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from services.worker.engine import engine_kwargs
-    from services.worker.engine_settings import EngineSettings
+    from kvpush.services.worker.engine import engine_kwargs
+    from kvpush.services.worker.engine_settings import EngineSettings
 
     engine = EngineSettings(model=model_dir, role="decode", engine_id=f"decode-{uuid.uuid4().hex[:8]}",
                             nats_url=nats_server.url, max_model_len=1024, block_size=BLOCK)

@@ -26,14 +26,14 @@ import nats
 import nats.js.errors
 import pytest
 
-from services.cli.client import cancel, client_of, generate_all
-from services.ledger import Claims
-from services.scheduler import timing
-from services.scheduler.prefixes import Prompt
-from services.scheduler.service import Scheduler
-from services.scheduler.validation import RequestValidator
-from shared import wire
-from shared.block_keys import block_keys
+from kvpush.client import cancel, client_of, generate_all
+from kvpush.services.ledger import Claims
+from kvpush.services.scheduler import timing
+from kvpush.services.scheduler.prefixes import Prompt
+from kvpush.services.scheduler.service import Scheduler
+from kvpush.services.scheduler.validation import RequestValidator
+from kvpush.shared import wire
+from kvpush.shared.block_keys import block_keys
 from tests.nats.deployed import NATS_KINDS, NatsUnderTest
 
 pytestmark = pytest.mark.timeout(60)
@@ -220,7 +220,7 @@ async def client(server):
 @contextlib.asynccontextmanager
 async def named_client(server, name: str | None = None):
     """A client connection that is ``name`` (a fresh client identity if None): its inboxes
-    are under ``_INBOX.<name>``, as ``shared.nats_security.connect_options`` sets them for a
+    are under ``_INBOX.<name>``, as ``kvpush.shared.nats_security.connect_options`` sets them for a
     client logged in as that user."""
     nc = await server.connect(name or server.identity("client"))
     try:
@@ -718,7 +718,7 @@ async def _only_the_sender_cancels(server, client, running, owned: bool) -> None
     on the same client's ``kvpush.cancel.<client>`` (an anonymous request: the bare
     ``kvpush.cancel``). Another client's cancel of the same id is a cancel of its own
     request of that id, which does not exist: it touches nothing, and tells it nothing.
-    ``services.cli.client.cancel`` picks the subject from the connection."""
+    ``kvpush.client.cancel`` picks the subject from the connection."""
     sched = await running(scheduler(server))
     prefill = await running(FakeWorker(server, "prefill"))
     decode = await running(FakeWorker(server, "decode", "hold"))

@@ -15,11 +15,11 @@ import uuid
 import nats
 import pytest
 
-from services.cli.client import cancel, client_of
-from services.launch.natsd import LocalNatsServer
-from services.scheduler.service import Scheduler
-from services.scheduler.validation import RequestValidator
-from shared import wire
+from kvpush.client import cancel, client_of
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.services.scheduler.service import Scheduler
+from kvpush.services.scheduler.validation import RequestValidator
+from kvpush.shared import wire
 from tests.nats.deployed import NATS_KINDS, NatsUnderTest
 from tests.nats.test_scheduler import (
     MAX_MODEL_LEN,
@@ -264,7 +264,7 @@ async def test_a_request_ending_while_another_ends_into_a_slow_jetstream_leaves_
 async def test_the_flights_bucket_keeps_nothing_past_twice_the_deadline():
     """Each ended flight leaves a delete marker; with no age limit they would pile up for
     ever (138 B a request, docs/scaling.md) and every scheduler would read them all at start."""
-    from services.ledger import Ledger
+    from kvpush.services.ledger import Ledger
 
     with LocalNatsServer() as own:
         nc = await nats.connect(own.url)

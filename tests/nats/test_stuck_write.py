@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.agents import AgentDirectory
-from connector.bridge import NatsBridge
-from connector.consumer import Consumer
-from connector.metadata import ExpectedKv, KvpushMetadata
-from connector.worker_side import ConnectorWorker
-from shared import wire
+from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.bridge import NatsBridge
+from kvpush.connector.consumer import Consumer
+from kvpush.connector.metadata import ExpectedKv, KvpushMetadata
+from kvpush.connector.worker_side import ConnectorWorker
+from kvpush.shared import wire
 
 NUM_BLOCKS = 8
 SHAPE = (NUM_BLOCKS, 2, 4, 8)

@@ -16,11 +16,11 @@ import time
 import nats
 import pytest
 
-from services.cli.client import fetch_final, generate
-from services.cli.client import client_of
-from services.ledger import ClaimState
-from services.scheduler.service import Scheduler
-from shared import wire
+from kvpush.client import fetch_final, generate
+from kvpush.client import client_of
+from kvpush.services.ledger import ClaimState
+from kvpush.services.scheduler.service import Scheduler
+from kvpush.shared import wire
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     FakeWorker,
     REPLY_TOKENS,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.launch.stack import Stack
+from kvpush.services.launch.stack import Stack
 from tests import prompts
-from tools.otlp_receiver import OtlpReceiver
+from kvpush.tools.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,7 @@ def reference(model_dir, tmp_path_factory) -> list[list[int]]:
     requests, out = folder / "requests.json", folder / "out.json"
     requests.write_text(json.dumps(prompts.reference_requests() + [prompts.chat_reference_request(model_dir)]))
     subprocess.run(
-        [sys.executable, "-m", "tools.reference", "--model", model_dir, "--requests", str(requests),
+        [sys.executable, "-m", "kvpush.tools.reference", "--model", model_dir, "--requests", str(requests),
          "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
         check=True, timeout=400, stdout=subprocess.DEVNULL,
     )

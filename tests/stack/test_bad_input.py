@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from services.cli.client import generate_all
-from shared import wire
+from kvpush.client import generate_all
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_up_serves_then_ctrl_c_stops_everything(model_dir, tmp_path):
     env = {**os.environ, "KVPUSH_LOG_LEVEL": "WARNING"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "up", "--model", model_dir, "--prefill", "1", "--decode", "1"],
+        [sys.executable, "-m", "kvpush.services.cli.main", "up", "--model", model_dir, "--prefill", "1", "--decode", "1"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "up.log", "wb"), env=env, text=True,
         start_new_session=True,  # a terminal's Ctrl-C goes to the whole process group
     )
@@ -31,7 +31,7 @@ def test_up_serves_then_ctrl_c_stops_everything(model_dir, tmp_path):
         assert len(children) >= 4  # nats-server, scheduler, two workers (and their engines)
 
         generated = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "generate", "--nats-url", nats_url, "--max-tokens", "5",
+            [sys.executable, "-m", "kvpush.services.cli.main", "generate", "--nats-url", nats_url, "--max-tokens", "5",
              "--ignore-eos", "def main():"],
             capture_output=True, text=True, timeout=120,
         )

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.compose_check import engine as private_engine
-from tools.compose_check import prepare
-from tools.compose_check.check import GATEWAY_SERVICE, HELPERS, SERVICES, WORKER_SERVICES
+from kvpush.tools.compose_check import engine as private_engine
+from kvpush.tools.compose_check import prepare
+from kvpush.tools.compose_check.check import GATEWAY_SERVICE, HELPERS, SERVICES, WORKER_SERVICES
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -27,7 +27,7 @@ CHECK_TIMEOUT_S = 1800
 
 
 def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tools.compose_check", "--dockerd", str(tmp_path / "no-dockerd"),
+    result = subprocess.run([sys.executable, "-m", "kvpush.tools.compose_check", "--dockerd", str(tmp_path / "no-dockerd"),
                              "--work-parent", str(tmp_path), "--report", str(tmp_path / "report.json")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr

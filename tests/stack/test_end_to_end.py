@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from services.cli.client import generate, generate_all
-from shared import wire
+from kvpush.client import generate, generate_all
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)

@@ -16,10 +16,10 @@ import uuid
 
 import pytest
 
-from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, running_rig, wait_until
-from tools.reliability.soak import Soak
-from services.cli.client import cancel, fetch_final
-from shared import wire
+from kvpush.tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome, running_rig, wait_until
+from kvpush.tools.reliability.soak import Soak
+from kvpush.client import cancel, fetch_final
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from shared import wire
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -82,7 +82,7 @@ async def test_a_chat_from_the_openai_client_equals_its_template_run_on_a_single
 
 async def test_vllm_bench_serve_against_the_gateway_completes_every_request(stack, tmp_path):
     """vLLM's own benchmark client, as the benchmark issue will run it for every system."""
-    command = [sys.executable, "-m", "tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
+    command = [sys.executable, "-m", "kvpush.tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
                "--base-url", stack.gateway_url, "--model", model_name(stack), "--tokenizer", stack.model,
                "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "16",
                "--num-prompts", "24", "--request-rate", "4", "--seed", "0", "--ignore-eos",

@@ -19,9 +19,9 @@ import uuid
 
 import pytest
 
-from tools.reliability.fault_rig import FaultRig, running_rig, wait_until
-from services.cli.client import generate_all
-from shared import wire
+from kvpush.tools.reliability.fault_rig import FaultRig, running_rig, wait_until
+from kvpush.client import generate_all
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)

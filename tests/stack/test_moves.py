@@ -14,9 +14,9 @@ import asyncio
 
 import pytest
 
-from shared import wire
+from kvpush.shared import wire
 from tests import prompts
-from tools.reliability.fault_rig import running_rig, wait_until
+from kvpush.tools.reliability.fault_rig import running_rig, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from shared import wire
+from kvpush.shared import wire
 from tests import prompts
-from tools.hosts.rig import PLACEMENT, running_multi_host_rig
-from tools.reliability.fault_rig import DEADLINE_S, wait_until
+from kvpush.tools.hosts.rig import PLACEMENT, running_multi_host_rig
+from kvpush.tools.reliability.fault_rig import DEADLINE_S, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 

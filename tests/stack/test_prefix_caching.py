@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared import wire
-from shared.block_keys import block_keys
+from kvpush.shared import wire
+from kvpush.shared.block_keys import block_keys
 from tests import prompts
-from tools.reliability.fault_rig import running_rig, wait_until
+from kvpush.tools.reliability.fault_rig import running_rig, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launch.natsd import free_port
+from kvpush.services.launch.natsd import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

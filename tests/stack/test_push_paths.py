@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from services.cli.client import scheduler_status
-from shared import wire
+from kvpush.client import scheduler_status
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -158,7 +158,7 @@ async def test_malformed_messages_are_refused_and_the_workers_keep_serving(stack
     await nc.publish(wire.registration_subject(prefill_id, decode_id), wire.encode(bogus))
     await nc.flush()
     # and a real request still goes through both workers
-    from services.cli.client import generate_all
+    from kvpush.client import generate_all
 
     name, prompt, max_tokens = prompts.CORRECTNESS[0]
     tokens, _, final = await generate_all(nc, {"prompt_token_ids": prompt, "max_tokens": max_tokens, "ignore_eos": True})
@@ -206,7 +206,7 @@ async def test_a_job_cancelled_right_behind_its_arrival_ends_and_reports_it(stac
         assert not any(p.transfer_id == transfer_id and p.stage == "streaming" for p in progress.items)
         assert replies.items == []
 
-    from services.cli.client import generate_all
+    from kvpush.client import generate_all
 
     tokens, _, final = await generate_all(nc, {"prompt_token_ids": prompts.ORDER_PROMPT,
                                                "max_tokens": prompts.CROSS_MAX_TOKENS, "ignore_eos": True})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.service import Worker
+from kvpush.services.worker.service import Worker
 
 pytestmark = pytest.mark.timeout(300)
 

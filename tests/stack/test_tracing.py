@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from otel import attributes as A
-from otel import trace_view as view
-from shared import wire
+from kvpush.otel import attributes as A
+from kvpush.otel import trace_view as view
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(300)

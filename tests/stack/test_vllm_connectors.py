@@ -8,10 +8,10 @@ import asyncio
 import nats
 import pytest
 
-from services.cli.client import generate_all
-from services.launch.natsd import LocalNatsServer
-from services.launch.stack import Stack
-from shared import wire
+from kvpush.client import generate_all
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.services.launch.stack import Stack
+from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(600)

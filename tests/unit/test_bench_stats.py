@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import client
-from tools.bench.results import Point, within_capacity
-from tools.bench.stats import percentile
+from kvpush.tools.bench import client
+from kvpush.tools.bench.results import Point, within_capacity
+from kvpush.tools.bench.stats import percentile
 
 
 def test_percentiles_interpolate_and_ignore_nan():

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from connector.block_ranges import BlockRun, byte_ranges, coalesce
-from shared.wire import KvRegion
+from kvpush.connector.block_ranges import BlockRun, byte_ranges, coalesce
+from kvpush.shared.wire import KvRegion
 
 BLOCK = 64
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import commands, main
-from services.cli.parsers import COMMANDS
+from kvpush.services.cli import commands, main
+from kvpush.services.cli.parsers import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DECLARED = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][commands.ENTRY_POINTS]
@@ -54,7 +54,7 @@ def test_the_help_lists_every_command_in_its_place():
 
 def test_a_command_whose_package_is_missing_is_left_out(monkeypatch):
     ghost = EntryPoint(name="ghost", value="kvpush_no_such_package.cli:register", group=commands.ENTRY_POINTS)
-    real = EntryPoint(name="soak", value="tools.reliability.cli:register_soak", group=commands.ENTRY_POINTS)
+    real = EntryPoint(name="soak", value="kvpush.tools.reliability.cli:register_soak", group=commands.ENTRY_POINTS)
     monkeypatch.setattr(commands, "entry_points", lambda group: [ghost, real] if group == commands.ENTRY_POINTS else [])
     parser = main.build_parser()
     sub = next(action for action in parser._actions if action.dest == "command")
@@ -71,18 +71,18 @@ def test_without_any_tool_the_services_commands_remain(monkeypatch):
 
 
 def test_a_lazy_command_imports_its_module_when_it_runs():
-    run = commands.lazy("services.cli.tools:cmd_trace")
+    run = commands.lazy("kvpush.services.cli.tools:cmd_trace")
     assert run.__name__ == "cmd_trace"
-    code = ("import sys; from services.cli.commands import lazy; lazy('services.cli.tools:cmd_trace'); "
-            "assert 'services.cli.tools' not in sys.modules")
+    code = ("import sys; from kvpush.services.cli.commands import lazy; lazy('kvpush.services.cli.tools:cmd_trace'); "
+            "assert 'kvpush.services.cli.tools' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_parsing_the_command_line_imports_no_engine_service_or_tool():
-    code = ("import sys; from services.cli.main import build_parser; "
+    code = ("import sys; from kvpush.services.cli.main import build_parser; "
             "[build_parser().parse_args(argv) for argv in (['status'], ['bench'], ['worker', '--role', 'decode'])]; "
-            "heavy = {'torch', 'vllm', 'nats', 'fastapi', 'services.cli.serve', 'tools.bench.run', "
-            "'tools.bench.scheduler_rate', 'tools.reliability.soak'} & set(sys.modules); "
+            "heavy = {'torch', 'vllm', 'nats', 'fastapi', 'kvpush.services.cli.serve', 'kvpush.tools.bench.run', "
+            "'kvpush.tools.bench.scheduler_rate', 'kvpush.tools.reliability.soak'} & set(sys.modules); "
             "assert not heavy, heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

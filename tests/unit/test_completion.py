@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.completion import CompletionCounter, Notification, block_tag, notification, parse_notification, tag_matches
+from kvpush.connector.completion import CompletionCounter, Notification, block_tag, notification, parse_notification, tag_matches
 
 
 def test_a_single_rank_completes_at_once():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import build_parser
-from services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
-from shared import nats_security
+from kvpush.services.cli.main import build_parser
+from kvpush.services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
+from kvpush.shared import nats_security
 
 ROOT = Path(__file__).resolve().parents[2]
 KVPUSH_SERVICES = {"scheduler", "prefill", "decode", "gateway"}
@@ -249,8 +249,8 @@ async def test_nats_init_then_nats_then_each_service_logging_in_as_itself(config
     password."""
     import nats
 
-    from services.launch.natsd import LocalNatsServer
-    from shared import permissions
+    from kvpush.services.launch.natsd import LocalNatsServer
+    from kvpush.shared import permissions
 
     services = config["services"]
     first = _run_nats_init(config, tmp_path)
@@ -321,7 +321,7 @@ def test_the_health_check_runs_with_the_container_s_environment(config, name, tm
     without the entrypoint: it must not trip over the NATS settings the entrypoint
     completes (a user set without its password stops every kvpush command). Nothing
     listens here, so the check itself answers 1, "did not answer 200"."""
-    from tools import dev_certs
+    from kvpush.tools import dev_certs
 
     service = config["services"][name]
     kvpush = Path(sys.executable).parent / "kvpush"

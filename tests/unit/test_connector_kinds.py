@@ -12,12 +12,12 @@ from typing import get_args
 
 import pytest
 
-from services.worker import kinds
-from services.worker.engine import decode_request, engine_kwargs, prefill_request, side_channel
-from services.worker.engine_settings import EngineSettings
-from shared import connector_kinds, wire
-from shared.settings import FaultSettings
-from tools.bench.systems import Topology, VllmServeSystem
+from kvpush.services.worker import kinds
+from kvpush.services.worker.engine import decode_request, engine_kwargs, prefill_request, side_channel
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.shared import connector_kinds, wire
+from kvpush.shared.settings import FaultSettings
+from kvpush.tools.bench.systems import Topology, VllmServeSystem
 
 NAMES = ("kvpush", "vllm-nixl", "vllm-nixl-push")
 
@@ -64,12 +64,12 @@ KVPUSH_EXTRA = {"nats_url": "nats://n:4222", "lease_s": 7.0, "kv_wait_s": 90.0, 
                 "incarnation": "inc-w"}
 TRANSFER = {
     ("kvpush", "prefill"): {
-        "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "connector.kvpush_connector",
+        "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                                "kv_role": "kv_producer", "engine_id": "prefill-e1",
                                "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "fail"},
         "disable_hybrid_kv_cache_manager": True},
     ("kvpush", "decode"): {
-        "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "connector.kvpush_connector",
+        "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                                "kv_role": "kv_consumer", "engine_id": "decode-e1",
                                "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "fail"},
         "disable_hybrid_kv_cache_manager": True},
@@ -212,7 +212,7 @@ def test_the_bench_serves_vllms_kinds_with_their_class_and_flow(variant, connect
     assert (system.connector, system.flow) == (connector, flow)
     for role in ("prefill", "decode"):
         assert system.serve_command(role, 8100, f"{role}-0") == [
-            "tools.bench.vllm_cli", "serve", "/models/tiny", "--host", "127.0.0.1", "--port", "8100",
+            "kvpush.tools.bench.vllm_cli", "serve", "/models/tiny", "--host", "127.0.0.1", "--port", "8100",
             "--served-model-name", "tiny", "--kv-transfer-config", KV_TRANSFER_CONFIGS[variant, role],
             "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "float32", "--max-model-len", "512"]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

@@ -3,7 +3,7 @@ renews, per prefill engine, the transfers it still waits for."""
 
 from __future__ import annotations
 
-from connector.leases import Renewals, ServedReads
+from kvpush.connector.leases import Renewals, ServedReads
 
 NOW = 1000.0
 

@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from connector.engine_wake import WOKEN_FOR_S, WOKEN_WAIT_S, WakeClock, WakeListener
-from services.worker.engine import wake_engine
-from services.worker.engine_settings import EngineSettings
-from shared import wire
+from kvpush.connector.engine_wake import WOKEN_FOR_S, WOKEN_WAIT_S, WakeClock, WakeListener
+from kvpush.services.worker.engine import wake_engine
+from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.shared import wire
 
 
 def test_the_clock_waits_long_until_a_wake_then_briefly_for_a_moment():
@@ -67,7 +67,7 @@ def test_one_address_has_one_listener_and_closing_frees_it():
 def test_vllms_side_channel_is_announced_where_other_hosts_reach_the_worker(monkeypatch):
     """--connector vllm-nixl: peers connect to the side channel at the address the heartbeat
     names; on several hosts that is KVPUSH_ADVERTISE_HOST, not loopback."""
-    from services.worker.engine import side_channel
+    from kvpush.services.worker.engine import side_channel
 
     monkeypatch.delenv("KVPUSH_ADVERTISE_HOST", raising=False)
     for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):

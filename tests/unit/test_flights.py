@@ -3,10 +3,10 @@ for each; and WorkerPool.is_live, which tells a live start of a worker from a de
 
 from __future__ import annotations
 
-from services.scheduler.flights import Flight, FlightState, FlightTable
-from services.scheduler.routing import WorkerPool
-from services.scheduler.validation import ValidRequest
-from shared import wire
+from kvpush.services.scheduler.flights import Flight, FlightState, FlightTable
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.scheduler.validation import ValidRequest
+from kvpush.shared import wire
 
 
 def _flight(request_id: str = "r", deadline: float = 100.0, mode: str = "push") -> Flight:
@@ -255,7 +255,7 @@ def test_is_live_is_false_for_an_unknown_or_forgotten_worker():
 
 
 def test_a_cancel_before_its_request_is_kept_until_the_deadline_and_taken_once():
-    from services.scheduler.flights import EarlyCancels
+    from kvpush.services.scheduler.flights import EarlyCancels
 
     cancels = EarlyCancels(keep_s=10.0)
     cancels.remember("app", "r-1", now=0.0)
@@ -267,7 +267,7 @@ def test_a_cancel_before_its_request_is_kept_until_the_deadline_and_taken_once()
 
 
 def test_early_cancels_are_bounded_and_expire():
-    from services.scheduler.flights import EarlyCancels
+    from kvpush.services.scheduler.flights import EarlyCancels
 
     cancels = EarlyCancels(keep_s=10.0, max_entries=3)
     for i in range(10):  # a flood of unknown ids

@@ -20,14 +20,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
-from connector import kv_layout
-from connector.completion import Notification, block_tag, notification, parse_notification
-from connector.metadata import ReadyPrefill
-from connector.producer import sources
-from connector.transfer_book import pair_problem
-from services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
-from shared import wire
-from shared.errors import RequestError
+from kvpush.connector import kv_layout
+from kvpush.connector.completion import Notification, block_tag, notification, parse_notification
+from kvpush.connector.metadata import ReadyPrefill
+from kvpush.connector.producer import sources
+from kvpush.connector.transfer_book import pair_problem
+from kvpush.services.scheduler.validation import MAX_REQUEST_ID_LEN, RequestValidator, ValidRequest, request_id_of
+from kvpush.shared import wire
+from kvpush.shared.errors import RequestError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 20 kinds, so ~1200 per property

@@ -1,13 +1,13 @@
-"""The gateway's API keys and per-key limits (``services.gateway.keys``, ``.limits``):
+"""The gateway's API keys and per-key limits (``kvpush.services.gateway.keys``, ``.limits``):
 who a header is, what a keys file may say, and the token bucket's arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import RateLimited, TooManyConcurrent, Unauthorized
-from services.gateway.keys import KeyRing, Tenant
-from services.gateway.limits import Limiter, Limits, TokenBucket
+from kvpush.services.gateway.errors import RateLimited, TooManyConcurrent, Unauthorized
+from kvpush.services.gateway.keys import KeyRing, Tenant
+from kvpush.services.gateway.limits import Limiter, Limits, TokenBucket
 
 KEYS = """
 [tenants.team-a]

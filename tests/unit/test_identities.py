@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.service import worker_id_for
-from shared import permissions, wire
+from kvpush.services.worker.service import worker_id_for
+from kvpush.shared import permissions, wire
 
 HEARTBEAT = wire.WorkerHeartbeat(worker_id="decode-0", role="decode", free_kv_blocks=1, total_kv_blocks=1,
                                  running=0, waiting=0, block_size=16, max_model_len=64)

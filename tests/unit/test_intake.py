@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
+from kvpush.services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
 
 LIVE = {"scheduler-a": "a1", "scheduler-b": "b1", "scheduler-c": "c1"}
 

@@ -2,7 +2,7 @@
 document is validated against the Kubernetes 1.32 schemas (strict: unknown fields are
 errors), and what the manifests tell each process is checked against the code that will
 read it: the kvpush CLI parses every container's command and environment, nats-server
-parses the NATS configuration, the users in it are what ``shared.permissions`` renders,
+parses the NATS configuration, the users in it are what ``kvpush.shared.permissions`` renders,
 and the probes and scrape annotations name paths and ports the services really serve.
 
 The containers' shell snippets (pick the password file named after the pod) are run for
@@ -25,10 +25,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli.main import build_parser
-from services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
-from services.launch.natsd import server_binary
-from shared import nats_security, permissions
+from kvpush.services.cli.main import build_parser
+from kvpush.services.cli.settings import ENVIRONMENT, OTEL_ENVIRONMENT
+from kvpush.services.launch.natsd import server_binary
+from kvpush.shared import nats_security, permissions
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -62,7 +62,7 @@ def rendered() -> list[dict]:
 
 def _kvpush_command() -> str:
     beside_python = Path(sys.executable).parent / "kvpush"
-    return str(beside_python) if beside_python.exists() else f"{sys.executable} -m services.cli.main"
+    return str(beside_python) if beside_python.exists() else f"{sys.executable} -m kvpush.services.cli.main"
 
 
 def _make_secrets(folder: Path = K8S) -> subprocess.CompletedProcess:
@@ -356,7 +356,7 @@ async def test_kvpush_pods_log_in_over_mutual_tls_under_each_members_name(render
     against it; a name it does not hold is refused."""
     import nats
 
-    from services.launch.natsd import LocalNatsServer
+    from kvpush.services.launch.natsd import LocalNatsServer
 
     folder = _nats_folder(rendered, secrets, tmp_path / "nats")
     for variable, password in secrets["kvpush-nats-server"].items():
@@ -392,7 +392,7 @@ def _identities(users_conf: str) -> list[permissions.Identity]:
 
 def test_nats_users_and_permissions_are_what_shared_permissions_renders(rendered):
     """users.conf is `kvpush nats-config` output, verbatim: the same text
-    shared.permissions renders today for the same identities, so a changed rule in the code
+    kvpush.shared.permissions renders today for the same identities, so a changed rule in the code
     fails here until the file is generated again (README.md says how)."""
     _, _, _, users = _nats(rendered)
     identities = _identities(users)
@@ -400,7 +400,7 @@ def test_nats_users_and_permissions_are_what_shared_permissions_renders(rendered
     tls = {key: _conf_value(_conf_block(users, "tls"), key) for key in ("cert_file", "key_file", "ca_file")}
     assert users == permissions.render_config(identities, permissions.env_password, tls=tls,
                                               listen=_conf_value(users, "host")), \
-        "deploy/k8s/nats/users.conf differs from what shared.permissions renders: regenerate it (deploy/k8s/README.md)"
+        "deploy/k8s/nats/users.conf differs from what kvpush.shared.permissions renders: regenerate it (deploy/k8s/README.md)"
 
     by_name = {i.name: i.role for i in identities}
     for workload in _kvpush_workloads(rendered):
@@ -548,7 +548,7 @@ KVPUSH_WORKLOADS = ("scheduler", "gateway", "prefill", "decode")
 @pytest.mark.parametrize("name", KVPUSH_WORKLOADS)
 def test_each_kvpush_pod_starts_as_its_own_nats_identity_on_every_nats_member(rendered, secrets, tmp_path,
                                                                              monkeypatch, name):
-    from services.worker.service import worker_id_for
+    from kvpush.services.worker.service import worker_id_for
 
     workload = next(w for w in _kvpush_workloads(rendered) if w["metadata"]["name"] == name)
     container = _containers(workload)[0]

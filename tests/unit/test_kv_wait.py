@@ -3,7 +3,7 @@ revoked transfer's quarantine passed; it never releases blocks a write may still
 
 from __future__ import annotations
 
-from connector.kv_wait import KvWaits
+from kvpush.connector.kv_wait import KvWaits
 
 
 def _waits() -> KvWaits:

@@ -1,4 +1,4 @@
-"""services.ledger.through_elections: a JetStream write that met no leader (the server
+"""kvpush.services.ledger.through_elections: a JetStream write that met no leader (the server
 leading its bucket died; the others are electing one) did not land, so it is sent again
 until the election is over; anything else is the caller's to handle, at once."""
 
@@ -8,7 +8,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from services import ledger
+from kvpush.services import ledger
 
 
 def calls_failing(errors: list[Exception], result="written"):

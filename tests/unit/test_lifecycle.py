@@ -1,4 +1,4 @@
-"""services.lifecycle.BackgroundTasks: a task that fails, above all while its service stops
+"""kvpush.services.lifecycle.BackgroundTasks: a task that fails, above all while its service stops
 (say, a JetStream write meeting a closed connection), is reported once by the service, and
 never left to asyncio's "Task exception was never retrieved" traceback (issue 24, point 9:
 the demo's stop printed one, from Scheduler._ended)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from services.lifecycle import BackgroundTasks
+from kvpush.services.lifecycle import BackgroundTasks
 
 
 async def test_a_task_failing_while_the_service_stops_leaves_no_unretrieved_exception():

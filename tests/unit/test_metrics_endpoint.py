@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 
-from otel import endpoint
+from kvpush.otel import endpoint
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:

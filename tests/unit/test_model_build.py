@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launch.model import (
+from kvpush.services.launch.model import (
     EOS_TOKEN,
     MARKER_NAME,
     PROFILES,
@@ -201,7 +201,7 @@ def test_tokenizer_round_trip(loaded, small_model):
 def test_the_scheduler_tokenizes_text_like_the_engine(loaded, small_model):
     """A text prompt becomes the ids vLLM would make of it: the scheduler's tokenizer
     (``load_validator``) against the one vLLM loads from the same folder (AutoTokenizer)."""
-    from services.scheduler.validation import load_validator
+    from kvpush.services.scheduler.validation import load_validator
 
     tok, _ = loaded
     scheduler = load_validator(str(small_model), PROFILES["small"].max_position_embeddings)

@@ -1,5 +1,5 @@
 """NATS authentication and TLS options without a server: the option parsing
-(shared.nats_security), the flags that carry them to child processes, and the dev
+(kvpush.shared.nats_security), the flags that carry them to child processes, and the dev
 certificates (tools/dev_certs.py). tests/nats/test_nats_security.py has a real
 nats-server enforce them."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tools import dev_certs
-from shared.errors import KvpushError
-from shared import nats_security
-from shared.nats_security import ENV_VARS, NatsConfigError, add_arguments, connect_options, export_arguments
+from kvpush.tools import dev_certs
+from kvpush.shared.errors import KvpushError
+from kvpush.shared import nats_security
+from kvpush.shared.nats_security import ENV_VARS, NatsConfigError, add_arguments, connect_options, export_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def test_contradictions_are_refused_with_a_sentence(case, certs, tmp_path):
 
 
 def test_module_does_not_import_nats():
-    code = "import sys, shared.nats_security; assert 'nats' not in sys.modules, sorted(sys.modules)"
+    code = "import sys, kvpush.shared.nats_security; assert 'nats' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -1,13 +1,13 @@
 """OpenAI request bodies as kvpush requests, replies as OpenAI objects, errors as HTTP
-statuses (``services.gateway.openai_api``)."""
+statuses (``kvpush.services.gateway.openai_api``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.gateway import openai_api
-from shared import wire
-from shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
+from kvpush.services.gateway import openai_api
+from kvpush.shared import wire
+from kvpush.shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
 MODEL = "small"
 

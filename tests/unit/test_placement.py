@@ -1,14 +1,14 @@
 """Per-request placement from live load (services/scheduler/placement.py), and the
-prefill worker's meter its heartbeat reports (services.worker.prompt_meter.py)."""
+prefill worker's meter its heartbeat reports (kvpush.services.worker.prompt_meter.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.scheduler.placement import DecodeLoad, PlacementSettings, PromptLoad, place
-from services.scheduler.routing import WorkerPool
-from services.worker.prompt_meter import PromptMeter
-from shared import wire
+from kvpush.services.scheduler.placement import DecodeLoad, PlacementSettings, PromptLoad, place
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.worker.prompt_meter import PromptMeter
+from kvpush.shared import wire
 
 AUTO = PlacementSettings(policy="auto", local_below_tokens=256, push_within_s=1.0, handoff_s=0.03, decode_room=4)
 BOTH = ("push", "pull")

@@ -6,13 +6,13 @@ it (routing.WorkerPool)."""
 
 from __future__ import annotations
 
-from services.scheduler.placement import PromptLoad
-from services.scheduler.prefixes import PrefixIndex, Prompt
-from services.scheduler.routing import WorkerPool
-from services.worker.cache_keys import CacheKeys
-from services.worker.cache_relay import messages
-from shared import wire
-from shared.block_keys import block_keys, next_key
+from kvpush.services.scheduler.placement import PromptLoad
+from kvpush.services.scheduler.prefixes import PrefixIndex, Prompt
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.services.worker.cache_keys import CacheKeys
+from kvpush.services.worker.cache_relay import messages
+from kvpush.shared import wire
+from kvpush.shared.block_keys import block_keys, next_key
 
 BLOCK = 4
 

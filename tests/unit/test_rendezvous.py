@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from connector.rendezvous import Match, Refused, Rendezvous
+from kvpush.connector.rendezvous import Match, Refused, Rendezvous
 
 
 class FakeClock:

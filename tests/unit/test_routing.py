@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.routing import WorkerPool
-from shared.errors import NoWorkers
-from shared.wire import WorkerHeartbeat
+from kvpush.services.scheduler.routing import WorkerPool
+from kvpush.shared.errors import NoWorkers
+from kvpush.shared.wire import WorkerHeartbeat
 
 BLOCK_SIZE = 16
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import settings
-from shared.settings import FaultSettings
+from kvpush.shared import settings
+from kvpush.shared.settings import FaultSettings
 
 
 def test_the_defaults_hold_the_invariant():

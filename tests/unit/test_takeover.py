@@ -1,12 +1,12 @@
-"""Which flights a scheduler takes over (``services.scheduler.takeover``), and a flight's
+"""Which flights a scheduler takes over (``kvpush.services.scheduler.takeover``), and a flight's
 record round trip (``Flight.record`` / ``Flight.from_record``)."""
 
 from __future__ import annotations
 
-from services.scheduler.flights import Flight, FlightState
-from services.scheduler.takeover import Holding, SchedulerLiveness, orphans
-from services.scheduler.validation import ValidRequest
-from shared import wire
+from kvpush.services.scheduler.flights import Flight, FlightState
+from kvpush.services.scheduler.takeover import Holding, SchedulerLiveness, orphans
+from kvpush.services.scheduler.validation import ValidRequest
+from kvpush.shared import wire
 
 TIMEOUT = 3.0
 

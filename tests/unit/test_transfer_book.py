@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from connector.completion import Notification, block_tag
-from connector.metadata import ReadyPrefill
-from connector.rendezvous import Match, Refused
-from connector.transfer_book import Bounded, Expired, MoveAnswer, Refuse, Release, Revocation, TransferBook
-from shared import wire
+from kvpush.connector.completion import Notification, block_tag
+from kvpush.connector.metadata import ReadyPrefill
+from kvpush.connector.rendezvous import Match, Refused
+from kvpush.connector.transfer_book import Bounded, Expired, MoveAnswer, Refuse, Release, Revocation, TransferBook
+from kvpush.shared import wire
 
 KEY, NEW_KEY, WRONG_KEY = "k" * 32, "n" * 32, "w" * 32
 DECODE, OTHER = "decode-a", "decode-b"

@@ -8,10 +8,10 @@ import time
 import msgspec
 import torch
 
-from connector.completion import Notification, notification, parse_notification
-from connector.kv_layout import describe
-from connector.transfer_thread import TransferJob, TransferThread
-from shared.wire import AgentInfo
+from kvpush.connector.completion import Notification, notification, parse_notification
+from kvpush.connector.kv_layout import describe
+from kvpush.connector.transfer_thread import TransferJob, TransferThread
+from kvpush.shared.wire import AgentInfo
 
 NUM_BLOCKS = 16
 # two "layers" of [num_blocks, kv_heads=2, block_size=4, 2*head=8] fp32, in one buffer
@@ -82,7 +82,7 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
     import os
     import signal
 
-    from connector import transfer_thread
+    from kvpush.connector import transfer_thread
 
     monkeypatch.setenv("UCX_TLS", "tcp")  # no shared memory, no CMA: the peer must take part
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
@@ -129,7 +129,7 @@ def test_a_write_to_a_peer_that_dies_fails_and_the_thread_goes_on_writing(monkey
     import os
     import signal
 
-    from connector import transfer_thread
+    from kvpush.connector import transfer_thread
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.scheduler.validation import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_LEN, RequestValidator, request_id_of
-from shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong, RequestError
+from kvpush.services.scheduler.validation import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_LEN, RequestValidator, request_id_of
+from kvpush.shared.errors import BadJson, EmptyPrompt, InvalidField, PromptTooLong, RequestError
 
 VOCAB = 100
 MAX_MODEL_LEN = 32
@@ -162,7 +162,7 @@ def test_a_text_prompt_too_long_in_bytes_is_refused_before_the_tokenizer_sees_it
 def test_the_byte_bound_is_the_longest_token_of_the_real_tokenizer(model_dir):
     from transformers import AutoTokenizer
 
-    from services.scheduler.validation import max_token_bytes
+    from kvpush.services.scheduler.validation import max_token_bytes
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     bound = max_token_bytes(tokenizer)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from tools.bench.vllm_proxy import Instance, prefill_leg, push_decode_leg
+from kvpush.tools.bench.vllm_proxy import Instance, prefill_leg, push_decode_leg
 
 
 def test_the_prefill_leg_asks_for_one_token_without_streaming_and_for_remote_decode():

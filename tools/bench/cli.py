@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli.commands import lazy
+from kvpush.services.cli.commands import lazy
 
 BLOCK_SIZE = 16  # bench-scheduler's stand-ins: tokens per KV block, vLLM's default on GPUs (its CPU platform's is 128)
 
@@ -37,7 +37,7 @@ def register_bench(sub) -> None:
     bench.add_argument("--model", help="a local model folder instead of a built-in profile")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
-    bench.set_defaults(func=lazy("tools.bench.run:cmd"))
+    bench.set_defaults(func=lazy("kvpush.tools.bench.run:cmd"))
 
 
 def register_multiturn(sub) -> None:
@@ -58,20 +58,20 @@ def register_multiturn(sub) -> None:
     multiturn.add_argument("--model", help="a local model folder instead of a built-in profile")
     multiturn.add_argument("--seed", type=int, default=0)
     multiturn.add_argument("--out", default="bench-results/multiturn")
-    multiturn.set_defaults(func=lazy("tools.bench.multiturn_run:cmd"))
+    multiturn.set_defaults(func=lazy("kvpush.tools.bench.multiturn_run:cmd"))
 
 
 def register_scheduler_rate(sub) -> None:
     bench_scheduler = sub.add_parser("bench-scheduler", help="one real scheduler's request rate against idle "
                                                              "stand-in workers (real nats-server and client)")
     scheduler_rate_arguments(bench_scheduler)
-    bench_scheduler.set_defaults(func=lazy("tools.bench.scheduler_rate:cmd"))
+    bench_scheduler.set_defaults(func=lazy("kvpush.tools.bench.scheduler_rate:cmd"))
 
 
 def register_transfer(sub) -> None:
     bench_transfer = sub.add_parser("bench-transfer", help="our transfer thread vs a raw NIXL WRITE, 1-256 MiB")
     bench_transfer.add_argument("--out", help="write the rows as JSON here")
-    bench_transfer.set_defaults(func=lazy("tools.bench.transfer:cmd"))
+    bench_transfer.set_defaults(func=lazy("kvpush.tools.bench.transfer:cmd"))
 
 
 def scheduler_rate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ class Load:
 
 def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
             extra_body: dict) -> list[str]:
-    args = [sys.executable, "-m", "tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
+    args = [sys.executable, "-m", "kvpush.tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-input-len", str(load.input_len),
             "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),

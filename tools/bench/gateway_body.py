@@ -7,9 +7,9 @@ older commit can be measured the same way) over a local nats-server with the dep
 ``max_payload`` (8 MB, deploy/nats-server.conf), the gateway's body limit; no scheduler
 or workers, as the body is refused before any request leaves the gateway.
 
-    .venv/bin/python -m tools.bench.gateway_body                      # this checkout
+    .venv/bin/python -m kvpush.tools.bench.gateway_body                      # this checkout
     git worktree add /tmp/gw-before HEAD~3
-    .venv/bin/python -m tools.bench.gateway_body --repo /tmp/gw-before
+    .venv/bin/python -m kvpush.tools.bench.gateway_body --repo /tmp/gw-before
 
 Prints one JSON object. RSS is sampled every 5 ms while the body goes out; ``hwm`` is the
 kernel's high-water mark (VmHWM), which no sample can miss.
@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from services.launch.natsd import LocalNatsServer, free_port, terminate
+from kvpush.services.launch.natsd import LocalNatsServer, free_port, terminate
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -65,7 +65,7 @@ def measure(repo: Path, mib: int, chunk_kib: int = 64) -> dict:
     with folder, LocalNatsServer(config=config) as nats_server:
         port = free_port()
         env = {**os.environ, "KVPUSH_LOG_LEVEL": "WARNING", "PYTHONPATH": str(repo)}
-        process = subprocess.Popen([sys.executable, "-m", "services.cli.main", "gateway", "--nats-url",
+        process = subprocess.Popen([sys.executable, "-m", "kvpush.services.cli.main", "gateway", "--nats-url",
                                     nats_server.url, "--port", str(port)], cwd=repo, env=env)
         try:
             url = f"http://127.0.0.1:{port}"

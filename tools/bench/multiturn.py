@@ -16,7 +16,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-from tools.bench.stats import percentile
+from kvpush.tools.bench.stats import percentile
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The multi-turn benchmark (``kvpush bench-multiturn``): the same conversations
-(``tools.bench.multiturn``) against each system (kvpush in a transfer mode, or a
+(``kvpush.tools.bench.multiturn``) against each system (kvpush in a transfer mode, or a
 ``vllm serve`` pair behind its proxy) with prefix caching on and then off, each on a fresh
 stack; every answer checked against one plain vLLM instance given the same prompts
 (prefix caching on there too). Writes ``multiturn.json`` (per turn) and ``multiturn.md``.
@@ -15,10 +15,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from services.launch.model import build_model, default_model_dir
-from tools.bench import multiturn
-from tools.bench.systems import KvpushSystem, Topology, VllmServeSystem
-from tools.otlp_receiver import OtlpReceiver
+from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.tools.bench import multiturn
+from kvpush.tools.bench.systems import KvpushSystem, Topology, VllmServeSystem
+from kvpush.tools.otlp_receiver import OtlpReceiver
 
 # vLLM's pair at its best binding here (docs/benchmarks.md); kvpush at its default.
 VLLM_BINDING = "split"
@@ -46,7 +46,7 @@ def _reference(model: str, max_model_len: int, turns: list[multiturn.Turn], outp
         requests, out = Path(folder) / "requests.json", Path(folder) / "out.json"
         requests.write_text(json.dumps([{"prompt_token_ids": t.prompt, "max_tokens": output_len, "ignore_eos": True}
                                         for t in turns]))
-        subprocess.run([sys.executable, "-m", "tools.reference", "--model", model, "--requests", str(requests),
+        subprocess.run([sys.executable, "-m", "kvpush.tools.reference", "--model", model, "--requests", str(requests),
                         "--out", str(out), "--max-model-len", str(max_model_len)], check=True,
                        stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())

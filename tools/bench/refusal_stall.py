@@ -4,11 +4,11 @@ refused as too long (issue 24, point 6).
 
 The scheduler tokenizes on one thread. Before prompts were measured in bytes, a 1M-token
 prompt held that thread for as long as tokenizing it took, and every small request queued
-behind it. Stand-in workers (``tools.bench.scheduler_rate``'s) answer at once, so what is
+behind it. Stand-in workers (``kvpush.tools.bench.scheduler_rate``'s) answer at once, so what is
 measured is the scheduler's share only. nats-server runs with an 8 MB ``max_payload`` (the
 generated config's), so the huge prompt reaches the scheduler.
 
-    python -m tools.bench.refusal_stall --out bench-results/refusal-stall.json
+    python -m kvpush.tools.bench.refusal_stall --out bench-results/refusal-stall.json
 
 Bounded: ``--small`` requests at ``--rate`` per second, each waiting at most 60 s."""
 
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared import wire
+from kvpush.shared import wire
 
 SMALL_PROMPT_TOKENS = 64
 
@@ -39,8 +39,8 @@ def percentile(values: list[float], q: float) -> float | None:
 async def run(model: str, huge_tokens: int, small: int, rate: float, huge_at_s: float) -> dict:
     import nats
 
-    from services.launch.natsd import LocalNatsServer
-    from tools.bench.scheduler_rate import IdleDecode, IdlePrefill
+    from kvpush.services.launch.natsd import LocalNatsServer
+    from kvpush.tools.bench.scheduler_rate import IdleDecode, IdlePrefill
 
     with tempfile.TemporaryDirectory(prefix="kvpush-refusal-stall-") as tmp:
         config = Path(tmp) / "nats.conf"
@@ -51,7 +51,7 @@ async def run(model: str, huge_tokens: int, small: int, rate: float, huge_at_s: 
             env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
             log = open(Path(tmp) / "scheduler.log", "wb")
             scheduler = subprocess.Popen(
-                [sys.executable, "-m", "services.cli.main", "scheduler", "--nats-url", server.url, "--model", model,
+                [sys.executable, "-m", "kvpush.services.cli.main", "scheduler", "--nats-url", server.url, "--model", model,
                  "--scheduler-id", "stall-scheduler"], env=env, stdout=log, stderr=subprocess.STDOUT)
             workers = [IdlePrefill(server.url, "prefill-0", 4096), IdleDecode(server.url, "decode-0", 4096, 1)]
             nc = await nats.connect(server.url, name="stall-client")
@@ -81,7 +81,7 @@ async def run(model: str, huge_tokens: int, small: int, rate: float, huge_at_s: 
 
 
 async def _ttft(nc, body: dict) -> tuple[float, wire.LastMessage | None]:
-    from services.cli.client import generate
+    from kvpush.client import generate
 
     sent = time.monotonic()
     first = None
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.model is None:
-        from services.launch.model import build_model, default_model_dir
+        from kvpush.services.launch.model import build_model, default_model_dir
 
         args.model = str(build_model(default_model_dir("small")))
     result = asyncio.run(run(args.model, args.huge_tokens, args.small, args.rate, args.huge_at_s))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tools.bench import transfer
-from tools.bench.results import BASELINE, within_capacity
+from kvpush.tools.bench import transfer
+from kvpush.tools.bench.results import BASELINE, within_capacity
 
 
 def _ms(value) -> str:

@@ -33,15 +33,15 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from otel import attributes as A
-from otel import trace_view as view
-from services.launch.model import build_model, default_model_dir
-from shared import wire
-from tools.bench import client, report, transfer
-from tools.bench.results import Point
-from tools.bench.stats import percentile
-from tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
-from tools.otlp_receiver import OtlpReceiver
+from kvpush.otel import attributes as A
+from kvpush.otel import trace_view as view
+from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.shared import wire
+from kvpush.tools.bench import client, report, transfer
+from kvpush.tools.bench.results import Point
+from kvpush.tools.bench.stats import percentile
+from kvpush.tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
+from kvpush.tools.otlp_receiver import OtlpReceiver
 
 VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
 SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "kvpush-auto": "kvpush", "kvpush-local": "kvpush",

@@ -3,15 +3,15 @@ against idle workers.
 
 Real: the scheduler (``kvpush scheduler``, in a process of its own, configured as it
 ships: INFO logs, spans to local files; ``--scheduler-quiet`` turns both down), nats-server
-with JetStream (``services.launch.natsd.LocalNatsServer``, loopback), and the client
-(``services.cli.client.generate`` on ``kvpush.generate``, one request per call, as
+with JetStream (``kvpush.services.launch.natsd.LocalNatsServer``, loopback), and the client
+(``kvpush.client.generate`` on ``kvpush.generate``, one request per call, as
 ``kvpush generate`` sends it).
 
 Not real: the workers. ``IdlePrefill`` and ``IdleDecode`` are this bench's load
-generator. They have no engine; they speak the wire protocol (``shared.wire``) the way
+generator. They have no engine; they speak the wire protocol (``kvpush.shared.wire``) the way
 ``services/worker/`` and ``connector/`` do in push mode with the default settings: the
 same messages, types, subjects and order, each worker with its service connection
-(``services.bus.Bus``) and its connector's own connection. A prefill is done the moment
+(``kvpush.services.bus.Bus``) and its connector's own connection. A prefill is done the moment
 its job arrives, a decode answers ``--output-tokens`` tokens (1 by default) the moment
 its KV "arrived". NIXL moves nothing: the prefill's ``TransferDone`` stands for both the
 WRITE and its notification.
@@ -57,17 +57,17 @@ import uuid
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
-from otel.messaging import TEMPORARY
-from services.bus import Bus
-from services.cli.client import generate
-from services.launch.natsd import LocalNatsServer
-from services.launch.model import build_model, default_model_dir
-from services.ledger import Claims
-from shared import settings, wire
-from shared.errors import BadJob, KvTransferFailed, to_error_body
-from shared.nats_security import connect_options
-from tools.bench import stats
-from tools.bench.cli import BLOCK_SIZE, scheduler_rate_arguments
+from kvpush.otel.messaging import TEMPORARY
+from kvpush.services.bus import Bus
+from kvpush.client import generate
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.services.ledger import Claims
+from kvpush.shared import settings, wire
+from kvpush.shared.errors import BadJob, KvTransferFailed, to_error_body
+from kvpush.shared.nats_security import connect_options
+from kvpush.tools.bench import stats
+from kvpush.tools.bench.cli import BLOCK_SIZE, scheduler_rate_arguments
 
 KV_CACHE_BYTES = 2 * 1024 ** 3  # the KV cache a stand-in says it has (the stack's engines: 1-2 GiB)
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # small model: layers x (K, V) x kv heads x head_dim x fp32
@@ -292,7 +292,7 @@ class IdlePrefill(_IdleWorker):
             self.refused += 1
             return
         decode_id = registration.decode_engine_id
-        if decode_id not in self._agents:  # first contact: ask for its agent (connector.agents)
+        if decode_id not in self._agents:  # first contact: ask for its agent (kvpush.connector.agents)
             self.agent_requests += 1
             try:
                 await self.kv.request(wire.agent_subject(decode_id, 0), b"", timeout=5.0)
@@ -852,7 +852,7 @@ async def run_point(model: str, prefill: int, decode: int, concurrency: int, req
         for scheduler_id, log_path in zip(scheduler_ids, log_paths):
             with open(log_path, "wb") as log:
                 processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "services.cli.main", "scheduler", "--nats-url", server.url, "--model",
+                    [sys.executable, "-m", "kvpush.services.cli.main", "scheduler", "--nats-url", server.url, "--model",
                      model, "--scheduler-id", scheduler_id, "--log-level", env["KVPUSH_LOG_LEVEL"]],
                     env=env, stdout=log, stderr=subprocess.STDOUT))
         workers: list[_IdleWorker] = []

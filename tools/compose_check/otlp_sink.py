@@ -1,9 +1,9 @@
 """The OTLP receiver the compose check runs in place of Jaeger, in its own container:
-the project's receiver (``tools.otlp_receiver``) taking OTLP/HTTP on 0.0.0.0:4318, where
+the project's receiver (``kvpush.tools.otlp_receiver``) taking OTLP/HTTP on 0.0.0.0:4318, where
 compose.yaml's services export, and ``GET /spans`` on 0.0.0.0:16686 answering every span
-it has received as a JSON list (``otel.files.flat_spans`` dicts).
+it has received as a JSON list (``kvpush.otel.files.flat_spans`` dicts).
 
-    python -m tools.compose_check.otlp_sink
+    python -m kvpush.tools.compose_check.otlp_sink
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tools.otlp_receiver import OtlpReceiver
+from kvpush.tools.otlp_receiver import OtlpReceiver
 
 OTLP_PORT = 4318  # Jaeger's OTLP/HTTP port, where compose.yaml points the services
 SPANS_PORT = 16686  # Jaeger's UI port, published by compose.yaml

@@ -23,12 +23,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launch.natsd import server_binary, terminate
-from services.launch.stack import _die_with_parent
-from shared.permissions import literal_password, render_config
-from tools import dev_certs
-from tools.hosts.network import Host, Network
-from tools.reliability.fault_rig import IDENTITIES, TLS_FILES, FaultRig
+from kvpush.services.launch.natsd import server_binary, terminate
+from kvpush.services.launch.stack import _die_with_parent
+from kvpush.shared.permissions import literal_password, render_config
+from kvpush.tools import dev_certs
+from kvpush.tools.hosts.network import Host, Network
+from kvpush.tools.reliability.fault_rig import IDENTITIES, TLS_FILES, FaultRig
 
 CLUSTER = "kvpush"
 CLIENT_PORT, ROUTE_PORT, MONITOR_PORT = 4222, 6222, 8222

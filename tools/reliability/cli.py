@@ -4,7 +4,7 @@ it runs."""
 
 from __future__ import annotations
 
-from services.cli.commands import lazy
+from kvpush.services.cli.commands import lazy
 
 
 def register_soak(sub) -> None:
@@ -16,4 +16,4 @@ def register_soak(sub) -> None:
     soak.add_argument("--model", help="a local model folder (default: the built-in small model)")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", default="soak-results")
-    soak.set_defaults(func=lazy("tools.reliability.soak:cmd"))
+    soak.set_defaults(func=lazy("kvpush.tools.reliability.soak:cmd"))

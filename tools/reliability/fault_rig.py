@@ -1,6 +1,6 @@
 """A kvpush stack to break on purpose, for the fault-injection suite, the hostile-peer
 suite and ``kvpush soak``: real NATS with mutual TLS and one NATS user per worker,
-scheduler and client (``shared.permissions``, as ``kvpush nats-config`` writes it), real
+scheduler and client (``kvpush.shared.permissions``, as ``kvpush nats-config`` writes it), real
 vLLM engines, real NIXL, short leases and deadlines.
 
 The rig connects as the identity allowed to do each thing: ``client`` (client-0) sends
@@ -26,14 +26,14 @@ from pathlib import Path
 import msgspec
 import nats
 
-from connector import chaos
-from tools import dev_certs
-from services.cli.client import generate, scheduler_status
-from services.launch.natsd import LocalNatsServer
-from services.launch.stack import Stack
-from shared import wire
-from shared.nats_security import connect_options, server_urls
-from shared.permissions import Identity, literal_password, new_password, render_config
+from kvpush.connector import chaos
+from kvpush.tools import dev_certs
+from kvpush.client import generate, scheduler_status
+from kvpush.services.launch.natsd import LocalNatsServer
+from kvpush.services.launch.stack import Stack
+from kvpush.shared import wire
+from kvpush.shared.nats_security import connect_options, server_urls
+from kvpush.shared.permissions import Identity, literal_password, new_password, render_config
 
 # (role, NATS user): the stack's own services, the rig's watcher, and the hostile peers.
 IDENTITIES = [
@@ -222,7 +222,7 @@ class FaultRig:
 
     @property
     def holds(self) -> Path:
-        """The file naming the connector's points (``connector.chaos.point``) where every
+        """The file naming the connector's points (``kvpush.connector.chaos.point``) where every
         engine's threads stop until it no longer names them."""
         return self.folder / "holds"
 

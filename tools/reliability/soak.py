@@ -3,7 +3,7 @@ kind are injected in turn, then the tally: requests sent, faults by kind, reques
 lost, wrong outputs, leaked KV blocks, and the worst time to a final message.
 
 Every completed output is compared with what one plain vLLM instance generates for the
-same prompt (``tools.reference``), so "wrong" means a token differs.
+same prompt (``kvpush.tools.reference``), so "wrong" means a token differs.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.cli.client import cancel
-from services.cli.common import model_path, say
-from shared.errors import KvpushError, to_error_body
-from tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
-from shared import settings, wire
+from kvpush.client import cancel
+from kvpush.services.cli.common import model_path, say
+from kvpush.shared.errors import KvpushError, to_error_body
+from kvpush.tools.reliability.fault_rig import DEADLINE_S, FaultRig, Outcome
+from kvpush.shared import settings, wire
 
 # Expected ends of a request under faults: an answer, or one of these codes. no_scheduler:
 # the client's request met no subscriber (NATS restarting, schedulers not yet resubscribed);
@@ -53,7 +53,7 @@ def reference_outputs(model: str, requests: list[dict], folder: Path, max_model_
     """What one plain vLLM instance generates for each request (in a child process)."""
     inp, out = folder / "reference-requests.json", folder / "reference.json"
     inp.write_text(json.dumps(requests))
-    subprocess.run([sys.executable, "-m", "tools.reference", "--model", model, "--requests", str(inp),
+    subprocess.run([sys.executable, "-m", "kvpush.tools.reference", "--model", model, "--requests", str(inp),
                     "--out", str(out), "--max-model-len", str(max_model_len)],
                    check=True, timeout=600, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())

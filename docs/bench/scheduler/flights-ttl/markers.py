@@ -22,9 +22,9 @@ sys.path.insert(0, os.getcwd())
 async def main(args) -> dict:
     import nats
 
-    from services.launch.natsd import LocalNatsServer
-    from services.ledger import Ledger
-    from shared import wire
+    from kvpush.services.launch.natsd import LocalNatsServer
+    from kvpush.services.ledger import Ledger
+    from kvpush.shared import wire
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     with LocalNatsServer() as server:

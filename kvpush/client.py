@@ -1,7 +1,7 @@
 """Client side of ``kvpush.generate``: publish with a reply inbox, read the stream.
 
 A connection logged in as a named client (its inbox prefix ``_INBOX.<client>``, which
-``shared.nats_security.connect_options`` sets) sends on that client's own subjects,
+``kvpush.shared.nats_security.connect_options`` sets) sends on that client's own subjects,
 ``kvpush.generate.<client>``, ``kvpush.cancel.<client>`` and ``kvpush.final.<client>``.
 
 Core NATS delivers at most once. When nothing has come for ``refetch_after_s``, the
@@ -23,8 +23,8 @@ import json
 import uuid
 from typing import AsyncIterator, Callable
 
-from shared import wire
-from shared.errors import InFlight, NoScheduler, NotFound, PayloadTooLarge, StreamLost, to_error_body
+from kvpush.shared import wire
+from kvpush.shared.errors import InFlight, NoScheduler, NotFound, PayloadTooLarge, StreamLost, to_error_body
 
 
 REFETCH_AFTER_S = 5.0
