@@ -47,13 +47,7 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     ``received``: a hook for tests; a reply it returns False for counts as lost on the way.
     ``headers``: NATS headers for the request (a W3C ``traceparent`` joins its trace).
     """
-    if isinstance(body, dict) and body.get("request_id") is None:
-        body = {**body, "request_id": uuid.uuid4().hex}
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    if len(data) > nc.max_payload:
-        raise PayloadTooLarge(f"the request is {len(data)} bytes, over the NATS server's max_payload of "
-                              f"{nc.max_payload} bytes; send a shorter prompt or raise max_payload")
-    request_id = body.get("request_id") if isinstance(body, dict) else None
+    data, request_id = _prepared(body, nc.max_payload)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     finished = False
@@ -118,6 +112,18 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
         await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
         if not finished and request_id:
             await cancel(nc, request_id)
+
+
+def _prepared(body: dict | bytes, max_payload: int) -> tuple[bytes, str | None]:
+    """The request's bytes and id (a dict body without one gets one); too large for the
+    server: PayloadTooLarge."""
+    if isinstance(body, dict) and body.get("request_id") is None:
+        body = {**body, "request_id": uuid.uuid4().hex}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if len(data) > max_payload:
+        raise PayloadTooLarge(f"the request is {len(data)} bytes, over the NATS server's max_payload of "
+                              f"{max_payload} bytes; send a shorter prompt or raise max_payload")
+    return data, body.get("request_id") if isinstance(body, dict) else None
 
 
 def _unless_lost(final: wire.LastMessage, request_id: str | None, received: int) -> wire.LastMessage:
