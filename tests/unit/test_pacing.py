@@ -1,0 +1,95 @@
+"""The layer pacer of the timed model (tools/emulation/pacing.py), on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.tools.emulation.pacing import LayerPacer
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run_forward(pacer: LayerPacer, clock: FakeClock, target: float, work_per_layer: float):
+    ends = []
+    pacer.begin(target)
+    for index in range(pacer.layers):
+        clock.work(work_per_layer)
+        pacer.after_layer(index)
+        ends.append(clock.now - 100.0)
+    return ends, pacer.end()
+
+
+def test_each_layer_ends_at_its_share_of_the_step():
+    clock = FakeClock()
+    pacer = LayerPacer(4, clock, clock.sleep, min_sleep_s=0.0)
+    ends, record = run_forward(pacer, clock, target=0.4, work_per_layer=0.01)
+    assert ends == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert record.wall_s == pytest.approx(0.4)
+    assert record.busy_s == pytest.approx(0.04)
+    assert record.busy_share == pytest.approx(0.1)
+
+
+def test_a_slow_layer_is_not_waited_for_and_the_next_catch_up():
+    clock = FakeClock()
+    pacer = LayerPacer(4, clock, clock.sleep, min_sleep_s=0.0)
+    pacer.begin(0.4)
+    clock.work(0.25)  # layer 0 overruns its 0.1 and layer 1's 0.2
+    pacer.after_layer(0)
+    assert clock.sleeps == []
+    pacer.after_layer(1)
+    assert clock.sleeps == []
+    pacer.after_layer(2)
+    assert clock.now - 100.0 == pytest.approx(0.3)
+    pacer.after_layer(3)
+    assert pacer.end().wall_s == pytest.approx(0.4)
+
+
+def test_short_waits_are_gathered_and_the_last_layer_always_waits():
+    clock = FakeClock()
+    pacer = LayerPacer(8, clock, clock.sleep, min_sleep_s=0.0015)
+    ends, record = run_forward(pacer, clock, target=0.008, work_per_layer=0.0)  # 1 ms per layer
+    assert len(clock.sleeps) == 4  # every second layer
+    assert ends[-1] == pytest.approx(0.008)
+    assert record.wall_s == pytest.approx(0.008)
+
+
+def test_a_whole_step_pacer_waits_once_at_the_end():
+    clock = FakeClock()
+    pacer = LayerPacer.whole_step(64, clock, clock.sleep)
+    ends, record = run_forward(pacer, clock, target=1.0, work_per_layer=0.001)
+    assert len(clock.sleeps) == 1
+    assert ends[-1] == pytest.approx(1.0)
+    assert ends[-2] == pytest.approx(0.063)
+
+
+def test_a_step_that_takes_longer_than_its_target_is_recorded_as_such():
+    clock = FakeClock()
+    pacer = LayerPacer(2, clock, clock.sleep)
+    _, record = run_forward(pacer, clock, target=0.01, work_per_layer=0.02)
+    assert clock.sleeps == []
+    assert record.wall_s == pytest.approx(0.04)
+    assert record.busy_share == pytest.approx(4.0)
+
+
+def test_an_unpaced_forward_never_sleeps_and_a_negative_target_is_refused():
+    clock = FakeClock()
+    pacer = LayerPacer(4, clock, clock.sleep)
+    _, record = run_forward(pacer, clock, target=0.0, work_per_layer=0.01)
+    assert clock.sleeps == [] and record.busy_share == 0.0
+    assert pacer.end() is None
+    with pytest.raises(ValueError):
+        pacer.begin(-1.0)
