@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvpush.services.cli import settings as cli_settings
 from kvpush.services.cli.commands import Register, lazy
+from kvpush.services.launch.model import PROFILES
 from kvpush.shared import nats_security
 
 
@@ -31,7 +32,7 @@ def stack_options(p) -> None:
 def add_model(sub) -> None:
     model = sub.add_parser("model", help="manage the built-in model").add_subparsers(dest="model_command", required=True)
     build = model.add_parser("build", help="build the small offline model (deterministic)")
-    build.add_argument("--profile", default="small", choices=["small", "kv-heavy"])
+    build.add_argument("--profile", default="small", choices=list(PROFILES))
     build.add_argument("--out", help="folder (default: ~/.cache/kvpush/models/<profile>)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--force", action="store_true")

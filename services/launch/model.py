@@ -33,7 +33,7 @@ __all__ = [
 
 #: Bump when the recipe changes in a way that changes the produced files; a
 #: folder built by another recipe version is rebuilt.
-BUILD_VERSION = 2  # 2: the tokenizer has a chat template
+BUILD_VERSION = 3  # 2: the tokenizer has a chat template; 3: config.json names the profile's architecture
 
 MARKER_NAME = "kvpush_model.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -73,6 +73,11 @@ class ModelProfile:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    #: What vLLM loads it as. A timed profile names the emulated-GPU model
+    #: (tools/emulation), which paces each forward to the time ``emulates`` (a deployment in
+    #: tools/emulation/catalog.py) would take; the network itself is this Qwen2.
+    architecture: str = "Qwen2ForCausalLM"
+    emulates: str | None = None
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:
@@ -100,6 +105,33 @@ PROFILES: dict[str, ModelProfile] = {
         intermediate_size=1024,
         vocab_size=4096,
         max_position_embeddings=16384,
+    ),
+    # Emulated GPUs (docs/benchmarks.md, "Emulated GPUs"): the named model's layer count at the
+    # narrowest width vLLM's CPU attention takes (head_dim 32, one KV head: 16 KiB of KV per
+    # token in float32), and context for a 16k prompt plus its outputs.
+    "timed-qwen3-32b": ModelProfile(
+        hidden_size=64,
+        num_layers=64,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=4096,
+        max_position_embeddings=20480,
+        architecture="KvpushTimedForCausalLM",
+        emulates="qwen3-32b@p5en",
+    ),
+    "timed-llama-3.1-8b": ModelProfile(
+        hidden_size=64,
+        num_layers=32,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=4096,
+        max_position_embeddings=20480,
+        architecture="KvpushTimedForCausalLM",
+        emulates="llama-3.1-8b@h100",
     ),
 }
 
@@ -250,6 +282,7 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
     model = _random_model(_qwen2_config(prof, eos_id), eos_id, seed)
     with _quiet_transformers():
         model.save_pretrained(str(tmp), safe_serialization=True)
+    _name_architecture(tmp / "config.json", prof.architecture)
     _keep_build_files_only(tmp)
 
     marker = {
@@ -264,6 +297,15 @@ def _build_into(tmp: Path, name: str, prof: ModelProfile, seed: int) -> None:
         "file_sizes": {f: (tmp / f).stat().st_size for f in _BUILD_FILES},
     }
     (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _name_architecture(config_path: Path, architecture: str) -> None:
+    """save_pretrained names the class that saved the weights (transformers' Qwen2); vLLM
+    loads the profile's architecture, the same network under another name for a timed one."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("architectures") != [architecture]:
+        config["architectures"] = [architecture]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _save_tokenizer(tmp: Path, raw_tok, prof: ModelProfile) -> None:
@@ -302,7 +344,8 @@ def _qwen2_config(prof: ModelProfile, eos_id: int):
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         dtype="float32",
-        architectures=["Qwen2ForCausalLM"],
+        architectures=[prof.architecture],
+        **({"kvpush_emulation": {"target": prof.emulates}} if prof.emulates else {}),
     )
 
 
