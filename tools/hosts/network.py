@@ -100,6 +100,16 @@ class Host:
                 return int(words[words.index("Sent") + 1]), int(words[words.index("(dropped") + 1])
         raise NetworkError(f"no tc class 1:{minor} on {self.name}")
 
+    def shape(self, peer: "Host", bits_per_s: int) -> None:
+        """Limit what this host sends ``peer`` outside NATS to ``bits_per_s`` (htb rate and
+        ceil; a veth shaped so carries it within a few percent, measured). Rate only: this
+        kernel has no netem, so no latency can be added."""
+        if peer.address not in self.watched:
+            self.watch(peer)
+        minor = self.watched[peer.address]
+        run("tc", "-n", self.netns, "class", "change", "dev", DEVICE, "parent", "1:", "classid", f"1:{minor}",
+            "htb", "rate", f"{int(bits_per_s)}bit", "ceil", f"{int(bits_per_s)}bit", "quantum", "60000")
+
     def cut(self, peer: "Host") -> None:
         """Drop everything this host sends ``peer`` outside NATS (a queue of length zero)."""
         self._queue(peer, self.watched[peer.address], 0, "replace")

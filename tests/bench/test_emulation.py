@@ -1,0 +1,97 @@
+"""Emulated GPUs (tools/emulation), one tiny point in CI: the timed model in a real vLLM engine,
+a NIXL WRITE through a link shaped with tc, and the plugin's switch for vLLM's NIXL progress
+thread. What it asserts: a forward's wall time follows the time model within 10%, the link
+carries the rate that was set within 10%, and the switch reaches the agent config vLLM makes.
+The time model's arithmetic is tested in tests/unit/test_time_model.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvpush.tools.emulation import catalog
+from kvpush.tools.emulation.link import measure
+from kvpush.tools.emulation.time_model import Request, step_time
+from kvpush.tools.hosts.network import Network
+
+pytestmark = pytest.mark.timeout(600)
+
+DILATION = 20.0
+INPUT_LEN = 512
+BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def timed_run(tmp_path_factory):
+    log = tmp_path_factory.mktemp("timed") / "forwards.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpush.tools.emulation.single", "--profile", "timed-qwen3-32b",
+         "--dilation", str(DILATION), "--input-len", str(INPUT_LEN), "--output-len", "8", "--batch", str(BATCH),
+         "--repeats", "2", "--log", str(log)],
+        capture_output=True, text=True, timeout=500, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    forwards = [json.loads(line) for line in log.read_text().splitlines()]
+    return result, forwards
+
+
+def test_each_forward_takes_what_the_time_model_says_for_its_batch(timed_run):
+    _, forwards = timed_run
+    deployment = catalog.deployment("qwen3-32b@p5en")
+    assert len(forwards) >= 2 * (1 + 1 + 7)  # per repeat: a 1-token prefill run, a prefill, 7 decode steps
+    paced = 0
+    for forward in forwards:
+        batch = [Request(new, context) for new, context in forward["batch"]]
+        assert forward["modeled_s"] == pytest.approx(step_time(deployment, batch).seconds, rel=1e-9)
+        assert forward["target_s"] == pytest.approx(forward["modeled_s"] * DILATION, rel=1e-9)
+        if forward["busy_s"] < 0.8 * forward["target_s"]:  # the CPU's own work fits inside the target
+            paced += 1
+            assert forward["wall_s"] == pytest.approx(forward["target_s"], rel=0.10), forward
+    assert paced >= 0.8 * len(forwards), f"the CPU's work overran most targets: {forwards}"
+    prefills = [f for f in forwards if f["batch"] == [[INPUT_LEN, INPUT_LEN]] * BATCH]
+    decodes = [f for f in forwards if all(new == 1 for new, _ in f["batch"]) and len(f["batch"]) == BATCH]
+    assert prefills and decodes, "the batch read from vLLM's attention metadata"
+    assert decodes[0]["batch"][0][1] == INPUT_LEN + 1
+
+
+def test_the_timed_model_is_deterministic_and_reports_emulated_time(timed_run):
+    result, _ = timed_run
+    first, second = result["runs"]
+    assert first["tokens"] == second["tokens"]
+    assert all(len(tokens) == 8 for tokens in first["tokens"])
+    deployment = catalog.deployment("qwen3-32b@p5en")
+    prefill = step_time(deployment, [Request(INPUT_LEN, INPUT_LEN)] * BATCH).seconds
+    assert first["ttft_s"] >= prefill
+    assert first["ttft_s"] < 3 * prefill  # emulated: the real seconds were divided by k
+
+
+def test_a_nixl_write_through_the_shaped_link_gets_the_rate_that_was_set(tmp_path):
+    with Network() as net:
+        sender, receiver = net.add_host("h2", 2), net.add_host("h3", 3)
+        unshaped = measure(sender, receiver, tmp_path / "unshaped", mib=16)
+        rate_bits = 200_000_000
+        sender.shape(receiver, rate_bits)
+        shaped = measure(sender, receiver, tmp_path / "shaped", mib=16)
+        assert shaped["bytes_per_s"] * 8 == pytest.approx(rate_bits, rel=0.10), shaped
+        assert unshaped["bytes_per_s"] > 2 * shaped["bytes_per_s"], (unshaped, shaped)
+        assert sender.bytes_to(receiver) >= 16 << 20  # it crossed the shaped class
+
+
+def test_the_plugin_turns_off_the_progress_thread_of_vllms_nixl_agents_only_when_asked():
+    probe = ("from vllm.plugins import load_general_plugins; load_general_plugins();"
+             "from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker;"
+             "from vllm import ModelRegistry;"
+             "config = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True);"
+             "print(config.enable_pthread, 'KvpushTimedForCausalLM' in ModelRegistry.get_supported_archs())")
+    seen = {}
+    for switch in ("off", "on"):
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "KVPUSH_NIXL_PROGRESS_THREAD": switch, "VLLM_LOGGING_LEVEL": "ERROR"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen[switch] = run.stdout.strip().splitlines()[-1]
+    assert seen == {"off": "False True", "on": "True True"}
