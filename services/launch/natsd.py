@@ -53,7 +53,10 @@ class LocalNatsServer:
     """
 
     def __init__(self, port: int | None = None, store_dir: str | None = None,
-                 config: Path | str | None = None):
+                 config: Path | str | None = None, host: str = "127.0.0.1"):
+        """``host``: the one address it listens on (loopback unless a test's network
+        namespaces must reach it: the benchmark's emulated link)."""
+        self.host = host
         self.port = port or free_port()
         self._store = store_dir
         self.config = Path(config).resolve() if config is not None else None
@@ -63,7 +66,7 @@ class LocalNatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> "LocalNatsServer":
         if self._store is None:
@@ -86,7 +89,7 @@ class LocalNatsServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"nats-server exited: {self.log_tail()}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.02)
@@ -125,7 +128,7 @@ class LocalNatsServer:
         command = [server_binary()]
         if self.config is not None:
             command += ["-c", str(self.config)]
-        return command + ["-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", os.path.abspath(self._store)]
+        return command + ["-a", self.host, "-p", str(self.port), "-js", "-sd", os.path.abspath(self._store)]
 
     def _terminate(self) -> None:
         if self.process is not None:

@@ -48,6 +48,7 @@ class Stack:
         gateway_host: str = "127.0.0.1",
         metrics: bool = False,
         launchers: dict[str, list[str]] | None = None,
+        nats_host: str = "127.0.0.1",
     ):
         self.model = model
         self.nats_url = nats_url
@@ -69,13 +70,14 @@ class Stack:
         # Per child name, else per role: a command prefix that starts it elsewhere, e.g.
         # ["ip", "netns", "exec", "h2"] (the multi-host rig's "hosts").
         self.launchers = launchers or {}
+        self.nats_host = nats_host  # where its own NATS listens (a launcher's hosts must reach it)
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def start(self) -> "Stack":
         if self.nats_url is None:
             port = settings.DEFAULT_NATS_PORT if _port_free(settings.DEFAULT_NATS_PORT) else free_port()
-            self.nats_server = LocalNatsServer(port=port).start()
+            self.nats_server = LocalNatsServer(port=port, host=self.nats_host).start()
             self.nats_url = self.nats_server.url
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
         for i in range(self.num_schedulers):

@@ -82,16 +82,50 @@ def test_a_nixl_write_through_the_shaped_link_gets_the_rate_that_was_set(tmp_pat
         assert sender.bytes_to(receiver) >= 16 << 20  # it crossed the shaped class
 
 
-def test_the_plugin_turns_off_the_progress_thread_of_vllms_nixl_agents_only_when_asked():
-    probe = ("from vllm.plugins import load_general_plugins; load_general_plugins();"
-             "from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker;"
-             "from vllm import ModelRegistry;"
-             "config = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True);"
-             "print(config.enable_pthread, 'KvpushTimedForCausalLM' in ModelRegistry.get_supported_archs())")
+def test_the_plugin_paces_the_progress_thread_of_every_nixl_agent_only_when_asked():
+    """vLLM's NixlConnector makes its agents through NIXL's wrapper, which starts a progress
+    thread with no delay between rounds: a core spun at rest. Paced, it sleeps 1 ms a round."""
+    probe = ("import time; from vllm.plugins import load_general_plugins; load_general_plugins();"
+             "from vllm import ModelRegistry; from nixl._api import nixl_agent, nixl_agent_config;"
+             "agent = nixl_agent('probe', nixl_agent_config(backends=['UCX'])); time.sleep(0.5);"
+             "start = time.process_time(); time.sleep(2.0);"
+             "print(round((time.process_time() - start) / 2.0, 3), 'KvpushTimedForCausalLM' in ModelRegistry.get_supported_archs())")
     seen = {}
-    for switch in ("off", "on"):
+    for switch in ("paced", "on"):
         run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "KVPUSH_NIXL_PROGRESS_THREAD": switch, "VLLM_LOGGING_LEVEL": "ERROR"})
+                             env={**os.environ, "KVPUSH_NIXL_PROGRESS_THREAD": switch, "VLLM_LOGGING_LEVEL": "ERROR",
+                                  "NIXL_LOG_LEVEL": "WARN"})
         assert run.returncode == 0, run.stderr[-3000:]
-        seen[switch] = run.stdout.strip().splitlines()[-1]
-    assert seen == {"off": "False True", "on": "True True"}
+        cpu, registered = run.stdout.strip().splitlines()[-1].split()
+        assert registered == "True"
+        seen[switch] = float(cpu)
+    assert seen["paced"] < 0.2 < 0.6 < seen["on"], seen
+
+
+def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shaped_link(tmp_path):
+    """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector, each
+    engine on a host of its own, the KV through the shaped link, times reported divided by k."""
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--dilation", "25",
+         "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8", "--requests", "2",
+         "--warmup", "1", "--output-len", "8", "--binding", "kvpush=split,vllm-nixl=split", "--no-raw-nixl",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=580,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["errors"] == []
+    points = {p["variant"]: p for p in results["points"]}
+    assert set(points) == {"kvpush-push", "vllm-nixl"}
+    for variant, point in points.items():
+        summary, measured = point["summary"], point["measured_summary"]
+        assert summary["completed"] == 2 and summary["dilation"] == 25, (variant, point)
+        assert summary["p50_ttft_ms"] == pytest.approx(measured["p50_ttft_ms"] / 25)
+        assert point["cpu_share"]["forwards"] > 0 and point["cpu_share"]["all"] > 0
+    links = {link["system"]: link for link in results["links"]}
+    assert set(links) == {"kvpush", "vllm-nixl"}
+    kv_bytes = 3 * 512 * 16 * 1024 * 0.9  # the warm-up and two requests, the last block recomputed at most
+    for system, link in links.items():
+        assert link["rate_bits_per_s"] == pytest.approx(3200e9 * (16 / 256) / 25)
+        assert link["bytes_sent"]["prefill-0->decode-0"] >= kv_bytes, (system, link)

@@ -93,3 +93,29 @@ def test_an_unpaced_forward_never_sleeps_and_a_negative_target_is_refused():
     assert pacer.end() is None
     with pytest.raises(ValueError):
         pacer.begin(-1.0)
+
+
+def test_a_forward_begun_whole_waits_once_even_on_a_per_layer_pacer():
+    clock = FakeClock()
+    pacer = LayerPacer(4, clock, clock.sleep, min_sleep_s=0.0)
+    pacer.begin(0.4, by_layer=False)
+    for index in range(4):
+        clock.work(0.01)
+        pacer.after_layer(index)
+    assert clock.sleeps == [pytest.approx(0.36)]
+    pacer.begin(0.4)  # the next forward is paced by layer again
+    for index in range(4):
+        pacer.after_layer(index)
+    assert len(clock.sleeps) == 5
+
+
+def test_steps_with_prompt_tokens_are_paced_by_layer_and_decode_only_steps_once():
+    from kvpush.tools.emulation.pacing import paced_by_layer
+    from kvpush.tools.emulation.time_model import Request
+
+    prefill, decode, mixed = [Request(512, 512)], [Request(1, 600)] * 4, [Request(1, 600), Request(64, 64)]
+    assert [paced_by_layer("layers", b) for b in (prefill, decode, mixed)] == [True, False, True]
+    assert [paced_by_layer("every-layer", b) for b in (prefill, decode)] == [True, True]
+    assert [paced_by_layer("step", b) for b in (prefill, decode)] == [False, False]
+    with pytest.raises(ValueError):
+        paced_by_layer("sometimes", prefill)

@@ -37,6 +37,22 @@ def register_bench(sub) -> None:
     bench.add_argument("--model", help="a local model folder instead of a built-in profile")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
+    emulated = bench.add_argument_group("emulated GPUs (docs/benchmarks.md, \"Emulated GPUs\")")
+    emulated.add_argument("--emulate", metavar="MODEL@GPU",
+                          help="every engine runs the timed model of this deployment (qwen3-32b@p5en, "
+                               "llama-3.1-8b@h100); without --input-lens, the seed's grid")
+    emulated.add_argument("--dilation", type=float, default=25.0,
+                          help="k: every modeled time and every arrival gap is k times longer; results are "
+                               "reported divided by k")
+    emulated.add_argument("--nixl-progress-thread", choices=["on", "paced"], default="paced",
+                          help="vLLM's NIXL agents' progress thread: NIXL's own (spins a core at rest) or "
+                               "paced (1 ms between rounds)")
+    emulated.add_argument("--link", choices=["shaped", "loopback"], default="shaped",
+                          help="each engine on a network-namespace host of its own, NIXL over UCX TCP through a "
+                               "link shaped to the deployment's (root only), or all on loopback")
+    emulated.add_argument("--pacing", choices=["layers", "every-layer", "step"], default="layers",
+                          help="the timed model's waits: by layer in steps with prompt tokens and once in "
+                               "decode-only steps (layers), by layer always, or once per step")
     bench.set_defaults(func=lazy("kvpush.tools.bench.run:cmd"))
 
 

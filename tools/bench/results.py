@@ -25,6 +25,10 @@ class Point:
     segments_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # kvpush: segment -> p50/p99/mean
     handoff_overhead_ms: dict[str, float] = field(default_factory=dict)  # kvpush: p50/p99
     error: str = ""
+    # Emulated GPUs: the client's own figures (summary holds them in emulated time), and the
+    # forwards' real work against their dilated targets.
+    measured_summary: dict = field(default_factory=dict)
+    cpu_share: dict = field(default_factory=dict)
 
 
 def within_capacity(point: Point, points: list[Point]) -> bool:

@@ -37,16 +37,18 @@ from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
 from kvpush.services.launch.model import build_model, default_model_dir
 from kvpush.shared import wire
-from kvpush.tools.bench import client, report, transfer
+from kvpush.tools.bench import client, emulation, report, transfer
 from kvpush.tools.bench.results import Point
 from kvpush.tools.bench.stats import percentile
 from kvpush.tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
+from kvpush.tools.emulation.link import EngineHosts
 from kvpush.tools.otlp_receiver import OtlpReceiver
 
 VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
 SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "kvpush-auto": "kvpush", "kvpush-local": "kvpush",
              "vllm-nixl": "vllm-nixl", "vllm-nixl-push": "vllm-nixl-push"}
-KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024}
+KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024, "timed-qwen3-32b": 16 * 1024,
+                      "timed-llama-3.1-8b": 8 * 1024}
 CLIENT_TIMEOUT_S = 1800
 
 
@@ -95,6 +97,7 @@ class BenchConfig:
     probe: Workload = BINDING_PROBE
     raw_bandwidth: bool = True
     try_bindings: tuple[str, ...] = BINDINGS
+    emulation: emulation.Emulation | None = None  # emulated GPUs: the timed model, time dilated by k
 
     @property
     def systems(self) -> list[str]:
@@ -112,6 +115,8 @@ class Bench:
         self.raw_nixl: list[dict] = []
         self.errors: list[str] = []
         self.run_id = uuid.uuid4().hex[:6]
+        self.engine_hosts: EngineHosts | None = None  # emulated GPUs: each engine on a host of its own
+        self.links: list[dict] = []  # the shaped link of each system started, and what crossed it
 
     # ------------------------------------------------------------------ the run
 
@@ -152,9 +157,15 @@ class Bench:
     def _system(self, system: str, binding: str, topology: Topology, max_model_len: int):
         c = self.config
         log_dir = c.out / "logs" / f"{system}-{topology.label}-{binding}"
+        env = c.emulation.engine_env(self._forward_log(system, topology).parent) if c.emulation else None
         if system == "kvpush":
-            return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint)
-        return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir)
+            return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
+                                engine_env=env, hosts=self.engine_hosts)
+        return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir,
+                               engine_env=env, hosts=self.engine_hosts)
+
+    def _forward_log(self, system: str, topology: Topology) -> Path:
+        return emulation.log_dir_of(self.config.out, system, topology.label) / "forwards.jsonl"
 
     @property
     def model_name(self) -> str:
@@ -165,6 +176,10 @@ class Bench:
         c = self.config
         max_model_len = max(max(w.longest + c.output_len, 128 + w.background_output_len if w.background else 0)
                             for w in workloads) + 16
+        if c.emulation is not None and c.emulation.link == "shaped":
+            self.engine_hosts = EngineHosts(topology.prefill, topology.decode, c.emulation.link_bits_per_s).start()
+            self.say(f"engines on hosts of their own, the link between them shaped to "
+                     f"{c.emulation.link_bits_per_s / 1e6:.0f} Mbit/s")
         stack = self._system(system, binding, topology, max_model_len)
         self.say(f"starting {system} ({topology.label}, binding {binding})")
         started = time.monotonic()
@@ -184,18 +199,26 @@ class Bench:
             self.say(f"{system} failed: {exc} (logs in {c.out / 'logs'})")
         finally:
             stack.stop()
+            if self.engine_hosts is not None:
+                self.links.append({"system": system, "topology": topology.label,
+                                   "rate_bits_per_s": self.engine_hosts.rate_bits,
+                                   "bytes_sent": self.engine_hosts.kv_bytes()})
+                self.engine_hosts.stop()
+                self.engine_hosts = None
 
     async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str) -> Point:
         c = self.config
-        load = client.Load(workload.input_len, c.output_len, rate, workload.requests, workload.range_ratio,
+        client_rate = c.emulation.client_rate(rate) if c.emulation else rate
+        load = client.Load(workload.input_len, c.output_len, client_rate, workload.requests, workload.range_ratio,
                            seed=c.seed, warmups=c.warmups, burstiness=workload.burstiness)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
         prefix = f"bench-{self.run_id}-{slug}-"
         point = Point(workload.name, workload.topology.label, SYSTEM_OF[variant], variant, binding,
                       workload.input_len, rate, workload.requests, str(result_file.relative_to(c.out)))
-        self.say(f"{variant}: {workload.name} at {rate:g} req/s, {workload.requests} requests")
-        cpu_before, wall_before = _cpu_by_process(stack.processes()), time.monotonic()
+        self.say(f"{variant}: {workload.name} at {rate:g} req/s, {workload.requests} requests"
+                 + (f" (sent at {client_rate:g} req/s: k = {c.emulation.dilation:g})" if c.emulation else ""))
+        cpu_before, wall_before, started_at = _cpu_by_process(stack.processes()), time.monotonic(), time.time()
         try:
             background = None
             if workload.background:  # decodes kept busy by long generations (their own client, unmeasured)
@@ -220,6 +243,15 @@ class Bench:
         if SYSTEM_OF[variant] == "kvpush" and not point.error:
             await asyncio.sleep(1.5)  # the last spans
             self._spans_of(point, prefix, workload)
+        if c.emulation is not None:
+            topology = workload.topology
+            point.cpu_share = emulation.cpu_share(self._forward_log(SYSTEM_OF[variant], topology), started_at,
+                                                  time.time())
+            point.measured_summary = point.summary
+            point.summary = c.emulation.summary(point.summary) if point.summary else {}
+            point.segments_ms = c.emulation.segments(point.segments_ms)
+            if point.handoff_overhead_ms:
+                point.handoff_overhead_ms = {k: v / c.emulation.dilation for k, v in point.handoff_overhead_ms.items()}
         s = point.summary
         if s:
             self.say(f"{variant}: TTFT p50 {s['p50_ttft_ms']:.0f} ms p99 {s['p99_ttft_ms']:.0f} ms, "
@@ -360,7 +392,7 @@ class Bench:
         (c.out / "results.json").write_text(json.dumps(
             {"machine": machine, "config": config, "errors": self.errors, "bindings": c.bindings,
              "binding_probes": [asdict(p) for p in self.probes], "idle_cpu": self.idle_cpu,
-             "at_rest": self.at_rest,
+             "at_rest": self.at_rest, "links": self.links,
              "raw_nixl": self.raw_nixl, "points": [asdict(p) for p in self.points]}, indent=1, default=str))
         with open(c.out / "points.csv", "w", newline="") as f:
             writer = csv.writer(f)
@@ -390,6 +422,15 @@ def cmd(args) -> int:
             print(f"--binding {pair!r}: give system=binding, binding one of {', '.join(BINDINGS)}", file=sys.stderr)
             return 2
         bindings[system] = binding
+    emulated = None
+    if args.emulate:
+        try:
+            emulated = emulation.Emulation(args.emulate, args.dilation, progress_thread=args.nixl_progress_thread,
+                                           pacing=args.pacing, link=args.link)
+            args.profile = emulated.profile
+        except ValueError as exc:
+            print(f"--emulate {args.emulate}: {exc}", file=sys.stderr)
+            return 2
     if args.input_lens:
         topology = Topology(args.prefill, args.decode)
         shape = "".join([f" mixed ±{args.range_ratio:g}" if args.range_ratio else "",
@@ -400,6 +441,8 @@ def cmd(args) -> int:
                               range_ratio=args.range_ratio, burstiness=args.burstiness, background=args.background,
                               background_output_len=args.background_output_len)
                      for n in (int(x) for x in args.input_lens.split(","))]
+    elif emulated is not None:
+        workloads = list(emulation.grid(Workload, emulated.target, requests=args.requests))
     else:
         workloads = list(GRID)
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
@@ -408,7 +451,7 @@ def cmd(args) -> int:
     config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
                          workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
                          out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
-                         try_bindings=tuple(args.try_bindings.split(",")))
+                         try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()

@@ -28,6 +28,7 @@ from pathlib import Path
 from kvpush.services.launch.natsd import free_port
 from kvpush.services.launch.stack import Stack, answers
 from kvpush.shared import connector_kinds
+from kvpush.tools.emulation.link import UCX_OVER_TCP, EngineHosts
 
 BINDINGS = ("auto", "split", "all")
 KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
@@ -74,8 +75,11 @@ class KvpushSystem:
     variants = {f"kvpush-{mode}": {"transfer_mode": mode} for mode in ("push", "pull", "auto", "local")}
 
     def __init__(self, model: str, max_model_len: int, topology: Topology, binding: str, log_dir: Path,
-                 otlp_endpoint: str, prefix_caching: str = "off"):
-        """``prefix_caching`` off by default: the published push-vs-pull shape (vLLM's too, below)."""
+                 otlp_endpoint: str, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
+                 hosts: EngineHosts | None = None):
+        """``prefix_caching`` off by default: the published push-vs-pull shape (vLLM's too, below).
+        ``engine_env``: more for every process (the emulated GPUs' settings); ``hosts``: each
+        worker on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
         self.topology = topology
         self.binding = binding
         role_env = {}
@@ -83,10 +87,16 @@ class KvpushSystem:
             role_env[f"prefill-{i}"] = core_binding(binding, i)
         for i in range(topology.decode):
             role_env[f"decode-{i}"] = core_binding(binding, topology.prefill + i)
+        placement = {}
+        if hosts is not None:
+            placement = {"launchers": {name: hosts.launcher(name) for name in role_env},
+                         "nats_host": hosts.root_address}
+            role_env = {name: {**env, **UCX_OVER_TCP} for name, env in role_env.items()}
         self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
                            log_dir=log_dir, gateway_port=0, role_env=role_env, prefix_caching=prefix_caching,
                            extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
-                                      "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB})
+                                      "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+                                      **(engine_env or {})}, **placement)
 
     async def start(self, timeout: float = 600) -> None:
         self.stack.start()
@@ -109,8 +119,11 @@ class KvpushSystem:
 
 class VllmServeSystem:
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
-                 binding: str, log_dir: Path, prefix_caching: str = "off"):
-        """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``)."""
+                 binding: str, log_dir: Path, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
+                 hosts: EngineHosts | None = None):
+        """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``);
+        ``engine_env``: more for every engine (the emulated GPUs' settings); ``hosts``: each
+        engine on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
         kind = connector_kinds.of(variant)
         if kind.ours:
             raise ValueError(f"{variant!r} is not one of vLLM's own connectors")
@@ -125,13 +138,15 @@ class VllmServeSystem:
         self.topology = topology
         self.binding = binding
         self.log_dir = log_dir
+        self.extra_env = dict(engine_env or {})
+        self.hosts = hosts
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.proxy_port = 0
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], launcher: list[str] = ()) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_dir / f"{name}.log", "ab")
-        process = subprocess.Popen([sys.executable, "-m", *args], env={**os.environ, **env}, stdout=out,
+        process = subprocess.Popen([*launcher, sys.executable, "-m", *args], env={**os.environ, **env}, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.children.append((name, process))
         return process
@@ -145,24 +160,27 @@ class VllmServeSystem:
             return "kv_both"
         return "kv_producer" if role == "prefill" else "kv_consumer"
 
-    def serve_command(self, role: str, port: int, engine_id: str) -> list[str]:
+    def serve_command(self, role: str, port: int, engine_id: str, host: str = "127.0.0.1") -> list[str]:
         config = {"kv_connector": self.connector, "kv_role": self.kv_role(role),
                   "kv_buffer_device": "cpu", "engine_id": engine_id}
-        return ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+        return ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", host, "--port", str(port),
                 "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
                 "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
                 "--dtype", "float32",
                 "--max-model-len", str(self.max_model_len)]
 
-    def engine_env(self, engine_index: int, side_channel: int) -> dict[str, str]:
+    def engine_env(self, engine_index: int, side_channel: int, host: str = "127.0.0.1") -> dict[str, str]:
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
-               "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, engine_index)}
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, engine_index),
+               **self.extra_env}
         if self.flow == "push":
             # The push proxy sends both legs at once, so decode knows prefill's request id only as
             # the proxy named it; prefill renews its lease on blocks decode has not received yet
             # only for heartbeats with its exact id, which the engine otherwise suffixes at random.
             env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
+        if host != "127.0.0.1":
+            env.update(UCX_OVER_TCP)
         return env
 
     async def start(self, timeout: float = 600) -> None:
@@ -172,14 +190,17 @@ class VllmServeSystem:
         engines = [("prefill", i) for i in range(self.topology.prefill)] + \
                   [("decode", i) for i in range(self.topology.decode)]
         for index, (role, i) in enumerate(engines):
-            port, side_channel = free_port(), free_port()
+            port, side_channel = free_port(), free_port()  # free here; on a host of its own, free there too
             engine_id = f"{role}-{i}"
-            self._spawn(engine_id, self.serve_command(role, port, engine_id), self.engine_env(index, side_channel))
-            health.append(f"http://127.0.0.1:{port}/health")
+            host = self.hosts.address(engine_id) if self.hosts else "127.0.0.1"
+            launcher = self.hosts.launcher(engine_id) if self.hosts else []
+            self._spawn(engine_id, self.serve_command(role, port, engine_id, host),
+                        self.engine_env(index, side_channel, host), launcher)
+            health.append(f"http://{host}:{port}/health")
             if role == "prefill":
-                prefills.append(f"127.0.0.1:{port}:{engine_id}:{side_channel}")
+                prefills.append(f"{host}:{port}:{engine_id}:{side_channel}")
             else:
-                decodes.append(f"127.0.0.1:{port}")
+                decodes.append(f"{host}:{port}")
         self.proxy_port = free_port()
         self._spawn("proxy", ["kvpush.tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
                               "--prefill", *prefills, "--decode", *decodes], {})

@@ -1,6 +1,8 @@
-"""A link like a GPU cluster's, between two hosts of the multi-host rig: the rate that
-:func:`~kvpush.tools.emulation.time_model.shaped_link_rate` gives, set with tc, and a probe
-that measures what one NIXL WRITE over UCX TCP gets through it.
+"""A link like a GPU cluster's between the engines: each engine on a host of its own (a
+network namespace of tools/hosts/network.py), NIXL over UCX TCP on its ``eth0``, and what each
+prefill sends each decode (and back) shaped with tc to the rate that
+:func:`~kvpush.tools.emulation.time_model.shaped_link_rate` gives (:class:`EngineHosts`);
+and a probe that measures what one NIXL WRITE gets through such a link (:func:`measure`).
 
 ``python -m kvpush.tools.emulation.link target|initiator --dir D --mib N`` runs one side of the
 probe (each side in its host's namespace); the two meet through files in ``D``, a folder both
@@ -19,10 +21,65 @@ import sys
 import time
 from pathlib import Path
 
-from kvpush.tools.hosts.network import Host
+from kvpush.tools.hosts.network import OPERATOR, SUBNET_PREFIX, Host, Network
 
 MIB = 1 << 20
 UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_TCP_NODELAY": "y", "NIXL_LOG_LEVEL": "WARN"}
+
+
+class EngineHosts:
+    """One host per engine (``prefill-0`` on 198.18.0.2, the next on .3, ...); everything else
+    (NATS, schedulers, gateway, proxies, the client) stays in the root namespace, which the
+    hosts reach as 198.18.0.254. ``rate_bits``: each prefill→decode and decode→prefill
+    direction is shaped to it (per pair, at the sender: a decode fed by two prefills gets
+    twice the rate, where a real decode's one NIC would be shared); None leaves the veths as
+    they are."""
+
+    root_address = f"{SUBNET_PREFIX}{OPERATOR}"
+
+    def __init__(self, prefills: int, decodes: int, rate_bits: float | None):
+        self.names = [f"prefill-{i}" for i in range(prefills)] + [f"decode-{i}" for i in range(decodes)]
+        self.rate_bits = rate_bits
+        self.network: Network | None = None
+        self.hosts: dict[str, Host] = {}
+
+    def start(self) -> "EngineHosts":
+        self.network = Network().start()
+        try:
+            for index, name in enumerate(self.names):
+                short = name[0] + name.rsplit("-", 1)[1]  # p0, d1: interface names stay short
+                self.hosts[name] = self.network.add_host(short, 2 + index)
+            if self.rate_bits is not None:
+                prefills = [h for n, h in self.hosts.items() if n.startswith("prefill")]
+                decodes = [h for n, h in self.hosts.items() if n.startswith("decode")]
+                for prefill in prefills:
+                    for decode in decodes:
+                        prefill.shape(decode, self.rate_bits)
+                        decode.shape(prefill, self.rate_bits)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def address(self, name: str) -> str:
+        return self.hosts[name].address
+
+    def launcher(self, name: str) -> list[str]:
+        return self.hosts[name].exec_prefix()
+
+    def kv_bytes(self) -> dict[str, int]:
+        """What each prefill host sent each decode host outside NATS (tc's counters)."""
+        sent = {}
+        for name, host in self.hosts.items():
+            for other, peer in self.hosts.items():
+                if peer.address in host.watched:
+                    sent[f"{name}->{other}"] = host.bytes_to(peer)
+        return sent
+
+    def stop(self) -> None:
+        if self.network is not None:
+            self.network.stop()
+            self.network = None
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:

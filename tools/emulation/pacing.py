@@ -13,8 +13,9 @@ layer by layer in a long prefill, a few layers at a time in a short decode step.
 Sleeping inside a forward costs real work: measured on a 2-core AMD EPYC (Qwen3-32B's 64
 layers, one decode step, k = 20), the forward's real work was 13-14 ms with one sleep at its
 end and about 25 ms with a sleep every few layers (the CPU comes back cold). ``min_sleep_s``
-of a whole step (``LayerPacer.whole_step``) paces the step only at its end, for runs that
-do not need per-layer timing.
+of a whole step (``LayerPacer.whole_step``), or ``begin(..., by_layer=False)`` for one
+forward, paces the step only at its end: the timed model does so for steps that only decode
+(no per-layer hook there needs its moment: a decode step saves no KV for another engine).
 """
 
 from __future__ import annotations
@@ -22,7 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["LayerPacer", "ForwardRecord"]
+from kvpush.tools.emulation.time_model import Request
+
+__all__ = ["LayerPacer", "ForwardRecord", "PACINGS", "paced_by_layer"]
+
+PACINGS = ("layers", "every-layer", "step")
+
+
+def paced_by_layer(pacing: str, batch: list[Request]) -> bool:
+    """Whether a step's layers each wait for their share (else one wait at its end): under
+    ``layers``, the steps that compute prompt tokens (their per-layer KV saves are what a
+    layer-wise push rides on); under ``every-layer`` all; under ``step`` none."""
+    if pacing not in PACINGS:
+        raise ValueError(f"pacing {pacing!r}: use one of {', '.join(PACINGS)}")
+    if pacing == "step":
+        return False
+    return pacing == "every-layer" or any(request.new > 1 for request in batch)
 
 
 @dataclass
@@ -50,6 +66,7 @@ class LayerPacer:
     sleep: Callable[[float], None]
     min_sleep_s: float = 0.002
     _start: float | None = None
+    _by_layer: bool = True
 
     @classmethod
     def whole_step(cls, layers: int, clock: Callable[[], float], sleep: Callable[[float], None]) -> "LayerPacer":
@@ -58,10 +75,12 @@ class LayerPacer:
 
     _record: ForwardRecord | None = field(default=None, repr=False)
 
-    def begin(self, target_s: float) -> None:
-        """A forward starts that should take ``target_s`` (0: do not pace it)."""
+    def begin(self, target_s: float, by_layer: bool = True) -> None:
+        """A forward starts that should take ``target_s`` (0: do not pace it); ``by_layer``
+        False waits once, after the last layer, whatever ``min_sleep_s`` says."""
         if target_s < 0:
             raise ValueError("a forward's target time cannot be negative")
+        self._by_layer = by_layer
         self._start = self.clock()
         self._record = ForwardRecord(target_s)
 
@@ -73,7 +92,7 @@ class LayerPacer:
         deadline = self._start + record.target_s * (index + 1) / self.layers
         now = self.clock()
         last = index == self.layers - 1
-        if deadline - now >= self.min_sleep_s or (last and deadline > now):
+        if (self._by_layer and deadline - now >= self.min_sleep_s) or (last and deadline > now):
             self.sleep(deadline - now)
             record.slept_s += self.clock() - now  # what the sleep took, overshoot included
 

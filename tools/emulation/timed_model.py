@@ -15,8 +15,9 @@ Settings (from the model folder's ``config.json``, key ``kvpush_emulation``):
 serves every run: ``KVPUSH_EMULATION_DILATION`` (k, default 1), ``KVPUSH_EMULATION_TARGET``
 (overrides the folder's target), ``KVPUSH_EMULATION_LOG`` (a file; each paced forward appends
 one JSON line: batch, modeled, target, wall and busy seconds), ``KVPUSH_EMULATION_PACING``
-(``layers``, the default: each layer ends at its share of the step; ``step``: one wait at the
-end, less real work where per-layer timing is not needed).
+(``layers``, the default: in a step that computes prompt tokens each layer ends at its share
+of the step, and a step that only decodes waits once at its end, as sleeping between layers
+costs real work; ``every-layer``: decode steps by layer too; ``step``: one wait per step).
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvpush.tools.emulation import catalog
-from kvpush.tools.emulation.pacing import LayerPacer
+from kvpush.tools.emulation.pacing import PACINGS, LayerPacer, paced_by_layer
 from kvpush.tools.emulation.plugin import ARCHITECTURE
 from kvpush.tools.emulation.time_model import Request, step_time
 
 DILATION_ENV = "KVPUSH_EMULATION_DILATION"
 TARGET_ENV = "KVPUSH_EMULATION_TARGET"
 LOG_ENV = "KVPUSH_EMULATION_LOG"
-PACING_ENV = "KVPUSH_EMULATION_PACING"  # "layers" (default) or "step"
+PACING_ENV = "KVPUSH_EMULATION_PACING"  # "layers" (default), "every-layer" or "step"
 
 
 def dilation_from_env() -> float:
@@ -57,13 +58,14 @@ def dilation_from_env() -> float:
     return value
 
 
-def pacer_from_env(layers: int) -> LayerPacer:
+def pacing_from_env() -> str:
     pacing = os.environ.get(PACING_ENV, "layers")
-    if pacing == "layers":
-        return LayerPacer(layers, clock=time.perf_counter, sleep=time.sleep)
-    if pacing == "step":
-        return LayerPacer.whole_step(layers, clock=time.perf_counter, sleep=time.sleep)
-    raise ValueError(f"{PACING_ENV}={pacing!r}: use 'layers' or 'step'")
+    if pacing not in PACINGS:
+        raise ValueError(f"{PACING_ENV}={pacing!r}: use one of {', '.join(PACINGS)}")
+    return pacing
+
+
+
 
 
 def batch_of_this_step() -> list[Request] | None:
@@ -141,7 +143,8 @@ class KvpushTimedForCausalLM(nn.Module):
             for index in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._pacer = pacer_from_env(len(self.layers))
+        self._pacing = pacing_from_env()
+        self._pacer = LayerPacer(len(self.layers), clock=time.perf_counter, sleep=time.sleep)
         self._log_path = os.environ.get(LOG_ENV)
         self._log_lock = threading.Lock()
 
@@ -151,7 +154,7 @@ class KvpushTimedForCausalLM(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_kwargs):
         batch = batch_of_this_step()
         modeled = step_time(self.deployment, batch).seconds if batch else 0.0
-        self._pacer.begin(modeled * self.dilation)
+        self._pacer.begin(modeled * self.dilation, by_layer=bool(batch) and paced_by_layer(self._pacing, batch))
         try:
             hidden = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
             for index, layer in enumerate(self.layers):

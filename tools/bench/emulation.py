@@ -1,0 +1,144 @@
+"""``kvpush bench --emulate <model>@<gpu>``: the same systems and client on emulated GPUs.
+
+Every engine of every system loads the timed model of the named deployment
+(tools/emulation): the tiny network computes for real, and each forward waits out what the
+deployment would take for its batch, times the dilation ``k``. Arrivals are dilated too (the
+client sends at rate / k), so what the client measures is the emulated run slowed down k
+times; every time in the results is divided by k and every rate multiplied by it, and k is
+stated beside them. vLLM's NIXL agents' progress thread is paced (the plugin's switch): it
+spins a core at rest otherwise, and a GPU server has a spare core for it, two cores do not.
+
+Per point, each engine's forward log gives the CPU share: the real work inside its forwards
+against their dilated targets (the target is at most 20%).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpush.services.launch.model import PROFILES
+from kvpush.tools.bench.systems import Topology
+from kvpush.tools.emulation import catalog
+from kvpush.tools.emulation.time_model import prefill_seconds, shaped_link_rate
+
+TIME_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True)
+class Emulation:
+    target: str  # a catalog deployment: qwen3-32b@p5en
+    dilation: float  # k
+    progress_thread: str = "paced"  # vLLM's NIXL agents' progress thread: "on" or "paced"
+    pacing: str = "layers"
+    link: str = "shaped"  # engines on hosts of their own behind a shaped link, or "loopback"
+
+    def __post_init__(self) -> None:
+        catalog.deployment(self.target)  # a clear error for an unknown name
+        if self.dilation <= 0:
+            raise ValueError("the dilation k must be positive")
+        if self.link not in ("shaped", "loopback"):
+            raise ValueError(f"link {self.link!r}: use 'shaped' or 'loopback'")
+
+    @property
+    def link_bits_per_s(self) -> float | None:
+        """The rate of the shaped link (bits/s): the deployment's link, scaled by the timed
+        model's KV bytes per token against the named model's, and slowed by k; None on
+        loopback."""
+        if self.link == "loopback":
+            return None
+        tiny = PROFILES[self.profile].kv_bytes_per_token_fp32
+        return 8 * shaped_link_rate(catalog.deployment(self.target), tiny, self.dilation)
+
+    @property
+    def profile(self) -> str:
+        """The ``kvpush model build`` profile whose network has the target's layer count."""
+        for name, profile in PROFILES.items():
+            if profile.emulates == self.target:
+                return name
+        raise ValueError(f"no timed model profile emulates {self.target!r}")
+
+    def engine_env(self, log_dir: Path) -> dict[str, str]:
+        """What every engine process of every system gets."""
+        return {"KVPUSH_EMULATION_TARGET": self.target, "KVPUSH_EMULATION_DILATION": f"{self.dilation:g}",
+                "KVPUSH_EMULATION_PACING": self.pacing, "KVPUSH_NIXL_PROGRESS_THREAD": self.progress_thread,
+                "KVPUSH_EMULATION_LOG": str(log_dir / "forwards.jsonl")}
+
+    def client_rate(self, rate: float) -> float:
+        return rate / self.dilation
+
+    def summary(self, measured: dict) -> dict:
+        """A client summary in emulated time: times / k, rates × k; ``measured`` kept beside it."""
+        out = dict(measured)
+        for key, value in measured.items():
+            if value is None:
+                continue
+            if key.endswith("_ms") and any(f"_{metric}_" in f"_{key}" for metric in TIME_METRICS):
+                out[key] = value / self.dilation
+            elif key in ("request_throughput", "output_throughput"):
+                out[key] = value * self.dilation
+            elif key == "duration_s":
+                out[key] = value / self.dilation
+        out["dilation"] = self.dilation
+        return out
+
+    def segments(self, segments_ms: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        return {name: {stat: (value / self.dilation if stat != "n" else value) for stat, value in stats.items()}
+                for name, stats in segments_ms.items()}
+
+
+def cpu_share(log_path: Path, since: float, until: float) -> dict:
+    """The forwards' real work against their targets between two moments, per engine process
+    and in all: ``{"all": share, "by_pid": {pid: share}, "forwards": n}``."""
+    busy: dict[int, float] = {}
+    target: dict[int, float] = {}
+    count = 0
+    try:
+        lines = log_path.read_text().splitlines()
+    except OSError:
+        return {"all": None, "by_pid": {}, "forwards": 0}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a process that was killed
+        if not since <= record.get("at", 0) <= until:
+            continue
+        pid = record["pid"]
+        busy[pid] = busy.get(pid, 0.0) + record["busy_s"]
+        target[pid] = target.get(pid, 0.0) + record["target_s"]
+        count += 1
+    total_target = sum(target.values())
+    return {"all": round(sum(busy.values()) / total_target, 3) if total_target else None,
+            "by_pid": {str(pid): round(busy[pid] / target[pid], 3) for pid in busy if target[pid]},
+            "forwards": count}
+
+
+SEED_LENGTHS = (1024, 4096, 8192, 16384)
+SEED_RATES = (1.0, 2.0, 4.0, 8.0)
+
+
+def rates_it_holds(target: str, input_len: int, rates=SEED_RATES) -> tuple[float, ...]:
+    """The seed's rates that one emulated prefill instance can hold at this length: those at
+    which a second of arrivals brings less than a second of prefill (prefill time × rate < 1).
+    Past that the queue grows for as long as the run lasts, and TTFT measures the run's
+    length, not the system."""
+    seconds = prefill_seconds(catalog.deployment(target), input_len)
+    return tuple(rate for rate in rates if seconds * rate < 1.0)
+
+
+def grid(workload_type, target: str, requests: int = 16):
+    """The seed's 1P1D grid (1k-16k inputs, 128 outputs, 1-8 req/s cut to what the emulated
+    prefill holds), 1P2D and 2P1D at 4k, and a mixed workload of 200-16k tokens."""
+    workloads = [workload_type(f"{n // 1024}k", n, rates_it_holds(target, n), requests) for n in SEED_LENGTHS]
+    workloads += [workload_type("4k 1P2D", 4096, (4.0,), requests, topology=Topology(1, 2)),
+                  workload_type("4k 2P1D", 4096, (4.0,), requests, topology=Topology(2, 1)),
+                  workload_type("mixed 200-16k", 8292, (1.0,), requests, range_ratio=0.976)]
+    return tuple(w for w in workloads if w.rates)
+
+
+def log_dir_of(out: Path, system: str, topology_label: str) -> Path:
+    folder = out / "emulation" / f"{system}-{topology_label}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
