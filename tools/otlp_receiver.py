@@ -22,7 +22,9 @@ from kvpush.otel.files import flat_spans, hex_ids
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        """``host``: the one address it listens on (the benchmark's emulated link puts engines
+        on network-namespace hosts, which reach the root namespace at the switch's address)."""
         self._lock = threading.Lock()  # protects spans and metric_names
         self.spans: list[dict] = []
         self.metric_names: set[str] = set()
@@ -62,8 +64,8 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.endpoint = f"http://{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="otlp-receiver", daemon=True)
 
     def __enter__(self) -> "OtlpReceiver":

@@ -123,6 +123,7 @@ def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shape
         assert summary["completed"] == 2 and summary["dilation"] == 25, (variant, point)
         assert summary["p50_ttft_ms"] == pytest.approx(measured["p50_ttft_ms"] / 25)
         assert point["cpu_share"]["forwards"] > 0 and point["cpu_share"]["all"] > 0
+    assert "prefill compute" in points["kvpush-push"]["segments_ms"], "the workers' spans crossed from their hosts"
     links = {link["system"]: link for link in results["links"]}
     assert set(links) == {"kvpush", "vllm-nixl"}
     kv_bytes = 3 * 512 * 16 * 1024 * 0.9  # the warm-up and two requests, the last block recomputed at most

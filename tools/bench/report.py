@@ -65,11 +65,18 @@ def _split(segments: dict) -> str:
 
 
 def cpu_table(points: list) -> str:
-    out = ["| workload | system | rate | CPU s/s by process |", "|---|---|---:|---|"]
+    emulated = any(p.cpu_share for p in points)
+    out = ["| workload | system | rate | CPU s/s by process |" + (" CPU share of the forwards (all; by engine pid) |"
+                                                              if emulated else ""),
+           "|---|---|---:|---|" + ("---|" if emulated else "")]
     for p in points:
         if p.cpu_s_per_s:
             cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
-            out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |")
+            share = ""
+            if emulated:
+                by_pid = ", ".join(f"{pid} {value:.2f}" for pid, value in p.cpu_share.get("by_pid", {}).items())
+                share = f" {p.cpu_share.get('all')}; {by_pid} |"
+            out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |{share}")
     return "\n".join(out) + "\n"
 
 
@@ -78,6 +85,13 @@ def tables(bench) -> str:
     machine_cores = bench.config.bindings
     parts.append("Bindings kept: " + ", ".join(f"{system} **{binding}**" for system, binding in machine_cores.items())
                  + "\n")
+    emulation = getattr(bench.config, "emulation", None)
+    if emulation is not None:
+        parts.append(f"**Emulated GPUs**: {emulation.target}, k = {emulation.dilation:g} (every time below is the "
+                     f"client's divided by k, every rate multiplied by it), link "
+                     + (f"{emulation.link_bits_per_s / 1e6:.0f} Mbit/s" if emulation.link_bits_per_s else "loopback")
+                     + f", NIXL progress thread {emulation.progress_thread}, pacing {emulation.pacing}. A point whose "
+                     "CPU share is above 0.2 measured the CPU more than the emulated GPUs.\n")
     if bench.probes:
         parts.append("### Binding probe\n")
         parts.append(workload_table(bench.probes).replace("| system |", "| system (binding in the next column) |", 1))

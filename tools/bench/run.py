@@ -176,10 +176,13 @@ class Bench:
         c = self.config
         max_model_len = max(max(w.longest + c.output_len, 128 + w.background_output_len if w.background else 0)
                             for w in workloads) + 16
+        outer_receiver = self.receiver
         if c.emulation is not None and c.emulation.link == "shaped":
             self.engine_hosts = EngineHosts(topology.prefill, topology.decode, c.emulation.link_bits_per_s).start()
             self.say(f"engines on hosts of their own, the link between them shaped to "
                      f"{c.emulation.link_bits_per_s / 1e6:.0f} Mbit/s")
+            # The workers' spans come from their hosts: a receiver where those reach the root namespace.
+            self.receiver = OtlpReceiver(host=EngineHosts.root_address).__enter__()
         stack = self._system(system, binding, topology, max_model_len)
         self.say(f"starting {system} ({topology.label}, binding {binding})")
         started = time.monotonic()
@@ -205,6 +208,9 @@ class Bench:
                                    "bytes_sent": self.engine_hosts.kv_bytes()})
                 self.engine_hosts.stop()
                 self.engine_hosts = None
+            if self.receiver is not outer_receiver:
+                self.receiver.__exit__(None, None, None)
+                self.receiver = outer_receiver
 
     async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str) -> Point:
         c = self.config
