@@ -18,9 +18,10 @@ import time
 
 from kvpush.services.launch.model import build_model, default_model_dir
 
-#: Tokens of a prompt: a fixed walk over the vocabulary, different per prompt so that no two
-#: prompts share a prefix (prefix caching is off anyway).
+
 def prompt_tokens(index: int, length: int, vocab: int = 4096) -> list[int]:
+    """Tokens of prompt ``index``: a fixed walk over the vocabulary, different per prompt so
+    that no two share a prefix (prefix caching is off anyway)."""
     return [10 + (index * 7919 + position * 104_729) % (vocab - 20) for position in range(length)]
 
 

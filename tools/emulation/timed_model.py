@@ -65,9 +65,6 @@ def pacing_from_env() -> str:
     return pacing
 
 
-
-
-
 def batch_of_this_step() -> list[Request] | None:
     """The step's requests from vLLM's attention metadata; ``None`` for a dummy run (warm-up,
     memory profiling), which has none and is not paced."""
