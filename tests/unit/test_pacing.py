@@ -67,9 +67,9 @@ def test_short_waits_are_gathered_and_the_last_layer_always_waits():
     assert record.wall_s == pytest.approx(0.008)
 
 
-def test_a_whole_step_pacer_waits_once_at_the_end():
+def test_a_pacer_whose_short_waits_span_the_step_waits_once_at_the_end():
     clock = FakeClock()
-    pacer = LayerPacer.whole_step(64, clock, clock.sleep)
+    pacer = LayerPacer(64, clock, clock.sleep, min_sleep_s=float("inf"))
     ends, record = run_forward(pacer, clock, target=1.0, work_per_layer=0.001)
     assert len(clock.sleeps) == 1
     assert ends[-1] == pytest.approx(1.0)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
-from kvpush.services.launch.model import build_model, default_model_dir
+from kvpush.services.launch.model import PROFILES, build_model, default_model_dir
 from kvpush.shared import wire
 from kvpush.tools.bench import client, emulation, report, transfer
 from kvpush.tools.bench.results import Point
@@ -47,8 +47,6 @@ from kvpush.tools.otlp_receiver import OtlpReceiver
 VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
 SYSTEM_OF = {"kvpush-push": "kvpush", "kvpush-pull": "kvpush", "kvpush-auto": "kvpush", "kvpush-local": "kvpush",
              "vllm-nixl": "vllm-nixl", "vllm-nixl-push": "vllm-nixl-push"}
-KV_BYTES_PER_TOKEN = {"small": 2 * 1024, "kv-heavy": 16 * 1024, "timed-qwen3-32b": 16 * 1024,
-                      "timed-llama-3.1-8b": 8 * 1024}
 CLIENT_TIMEOUT_S = 1800
 
 
@@ -250,9 +248,8 @@ class Bench:
             await asyncio.sleep(1.5)  # the last spans
             self._spans_of(point, prefix, workload)
         if c.emulation is not None:
-            topology = workload.topology
-            point.cpu_share = emulation.cpu_share(self._forward_log(SYSTEM_OF[variant], topology), started_at,
-                                                  time.time())
+            point.cpu_share = emulation.cpu_share(self._forward_log(SYSTEM_OF[variant], workload.topology),
+                                                  started_at, time.time())
             point.measured_summary = point.summary
             point.summary = c.emulation.summary(point.summary) if point.summary else {}
             point.segments_ms = c.emulation.segments(point.segments_ms)
@@ -278,6 +275,8 @@ class Bench:
         segments: dict[str, list[float]] = {}
         overheads = []
         bandwidth = self._raw_bytes_per_ms()
+        profile = PROFILES.get(self.config.profile)  # "custom" (--model): unknown, no overhead figure
+        kv_bytes_per_token = profile.kv_bytes_per_token_fp32 if profile else 0
         for trace in by_request.values():
             path = view.critical_path(trace)
             if not path:
@@ -288,7 +287,7 @@ class Bench:
             if bandwidth:
                 handoff = sum(ms.get(k, 0.0) for k in ("handoff", "transfer", "kv notice"))
                 prompt = _prompt_tokens(trace) or workload.input_len
-                overheads.append(handoff - prompt * KV_BYTES_PER_TOKEN.get(self.config.profile, 0) / bandwidth)
+                overheads.append(handoff - prompt * kv_bytes_per_token / bandwidth)
         point.segments_ms = {name: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "mean": sum(v) / len(v),
                                     "n": len(v)} for name, v in segments.items()}
         if overheads:

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from kvpush.tools.hosts.network import OPERATOR, SUBNET_PREFIX, Host, Network
+from kvpush.tools.hosts.network import OPERATOR, SUBNET_PREFIX, UCX_ON_ETH0, Host, Network
 
 MIB = 1 << 20
-UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "UCX_TCP_NODELAY": "y", "NIXL_LOG_LEVEL": "WARN"}
+UCX_OVER_TCP = {**UCX_ON_ETH0, "UCX_TCP_NODELAY": "y", "NIXL_LOG_LEVEL": "WARN"}
 
 
 class EngineHosts:

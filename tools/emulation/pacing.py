@@ -13,8 +13,8 @@ layer by layer in a long prefill, a few layers at a time in a short decode step.
 Sleeping inside a forward costs real work: measured on a 2-core AMD EPYC (Qwen3-32B's 64
 layers, one decode step, k = 20), the forward's real work was 13-14 ms with one sleep at its
 end and about 25 ms with a sleep every few layers (the CPU comes back cold). ``min_sleep_s``
-of a whole step (``LayerPacer.whole_step``), or ``begin(..., by_layer=False)`` for one
-forward, paces the step only at its end: the timed model does so for steps that only decode
+of a whole step, or ``begin(..., by_layer=False)`` for one forward, paces the step only at
+its end: the timed model does so for steps that only decode
 (no per-layer hook there needs its moment: a decode step saves no KV for another engine).
 """
 
@@ -68,10 +68,6 @@ class LayerPacer:
     _start: float | None = None
     _by_layer: bool = True
 
-    @classmethod
-    def whole_step(cls, layers: int, clock: Callable[[], float], sleep: Callable[[float], None]) -> "LayerPacer":
-        """A pacer that waits once, after the last layer."""
-        return cls(layers, clock, sleep, min_sleep_s=float("inf"))
 
     _record: ForwardRecord | None = field(default=None, repr=False)
 

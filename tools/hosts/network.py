@@ -25,6 +25,7 @@ PREFIX_LEN = 24
 OPERATOR = 254  # the root namespace's address on the switch: 198.18.0.254
 DEVICE = "eth0"  # each host's one interface
 NATS_PORTS = (4222, 6222)  # client and cluster-route ports: never counted, never cut
+UCX_ON_ETH0 = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}  # NIXL's bytes over the host's link: no shm, no CMA
 QUEUE = 10_000  # packets a counting class queues (far more than a veth ever holds)
 
 

@@ -27,7 +27,7 @@ from kvpush.services.launch.natsd import server_binary, terminate
 from kvpush.services.launch.stack import _die_with_parent
 from kvpush.shared.permissions import literal_password, render_config
 from kvpush.tools import dev_certs
-from kvpush.tools.hosts.network import Host, Network
+from kvpush.tools.hosts.network import UCX_ON_ETH0, Host, Network
 from kvpush.tools.reliability.fault_rig import IDENTITIES, TLS_FILES, FaultRig
 
 CLUSTER = "kvpush"
@@ -37,7 +37,7 @@ HOSTS = {"h1": 1, "h2": 2, "h3": 3}
 PLACEMENT = {"scheduler": "h1", "gateway": "h1", "prefill": "h2", "decode": "h3"}
 # What a multi-host deployment sets: the KV over TCP on the host's own interface, and
 # JetStream state replicated on all three servers.
-MULTI_HOST_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "KVPUSH_JETSTREAM_REPLICAS": "3"}
+MULTI_HOST_ENV = {**UCX_ON_ETH0, "KVPUSH_JETSTREAM_REPLICAS": "3"}
 
 
 @dataclass
