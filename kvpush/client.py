@@ -11,7 +11,10 @@ asked for again: each carries its ``seq`` and the final their count, so a gap en
 request with ``stream_lost`` instead of an answer with tokens missing. A request itself
 can be lost on its way too: when no scheduler knows it (``NotFound``, not ``InFlight``)
 and nothing came back, the client sends it again, up to ``RESENDS`` times; the schedulers
-take a repeat (same id, same inbox) for the request they have.
+take a repeat (same id, same inbox) for the request they have. NATS's "no responders" is
+sent again for ``NO_SCHEDULER_GRACE_S`` before it becomes ``NoScheduler``: when a server of
+a cluster dies, the schedulers that were on it are back on another within a reconnect
+(0.2-2 s), and a request sent in between should be served, not refused.
 
 Each reply is decoded once, into ``wire.Reply`` (``TokenChunk``, ``FinalReply`` or
 ``ErrorReply``): callers get structs, and tell them apart with ``match``."""
@@ -29,18 +32,21 @@ from kvpush.shared.errors import InFlight, NoScheduler, NotFound, PayloadTooLarg
 
 REFETCH_AFTER_S = 5.0
 RESENDS = 2  # times a request no scheduler knows of is sent again
+NO_SCHEDULER_GRACE_S = 3.0  # how long "no responders" is asked again: a NATS failover's reconnects
 FORGOTTEN_AFTER = 2  # NotFound answers in a row that end a request which had streamed
 _NOT_KEPT = (InFlight.code, NotFound.code)  # kvpush.final's answers that hold no final
 
 
 async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after_s: float = REFETCH_AFTER_S,
                    received: Callable[[wire.Reply], bool] | None = None,
-                   headers: dict[str, str] | None = None) -> AsyncIterator[wire.Reply]:
+                   headers: dict[str, str] | None = None,
+                   no_scheduler_grace_s: float = NO_SCHEDULER_GRACE_S) -> AsyncIterator[wire.Reply]:
     """Yield each reply for one request: ``TokenChunk``s, then its last message
     (``FinalReply`` or ``ErrorReply``).
 
     Raises TimeoutError when no message arrives for ``timeout`` seconds (nor a final
-    when asked again), NoScheduler when nobody listens on ``kvpush.generate``. Stopping
+    when asked again), NoScheduler when nobody has listened on ``kvpush.generate`` for
+    ``no_scheduler_grace_s``. Stopping
     early (breaking out, cancelling the task) cancels the request. A dict body without a
     ``request_id`` gets one, so that the final can be asked for again.
 
@@ -57,6 +63,8 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     try:
         subject = wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT
         await nc.publish(subject, data, reply=inbox, headers=headers or None)
+        sent_at = loop.time()
+        refused = 0  # "no responders" answers so far
         resent = 0
         unknown = 0  # answers in a row, after the stream began, that no scheduler knows it
         heard_at = loop.time()
@@ -88,6 +96,12 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
                 yield _unless_lost(final, request_id, chunks)
                 return
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+                waited = loop.time() - sent_at
+                if chunks == 0 and waited < no_scheduler_grace_s:
+                    await asyncio.sleep(min(0.1 * 2 ** refused, no_scheduler_grace_s - waited))
+                    refused += 1
+                    await nc.publish(subject, data, reply=inbox, headers=headers or None)
+                    continue
                 raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
                                   "(kvpush up, or kvpush scheduler) or check --nats-url")
             reply = wire.decode_reply(msg.data)

@@ -87,6 +87,35 @@ async def test_a_request_nobody_listens_for_is_refused_with_a_sentence():
             await conn.close()
 
 
+async def test_a_request_refused_while_schedulers_reconnect_is_sent_again_and_served():
+    """NATS answers "no responders" while no scheduler listens (a failover: they are on
+    their way to another server). The client sends again until one listens, within its
+    grace, and gets that scheduler's answer instead of NoScheduler."""
+    with LocalNatsServer() as server:
+        client, scheduler = await nats.connect(server.url), await nats.connect(server.url)
+        try:
+            sent_before = client.stats["out_msgs"]
+            served = asyncio.create_task(_collect_replies(generate(client, {"prompt": "hi", "request_id": "r-late"},
+                                                                   timeout=30, no_scheduler_grace_s=30)))
+            await _until(lambda: client.stats["out_msgs"] >= sent_before + 2, 10)  # refused once, sent again
+
+            async def answer(msg):
+                await scheduler.publish(msg.reply, wire.encode_json(wire.FinalReply(
+                    "r-late", "length", wire.Usage(1, 0), wire.Timings(0, 0, 0))))
+
+            await scheduler.subscribe(wire.GENERATE_SUBJECT, cb=answer)
+            await scheduler.flush()
+            replies = await asyncio.wait_for(served, 30)
+            assert [type(r).__name__ for r in replies] == ["FinalReply"] and replies[0].request_id == "r-late"
+        finally:
+            await client.close()
+            await scheduler.close()
+
+
+async def _collect_replies(stream) -> list:
+    return [reply async for reply in stream]
+
+
 async def test_a_named_client_requests_and_cancels_on_its_own_subjects(nc, nats_server):
     """A connection logged in as a client has its inboxes under ``_INBOX.<client>``
     (``connect_options`` sets the prefix); it sends on ``kvpush.generate.<client>``, and

@@ -309,9 +309,9 @@ class Bench:
         on before any request comes. ``settle_s`` first: vLLM's readers spin a second after
         the last message (the health checks)."""
         await asyncio.sleep(settle_s)
-        before, threads_before = _cpu_by_process(stack.processes()), _cpu_by_thread(stack.processes())
+        before, threads_before = _cpu_by_process_and_thread(stack.processes())
         await asyncio.sleep(seconds)
-        after, threads_after = _cpu_by_process(stack.processes()), _cpu_by_thread(stack.processes())
+        after, threads_after = _cpu_by_process_and_thread(stack.processes())
         busiest = {name: round(max((used - threads_before.get(name, {}).get(tid, 0.0)
                                     for tid, used in tids.items()), default=0.0) / seconds, 3)
                    for name, tids in threads_after.items()}
@@ -491,17 +491,24 @@ def _cpu_by_process(roots: dict[str, int]) -> dict[str, dict[int, float]]:
     return used
 
 
-def _cpu_by_thread(roots: dict[str, int]) -> dict[str, dict[int, float]]:
-    """CPU seconds so far of each thread of each named process and its descendants, by thread id."""
+def _cpu_by_process_and_thread(roots: dict[str, int]) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """CPU seconds so far of each named process and its descendants, by pid, and of each of
+    their threads, by thread id: both read back to back for each process, so that a busy
+    thread cannot show more CPU than its process (one walk of all processes, then another,
+    had put up to a walk's time between them)."""
     import psutil
 
-    used: dict[str, dict[int, float]] = {name: {} for name in roots}
+    by_process: dict[str, dict[int, float]] = {name: {} for name in roots}
+    by_thread: dict[str, dict[int, float]] = {name: {} for name in roots}
     for name, process in _trees(roots):
         try:
-            used[name].update({t.id: t.user_time + t.system_time for t in process.threads()})
+            threads = process.threads()
+            times = process.cpu_times()
         except psutil.NoSuchProcess:
-            pass
-    return used
+            continue
+        by_thread[name].update({t.id: t.user_time + t.system_time for t in threads})
+        by_process[name][process.pid] = times.user + times.system
+    return by_process, by_thread
 
 
 def _cpu_rates(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall: float) -> dict:

@@ -97,10 +97,16 @@ class Soak:
         self.tally = Tally()
         self._in_flight: dict[str, asyncio.Task] = {}
 
-    async def run(self, seconds: float, rate: float, fault_every_s: float, progress=None) -> Tally:
+    async def run(self, seconds: float, rate: float, fault_every_s: float, progress=None,
+                  at_least_faults: int = 0, most_seconds: float | None = None) -> Tally:
+        """Send at ``rate`` for ``seconds``, a fault every ``fault_every_s``. With
+        ``at_least_faults``, go on past ``seconds`` (to ``most_seconds`` at most) until that
+        many faults, the first ones of FAULT_KINDS, have gone in: some faults take seconds
+        themselves, and a slow machine would otherwise end before the last ones."""
         stop_at = time.monotonic() + seconds
-        faults = asyncio.create_task(self._inject_faults(stop_at, fault_every_s, progress))
-        while time.monotonic() < stop_at:
+        give_up_at = time.monotonic() + max(seconds, most_seconds or seconds)
+        faults = asyncio.create_task(self._inject_faults(stop_at, fault_every_s, progress, at_least_faults, give_up_at))
+        while time.monotonic() < stop_at or (not faults.done() and time.monotonic() < give_up_at):
             self._send()
             await asyncio.sleep(self.rng.expovariate(rate))
         await faults
@@ -157,9 +163,11 @@ class Soak:
 
     # ------------------------------------------------------------------ faults
 
-    async def _inject_faults(self, stop_at: float, every_s: float, progress) -> None:
+    async def _inject_faults(self, stop_at: float, every_s: float, progress, at_least: int = 0,
+                             give_up_at: float = 0.0) -> None:
         turn = 0
-        while time.monotonic() + every_s < stop_at:
+        while (time.monotonic() + every_s < stop_at
+               or (turn < at_least and time.monotonic() + every_s < give_up_at)):
             await asyncio.sleep(every_s)
             kind = FAULT_KINDS[turn % len(FAULT_KINDS)]
             turn += 1
