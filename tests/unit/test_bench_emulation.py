@@ -74,3 +74,85 @@ def test_the_shaped_link_carries_the_timed_models_kv_in_the_deployments_ratio():
     assert Emulation("qwen3-32b@p5en", 25, link="loopback").link_bits_per_s is None
     with pytest.raises(ValueError, match="shaped"):
         Emulation("qwen3-32b@p5en", 25, link="wifi")
+
+
+def test_auto_k_grows_with_the_prompt_and_keeps_the_aimed_share_at_the_longest_one():
+    from kvpush.tools.bench.emulation import TINY_NETWORK_COST, auto_dilation
+    from kvpush.tools.emulation import catalog
+    from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds
+
+    ks = [auto_dilation("qwen3-32b@p5en", n) for n in (1024, 4096, 8192, 16384)]
+    assert ks == sorted(ks) and ks[0] < ks[-1] and all(k % 25 == 0 for k in ks)
+    deployment = catalog.deployment("qwen3-32b@p5en")
+    for n, k in zip((1024, 4096, 8192, 16384), ks):
+        prefill_share = TINY_NETWORK_COST.prefill_s(n) / (k * prefill_seconds(deployment, n))
+        decode_share = TINY_NETWORK_COST.decode_step_s / (k * decode_step_seconds(deployment, [n]))
+        assert max(prefill_share, decode_share) <= 0.15  # the aim, under the 0.2 a valid point keeps
+        assert max(prefill_share, decode_share) > 0.15 * (k - 25) / k  # and k no larger than that needs
+    # By hand at 4k: 0.24 ms a token + 5.9e-8 s per token pair = 0.98 + 0.49 s against 106 ms modeled.
+    assert TINY_NETWORK_COST.prefill_s(4096) == pytest.approx(0.24e-3 * 4096 + 5.9e-8 * 4096 ** 2 / 2)
+
+
+def test_an_auto_emulation_has_no_k_until_a_workload_gives_it_one():
+    auto = Emulation("qwen3-32b@p5en", "auto")
+    with pytest.raises(ValueError, match="per workload"):
+        auto.client_rate(1.0)
+    at_4k = auto.for_workload(4096)
+    assert at_4k.k == at_4k.dilation != "auto" and at_4k.client_rate(4.0) == pytest.approx(4.0 / at_4k.k)
+    assert Emulation("qwen3-32b@p5en", 40).for_workload(16384).k == 40  # a given k is kept
+    with pytest.raises(ValueError, match="positive number or 'auto'"):
+        Emulation("qwen3-32b@p5en", "fast")
+
+
+def test_a_points_real_time_is_its_arrivals_and_its_drain_times_k():
+    from kvpush.tools.bench.emulation import real_seconds
+    from kvpush.tools.emulation import catalog
+    from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds
+
+    deployment = catalog.deployment("qwen3-32b@p5en")
+    one = prefill_seconds(deployment, 4096) + 128 * decode_step_seconds(deployment, [4096])
+    assert real_seconds("qwen3-32b@p5en", 4096, 128, 4.0, 8, 1, 100) == pytest.approx(100 * (8 / 4 + 2 * one))
+
+
+def _point(variant: str, rate: float, ttft: float, tpot: float, repeat: int = 0, k: float = 100.0, error: str = ""):
+    from kvpush.tools.bench.results import Point
+
+    return Point("4k", "1P1D", "kvpush", variant, "split", 4096, rate, 6, "raw/x.json",
+                 summary={"p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": tpot, "dilation": k},
+                 error=error, repeat=repeat)
+
+
+def test_resume_keeps_the_points_measured_and_runs_the_failed_and_missing_ones_again(tmp_path):
+    from dataclasses import asdict
+
+    from kvpush.tools.bench.run import Bench, BenchConfig
+
+    kept = [_point("kvpush-push", 4.0, 117, 4.0), _point("kvpush-push", 4.0, 119, 4.0, repeat=1),
+            _point("kvpush-pull", 4.0, 0, 0, error="the client timed out")]
+    (tmp_path / "results.json").write_text(json.dumps({"points": [asdict(p) for p in kept]}))
+    workload = Workload("4k", 4096, (4.0,), 6)
+    at_100 = Emulation("qwen3-32b@p5en", 100)
+    bench = Bench(BenchConfig("model", "timed-qwen3-32b", ["kvpush-push", "kvpush-pull"], [workload], out=tmp_path,
+                              emulation=at_100, resume=True, repeats=3), say=lambda line: None)
+    assert len(bench.points) == 2  # the failed one is measured again
+    assert bench._done("kvpush-push", workload, 4.0, at_100, 0) and bench._done("kvpush-push", workload, 4.0, at_100, 1)
+    assert not bench._done("kvpush-push", workload, 4.0, at_100, 2)  # the third repeat is still to come
+    assert not bench._done("kvpush-pull", workload, 4.0, at_100, 0)
+    assert not bench._done("kvpush-push", workload, 4.0, Emulation("qwen3-32b@p5en", 25), 0)  # another k
+    fresh = Bench(BenchConfig("model", "timed-qwen3-32b", ["kvpush-push"], [workload], out=tmp_path,
+                              emulation=at_100), say=lambda line: None)
+    assert fresh.points == []  # without --resume nothing is kept
+
+
+def test_push_is_set_against_pull_at_every_point_and_every_repeat():
+    from kvpush.tools.bench.report import push_against_pull
+
+    table = push_against_pull([_point("kvpush-push", 4.0, 100, 4.0), _point("kvpush-pull", 4.0, 125, 5.0),
+                               _point("kvpush-push", 4.0, 120, 4.0, repeat=1),
+                               _point("kvpush-pull", 4.0, 100, 4.0, repeat=1),
+                               _point("kvpush-push", 8.0, 90, 4.0)])  # no pull at 8 req/s: no row
+    rows = [line for line in table.splitlines() if line.startswith("| 4k")]
+    assert len(rows) == 2
+    assert "| 0.80 | 0.80 |" in rows[0] and rows[0].endswith("| 0.80 |")
+    assert "| 1.20 | 1.20 |" in rows[1] and rows[1].endswith("| 1.00 |")
+    assert push_against_pull([_point("kvpush-push", 4.0, 100, 4.0)]) == ""

@@ -12,6 +12,15 @@ from kvpush.services.cli.commands import lazy
 BLOCK_SIZE = 16  # bench-scheduler's stand-ins: tokens per KV block, vLLM's default on GPUs (its CPU platform's is 128)
 
 
+def _dilation(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number (k) or auto") from None
+
+
 def register_bench(sub) -> None:
     bench = sub.add_parser("bench", help="kvpush push/pull against vLLM's own disaggregated serving, one client "
                                          "(vllm bench serve) for all")
@@ -32,6 +41,8 @@ def register_bench(sub) -> None:
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
     bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
     bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="measure each point this many times in a row, fresh prompts each time: its noise")
     bench.add_argument("--output-len", type=int, default=128)
     bench.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
     bench.add_argument("--model", help="a local model folder instead of a built-in profile")
@@ -41,9 +52,13 @@ def register_bench(sub) -> None:
     emulated.add_argument("--emulate", metavar="MODEL@GPU",
                           help="every engine runs the timed model of this deployment (qwen3-32b@p5en, "
                                "llama-3.1-8b@h100); without --input-lens, the seed's grid")
-    emulated.add_argument("--dilation", type=float, default=25.0,
+    emulated.add_argument("--dilation", type=_dilation, default="auto",
                           help="k: every modeled time and every arrival gap is k times longer; results are "
-                               "reported divided by k")
+                               "reported divided by k. auto (the default): each workload's own, from its longest "
+                               "prompt, so that the forwards' real work stays a small share")
+    emulated.add_argument("--resume", action="store_true",
+                          help="keep the points already in --out and measure only the others (each point is "
+                               "written as it ends)")
     emulated.add_argument("--nixl-progress-thread", choices=["on", "paced"], default="paced",
                           help="vLLM's NIXL agents' progress thread: NIXL's own (spins a core at rest) or "
                                "paced (1 ms between rounds)")

@@ -15,31 +15,88 @@ against their dilated targets (the target is at most 20%).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvpush.services.launch.model import PROFILES
 from kvpush.tools.bench.systems import Topology
 from kvpush.tools.emulation import catalog
-from kvpush.tools.emulation.time_model import prefill_seconds, shaped_link_rate
+from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds, shaped_link_rate
 
 TIME_METRICS = ("ttft", "tpot", "itl", "e2el")
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class TinyNetworkCost:
+    """The real work of the timed model's forwards (64 layers) in a bench, fitted to the forward
+    logs of docs/bench/emulated/k100-4k-4rps (AMD EPYC, 2 cores, kvpush and vLLM's pair under
+    load): a prompt token costs ``per_token_s`` plus ``per_token_context_s`` for each token
+    before it (the tiny network's attention, quadratic in the prompt), a decode step
+    ``decode_step_s``. Another machine has other costs: the share each point measures is the
+    check, this only picks k so that it is likely to pass."""
+
+    per_token_s: float = 0.24e-3
+    per_token_context_s: float = 5.9e-8
+    decode_step_s: float = 0.035
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        return self.per_token_s * prompt_tokens + self.per_token_context_s * prompt_tokens ** 2 / 2
+
+
+TINY_NETWORK_COST = TinyNetworkCost()
+SHARE_AIM = 0.15  # k is chosen for this share, under the 0.2 that a valid point must keep
+K_STEP = 25
+
+
+def auto_dilation(target: str, longest_input: int, cost: TinyNetworkCost = TINY_NETWORK_COST,
+                  share: float = SHARE_AIM) -> float:
+    """The smallest k (a multiple of 25) at which both the longest prompt's prefill and a
+    decode step at its context keep the forwards' real work to ``share`` of their dilated
+    time. Longer prompts need a larger k: the tiny network's attention grows with the square
+    of the prompt, the emulated GPU's prefill nearly linearly."""
+    deployment = catalog.deployment(target)
+    for_prefill = cost.prefill_s(longest_input) / (share * prefill_seconds(deployment, longest_input))
+    for_decode = cost.decode_step_s / (share * decode_step_seconds(deployment, [longest_input]))
+    return float(K_STEP * math.ceil(max(for_prefill, for_decode) / K_STEP))
+
+
+def real_seconds(target: str, input_len: int, output_len: int, rate: float, requests: int, warmups: int,
+                 dilation: float) -> float:
+    """About how long one point takes in real time: its arrivals, then the last request's
+    prefill and decode, and each warm-up request alone, all k times their emulated time."""
+    deployment = catalog.deployment(target)
+    one = prefill_seconds(deployment, input_len) + output_len * decode_step_seconds(deployment, [input_len])
+    return dilation * (requests / rate + one * (1 + warmups))
 
 
 @dataclass(frozen=True)
 class Emulation:
     target: str  # a catalog deployment: qwen3-32b@p5en
-    dilation: float  # k
+    dilation: float | str  # k, or "auto": each workload's own (``for_workload``)
     progress_thread: str = "paced"  # vLLM's NIXL agents' progress thread: "on" or "paced"
     pacing: str = "layers"
     link: str = "shaped"  # engines on hosts of their own behind a shaped link, or "loopback"
 
     def __post_init__(self) -> None:
         catalog.deployment(self.target)  # a clear error for an unknown name
-        if self.dilation <= 0:
-            raise ValueError("the dilation k must be positive")
+        if self.dilation != AUTO and (not isinstance(self.dilation, (int, float)) or self.dilation <= 0):
+            raise ValueError(f"the dilation k must be a positive number or {AUTO!r}, got {self.dilation!r}")
         if self.link not in ("shaped", "loopback"):
             raise ValueError(f"link {self.link!r}: use 'shaped' or 'loopback'")
+
+    @property
+    def k(self) -> float:
+        if self.dilation == AUTO:
+            raise ValueError("k is chosen per workload: use for_workload(longest input) first")
+        return float(self.dilation)
+
+    def for_workload(self, longest_input: int) -> "Emulation":
+        """This emulation at the k of a workload whose longest prompt is ``longest_input``."""
+        if self.dilation != AUTO:
+            return self
+        return replace(self, dilation=auto_dilation(self.target, longest_input))
 
     @property
     def link_bits_per_s(self) -> float | None:
@@ -49,7 +106,7 @@ class Emulation:
         if self.link == "loopback":
             return None
         tiny = PROFILES[self.profile].kv_bytes_per_token_fp32
-        return 8 * shaped_link_rate(catalog.deployment(self.target), tiny, self.dilation)
+        return 8 * shaped_link_rate(catalog.deployment(self.target), tiny, self.k)
 
     @property
     def profile(self) -> str:
@@ -61,12 +118,12 @@ class Emulation:
 
     def engine_env(self, log_dir: Path) -> dict[str, str]:
         """What every engine process of every system gets."""
-        return {"KVPUSH_EMULATION_TARGET": self.target, "KVPUSH_EMULATION_DILATION": f"{self.dilation:g}",
+        return {"KVPUSH_EMULATION_TARGET": self.target, "KVPUSH_EMULATION_DILATION": f"{self.k:g}",
                 "KVPUSH_EMULATION_PACING": self.pacing, "KVPUSH_NIXL_PROGRESS_THREAD": self.progress_thread,
                 "KVPUSH_EMULATION_LOG": str(log_dir / "forwards.jsonl")}
 
     def client_rate(self, rate: float) -> float:
-        return rate / self.dilation
+        return rate / self.k
 
     def summary(self, measured: dict) -> dict:
         """A client summary in emulated time: times / k, rates × k; ``measured`` kept beside it."""
@@ -75,16 +132,16 @@ class Emulation:
             if value is None:
                 continue
             if key.endswith("_ms") and any(f"_{metric}_" in f"_{key}" for metric in TIME_METRICS):
-                out[key] = value / self.dilation
+                out[key] = value / self.k
             elif key in ("request_throughput", "output_throughput"):
-                out[key] = value * self.dilation
+                out[key] = value * self.k
             elif key == "duration_s":
-                out[key] = value / self.dilation
-        out["dilation"] = self.dilation
+                out[key] = value / self.k
+        out["dilation"] = self.k
         return out
 
     def segments(self, segments_ms: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        return {name: {stat: (value / self.dilation if stat != "n" else value) for stat, value in stats.items()}
+        return {name: {stat: (value / self.k if stat != "n" else value) for stat, value in stats.items()}
                 for name, stats in segments_ms.items()}
 
 

@@ -8,6 +8,8 @@ CPU while it waits for KV, and the raw NIXL bandwidth.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 from pathlib import Path
 
@@ -66,16 +68,16 @@ def _split(segments: dict) -> str:
 
 def cpu_table(points: list) -> str:
     emulated = any(p.cpu_share for p in points)
-    out = ["| workload | system | rate | CPU s/s by process |" + (" CPU share of the forwards (all; by engine pid) |"
+    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) |"
                                                               if emulated else ""),
-           "|---|---|---:|---|" + ("---|" if emulated else "")]
+           "|---|---|---:|---|" + ("---:|---|" if emulated else "")]
     for p in points:
         if p.cpu_s_per_s:
             cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
             share = ""
             if emulated:
                 by_pid = ", ".join(f"{pid} {value:.2f}" for pid, value in p.cpu_share.get("by_pid", {}).items())
-                share = f" {p.cpu_share.get('all')}; {by_pid} |"
+                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} |"
             out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |{share}")
     return "\n".join(out) + "\n"
 
@@ -87,10 +89,14 @@ def tables(bench) -> str:
                  + "\n")
     emulation = getattr(bench.config, "emulation", None)
     if emulation is not None:
-        parts.append(f"**Emulated GPUs**: {emulation.target}, k = {emulation.dilation:g} (every time below is the "
-                     f"client's divided by k, every rate multiplied by it), link "
-                     + (f"{emulation.link_bits_per_s / 1e6:.0f} Mbit/s" if emulation.link_bits_per_s else "loopback")
-                     + f", NIXL progress thread {emulation.progress_thread}, pacing {emulation.pacing}. A point whose "
+        ks = sorted({p.summary["dilation"] for p in bench.points if p.summary.get("dilation")})
+        link = ("loopback" if emulation.link == "loopback" else
+                "shaped to " + ", ".join(f"{replace(emulation, dilation=k).link_bits_per_s / 1e6:.0f}"
+                                         f" Mbit/s at k = {k:g}" for k in ks))
+        parts.append(f"**Emulated GPUs**: {emulation.target}, k = {', '.join(f'{k:g}' for k in ks) or emulation.dilation}"
+                     + (" (chosen per workload: its longest prompt)" if emulation.dilation == "auto" else "")
+                     + " (every time below is the client's divided by k, every rate multiplied by it), link "
+                     + link + f", NIXL progress thread {emulation.progress_thread}, pacing {emulation.pacing}. A point whose "
                      "CPU share is above 0.2 measured the CPU more than the emulated GPUs.\n")
     if bench.probes:
         parts.append("### Binding probe\n")
@@ -102,6 +108,10 @@ def tables(bench) -> str:
         at = [p for p in bench.points if p.workload == workload]
         parts.append(f"### {workload} ({at[0].topology}, {at[0].input_len}-token prompts)\n")
         parts.append(workload_table(at))
+    push_pull = push_against_pull(bench.points)
+    if push_pull:
+        parts.append("### kvpush push against kvpush pull (the same engines, the same point)\n")
+        parts.append(push_pull)
     parts.append("### CPU per process (CPU-seconds per second over the point)\n")
     parts.append(cpu_table(bench.points))
     if bench.at_rest:
@@ -118,6 +128,28 @@ def tables(bench) -> str:
     if bench.errors:
         parts.append("### Errors\n" + "".join(f"- {e}\n" for e in bench.errors))
     return "\n".join(parts)
+
+
+def push_against_pull(points: list) -> str:
+    """Push's TTFT and TPOT over pull's at each point where both ran: a ratio below 1 is push
+    ahead. Repeats of a point (the same workload and rate, run again) each get a row."""
+    pulls: dict[tuple, list] = {}
+    for p in points:
+        if p.variant == "kvpush-pull" and p.summary:
+            pulls.setdefault((p.workload, p.rate), []).append(p)
+    rows = []
+    for p in points:
+        if p.variant != "kvpush-push" or not p.summary or not pulls.get((p.workload, p.rate)):
+            continue
+        pull = pulls[(p.workload, p.rate)].pop(0)
+        s, q = p.summary, pull.summary
+        rows.append(f"| {p.workload} | {p.rate:g} | {_ms(s['p50_ttft_ms'])} / {_ms(q['p50_ttft_ms'])} "
+                    f"| {_ratio(s['p50_ttft_ms'], q['p50_ttft_ms'])} | {_ratio(s['p99_ttft_ms'], q['p99_ttft_ms'])} "
+                    f"| {_ms(s['p50_tpot_ms'])} / {_ms(q['p50_tpot_ms'])} | {_ratio(s['p50_tpot_ms'], q['p50_tpot_ms'])} |")
+    if not rows:
+        return ""
+    return ("| workload | rate | TTFT p50 push / pull | TTFT p50 ratio | TTFT p99 ratio | TPOT p50 push / pull "
+            "| TPOT p50 ratio |\n|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
 
 
 def at_rest_table(rows: list[dict]) -> str:

@@ -29,6 +29,7 @@ class Point:
     # forwards' real work against their dilated targets.
     measured_summary: dict = field(default_factory=dict)
     cpu_share: dict = field(default_factory=dict)
+    repeat: int = 0  # 0 the first measurement of the point, 1, 2, ... its repeats (--repeats)
 
 
 def within_capacity(point: Point, points: list[Point]) -> bool:

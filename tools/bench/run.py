@@ -96,6 +96,8 @@ class BenchConfig:
     raw_bandwidth: bool = True
     try_bindings: tuple[str, ...] = BINDINGS
     emulation: emulation.Emulation | None = None  # emulated GPUs: the timed model, time dilated by k
+    resume: bool = False  # keep the points of an earlier run in ``out`` and measure only the others
+    repeats: int = 1  # each point measured this many times in a row (fresh prompts each time): its noise
 
     @property
     def systems(self) -> list[str]:
@@ -115,6 +117,9 @@ class Bench:
         self.run_id = uuid.uuid4().hex[:6]
         self.engine_hosts: EngineHosts | None = None  # emulated GPUs: each engine on a host of its own
         self.links: list[dict] = []  # the shaped link of each system started, and what crossed it
+        self.emulation: emulation.Emulation | None = None  # the system running now: its k
+        if config.resume:
+            self._resume()
 
     # ------------------------------------------------------------------ the run
 
@@ -127,14 +132,57 @@ class Bench:
                     c.bindings[system] = await self._pick_binding(system)
             if c.raw_bandwidth:
                 self.raw_nixl = await asyncio.to_thread(self._raw_bandwidth)
-            groups: dict[Topology, list[Workload]] = {}
+            # One start of each system per topology (and, emulated, per k: an engine's k is fixed).
+            groups: dict[tuple[Topology, emulation.Emulation | None], list[Workload]] = {}
             for workload in c.workloads:
-                groups.setdefault(workload.topology, []).append(workload)
-            for turn, (topology, workloads) in enumerate(groups.items()):
+                emulated = c.emulation.for_workload(workload.longest) if c.emulation else None
+                groups.setdefault((workload.topology, emulated), []).append(workload)
+            if c.emulation is not None:
+                self._say_plan(groups)
+            for turn, ((topology, emulated), workloads) in enumerate(groups.items()):
                 systems = c.systems[turn % len(c.systems):] + c.systems[:turn % len(c.systems)]
                 for system in systems:
+                    if all(self._done(variant, workload, rate, emulated, c.repeats - 1) for workload in workloads
+                           for rate in workload.rates for variant in c.variants if SYSTEM_OF[variant] == system):
+                        self.say(f"{system} {topology.label}: every point already measured (--resume)")
+                        continue
                     await self._with_system(system, c.bindings[system], topology, workloads, self.points,
-                                            idle_probe=topology == Topology())
+                                            idle_probe=topology == Topology() and not c.resume, emulated=emulated)
+
+    def _resume(self) -> None:
+        """The points of an earlier run into the same folder, the failed ones left out (they run again)."""
+        earlier = self.config.out / "results.json"
+        if not earlier.exists():
+            return
+        kept = json.loads(earlier.read_text())
+        self.points = [Point(**p) for p in kept.get("points", []) if not p.get("error")]
+        self.links = kept.get("links", [])
+        self.at_rest = kept.get("at_rest", [])
+        self.say(f"resuming: {len(self.points)} points kept from {earlier}")
+
+    def _say_plan(self, groups) -> None:
+        c = self.config
+        total = 0.0
+        for (topology, emulated), workloads in groups.items():
+            for workload in workloads:
+                variants = len(c.variants)
+                seconds = sum(emulation.real_seconds(emulated.target, workload.input_len, c.output_len, rate,
+                                                     workload.requests, c.warmups, emulated.k)
+                              for rate in workload.rates) * variants
+                total += seconds
+                self.say(f"{workload.name} ({topology.label}): k = {emulated.k:g}, rates "
+                         f"{', '.join(f'{r:g}' for r in workload.rates)}: about {seconds / 60:.0f} min for "
+                         f"{variants} systems")
+        self.say(f"the whole run: about {total / 3600:.1f} h of real time, plus each system's starts "
+                 "(--resume goes on from the last point measured)")
+
+    def _done(self, variant: str, workload: Workload, rate: float, emulated, repeat: int = 0) -> bool:
+        """Whether a point's ``repeat``-th measurement was made before (``--resume``) and
+        kept: it is not made again."""
+        k = emulated.k if emulated else None
+        return any(p.variant == variant and p.workload == workload.name and p.topology == workload.topology.label
+                   and p.rate == rate and p.summary.get("dilation") == k and not p.error and p.repeat == repeat
+                   for p in self.points)
 
     async def _pick_binding(self, system: str) -> str:
         scores = {}
@@ -155,7 +203,7 @@ class Bench:
     def _system(self, system: str, binding: str, topology: Topology, max_model_len: int):
         c = self.config
         log_dir = c.out / "logs" / f"{system}-{topology.label}-{binding}"
-        env = c.emulation.engine_env(self._forward_log(system, topology).parent) if c.emulation else None
+        env = self.emulation.engine_env(self._forward_log(system, topology).parent) if self.emulation else None
         if system == "kvpush":
             return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
                                 engine_env=env, hosts=self.engine_hosts)
@@ -163,22 +211,27 @@ class Bench:
                                engine_env=env, hosts=self.engine_hosts)
 
     def _forward_log(self, system: str, topology: Topology) -> Path:
-        return emulation.log_dir_of(self.config.out, system, topology.label) / "forwards.jsonl"
+        folder = emulation.log_dir_of(self.config.out, system, topology.label)
+        return folder / (f"forwards-k{self.emulation.k:g}.jsonl" if self.config.emulation.dilation == emulation.AUTO
+                         else "forwards.jsonl")
 
     @property
     def model_name(self) -> str:
         return self.config.model.rstrip("/").rsplit("/", 1)[-1]  # what both gateways serve it as
 
     async def _with_system(self, system: str, binding: str, topology: Topology, workloads: list[Workload],
-                           into: list[Point], idle_probe: bool = False) -> None:
+                           into: list[Point], idle_probe: bool = False,
+                           emulated: emulation.Emulation | None = None) -> None:
         c = self.config
+        self.emulation = emulated or (c.emulation.for_workload(max(w.longest for w in workloads))
+                                      if c.emulation else None)
         max_model_len = max(max(w.longest + c.output_len, 128 + w.background_output_len if w.background else 0)
                             for w in workloads) + 16
         outer_receiver = self.receiver
-        if c.emulation is not None and c.emulation.link == "shaped":
-            self.engine_hosts = EngineHosts(topology.prefill, topology.decode, c.emulation.link_bits_per_s).start()
+        if self.emulation is not None and self.emulation.link == "shaped":
+            self.engine_hosts = EngineHosts(topology.prefill, topology.decode, self.emulation.link_bits_per_s).start()
             self.say(f"engines on hosts of their own, the link between them shaped to "
-                     f"{c.emulation.link_bits_per_s / 1e6:.0f} Mbit/s")
+                     f"{self.emulation.link_bits_per_s / 1e6:.0f} Mbit/s (k = {self.emulation.k:g})")
             # The workers' spans come from their hosts: a receiver where those reach the root namespace.
             self.receiver = OtlpReceiver(host=EngineHosts.root_address).__enter__()
         stack = self._system(system, binding, topology, max_model_len)
@@ -191,8 +244,13 @@ class Bench:
                 self.at_rest.append(await self._at_rest(system, binding, stack))
             for workload in workloads:
                 for rate in workload.rates:
-                    for variant in (v for v in c.variants if SYSTEM_OF[v] == system):
-                        into.append(await self._point(stack, variant, workload, rate, binding))
+                    for variant, repeat in ((v, r) for r in range(c.repeats if into is self.points else 1)
+                                            for v in c.variants if SYSTEM_OF[v] == system):
+                        if into is self.points and self._done(variant, workload, rate, self.emulation, repeat):
+                            continue
+                        into.append(await self._point(stack, variant, workload, rate, binding, repeat))
+                        if into is self.points and c.emulation is not None:
+                            self.write()  # each point kept as it ends: --resume goes on from here
             if idle_probe and system == "kvpush":
                 self.idle_cpu.append(await self._idle_wait_cpu(stack))
         except (RuntimeError, TimeoutError, OSError) as exc:  # one system failing must not lose the others
@@ -210,18 +268,21 @@ class Bench:
                 self.receiver.__exit__(None, None, None)
                 self.receiver = outer_receiver
 
-    async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str) -> Point:
+    async def _point(self, stack, variant: str, workload: Workload, rate: float, binding: str,
+                     repeat: int = 0) -> Point:
         c = self.config
-        client_rate = c.emulation.client_rate(rate) if c.emulation else rate
+        emulated = self.emulation
+        client_rate = emulated.client_rate(rate) if emulated else rate
         load = client.Load(workload.input_len, c.output_len, client_rate, workload.requests, workload.range_ratio,
-                           seed=c.seed, warmups=c.warmups, burstiness=workload.burstiness)
-        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}")  # ids and names
+                           seed=c.seed + repeat, warmups=c.warmups, burstiness=workload.burstiness)
+        again = f"-repeat{repeat}" if repeat else ""
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}{again}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
         prefix = f"bench-{self.run_id}-{slug}-"
         point = Point(workload.name, workload.topology.label, SYSTEM_OF[variant], variant, binding,
-                      workload.input_len, rate, workload.requests, str(result_file.relative_to(c.out)))
+                      workload.input_len, rate, workload.requests, str(result_file.relative_to(c.out)), repeat=repeat)
         self.say(f"{variant}: {workload.name} at {rate:g} req/s, {workload.requests} requests"
-                 + (f" (sent at {client_rate:g} req/s: k = {c.emulation.dilation:g})" if c.emulation else ""))
+                 + (f" (sent at {client_rate:g} req/s: k = {emulated.k:g})" if emulated else ""))
         cpu_before, wall_before, started_at = _cpu_by_process(stack.processes()), time.monotonic(), time.time()
         try:
             background = None
@@ -247,14 +308,14 @@ class Bench:
         if SYSTEM_OF[variant] == "kvpush" and not point.error:
             await asyncio.sleep(1.5)  # the last spans
             self._spans_of(point, prefix, workload)
-        if c.emulation is not None:
+        if emulated is not None:
             point.cpu_share = emulation.cpu_share(self._forward_log(SYSTEM_OF[variant], workload.topology),
                                                   started_at, time.time())
             point.measured_summary = point.summary
-            point.summary = c.emulation.summary(point.summary) if point.summary else {}
-            point.segments_ms = c.emulation.segments(point.segments_ms)
+            point.summary = emulated.summary(point.summary) if point.summary else {}
+            point.segments_ms = emulated.segments(point.segments_ms)
             if point.handoff_overhead_ms:
-                point.handoff_overhead_ms = {k: v / c.emulation.dilation for k, v in point.handoff_overhead_ms.items()}
+                point.handoff_overhead_ms = {k: v / emulated.k for k, v in point.handoff_overhead_ms.items()}
         s = point.summary
         if s:
             self.say(f"{variant}: TTFT p50 {s['p50_ttft_ms']:.0f} ms p99 {s['p99_ttft_ms']:.0f} ms, "
@@ -456,7 +517,8 @@ def cmd(args) -> int:
     config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
                          workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
                          out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
-                         try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated)
+                         try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated,
+                         resume=getattr(args, "resume", False), repeats=args.repeats)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()
