@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.bench.whole_group import run_whole
+
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.link import measure
 from kvpush.tools.emulation.time_model import Request, step_time
@@ -28,11 +30,11 @@ BATCH = 2
 @pytest.fixture(scope="module")
 def timed_run(tmp_path_factory):
     log = tmp_path_factory.mktemp("timed") / "forwards.jsonl"
-    run = subprocess.run(
+    run = run_whole(
         [sys.executable, "-m", "kvpush.tools.emulation.single", "--profile", "timed-qwen3-32b",
          "--dilation", str(DILATION), "--input-len", str(INPUT_LEN), "--output-len", "8", "--batch", str(BATCH),
          "--repeats", "2", "--log", str(log)],
-        capture_output=True, text=True, timeout=500, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
+        timeout=500, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -106,12 +108,12 @@ def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shape
     """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector, each
     engine on a host of its own, the KV through the shaped link, times reported divided by k."""
     out = tmp_path / "bench"
-    run = subprocess.run(
+    run = run_whole(
         [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--dilation", "25",
          "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8", "--requests", "2",
          "--warmup", "1", "--output-len", "8", "--binding", "kvpush=split,vllm-nixl=split", "--no-raw-nixl",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=580,
+        timeout=580,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())

@@ -5,21 +5,22 @@ single vLLM instance. It asserts complete, correct results, not speed."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests.bench.whole_group import run_whole
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def test_conversations_run_closed_loop_and_every_answer_equals_the_reference(model_dir, tmp_path):
     out = tmp_path / "multiturn"
-    run = subprocess.run(
+    run = run_whole(
         [sys.executable, "-m", "kvpush.services.cli.main", "bench-multiturn", "--model", model_dir, "--conversations", "2",
          "--turns", "3", "--first-len", "200", "--turn-len", "40", "--output-len", "6", "--concurrency", "2",
          "--max-model-len", "1024", "--out", str(out)],
-        capture_output=True, text=True, timeout=850,
+        timeout=850,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = json.loads((out / "multiturn.json").read_text())

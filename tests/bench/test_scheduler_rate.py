@@ -6,10 +6,11 @@ answered right and that every stand-in was used, not speed."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests.bench.whole_group import run_whole
 
 from kvpush.tools.bench.scheduler_rate import expected_tokens
 
@@ -21,11 +22,11 @@ WARMUP = 20
 
 def test_every_request_gets_its_own_single_token_and_every_stand_in_works(model_dir, tmp_path):
     out = tmp_path / "scheduler"
-    run = subprocess.run(
+    run = run_whole(
         [sys.executable, "-m", "kvpush.services.cli.main", "bench-scheduler", "--model", model_dir,
          "--requests", str(REQUESTS), "--warmup", str(WARMUP), "--concurrency", "16", "--topologies", "2P2D",
          "--time-limit-s", "120", "--detail", "--out", str(out)],
-        capture_output=True, text=True, timeout=280,
+        timeout=280,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     results = json.loads((out / "scheduler_rate.json").read_text())

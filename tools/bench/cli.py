@@ -41,6 +41,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
     bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
     bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--point-timeout", type=float, default=1800.0,
+                       help="seconds a point's client may take; past it the point failed (and is tried once more "
+                            "on a fresh start of its system)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure each point this many times in a row, fresh prompts each time: its noise")
     bench.add_argument("--output-len", type=int, default=128)

@@ -53,8 +53,11 @@ def run(base_url: str, model_name: str, tokenizer: str, load: Load, result_file:
     result_file.parent.mkdir(parents=True, exist_ok=True)
     log = result_file.with_suffix(".log")
     with open(log, "w") as out:
-        done = subprocess.run(command(base_url, model_name, tokenizer, load, result_file, request_id_prefix,
-                                      extra_body), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        try:
+            done = subprocess.run(command(base_url, model_name, tokenizer, load, result_file, request_id_prefix,
+                                          extra_body), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:  # the client was killed: a system that stopped answering
+            raise TimeoutError(f"vllm bench serve gave no result within {timeout:g} s") from None
     if done.returncode != 0 or not result_file.exists():
         tail = log.read_text()[-2000:]
         raise RuntimeError(f"vllm bench serve exited with {done.returncode}: {tail}")

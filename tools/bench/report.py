@@ -125,6 +125,10 @@ def tables(bench) -> str:
     if bench.raw_nixl:
         parts.append("### Our writer against a raw NIXL WRITE (same run)\n")
         parts.append(transfer.markdown(bench.raw_nixl))
+    if getattr(bench, "retried", None):
+        parts.append("### Points measured again on a fresh start (the first try failed)\n" + "".join(
+            f"- {r['variant']}, {r['workload']} at {r['rate']:g} req/s: {(r['first_error'] or 'failed requests')[:200]}\n"
+            for r in bench.retried))
     if bench.errors:
         parts.append("### Errors\n" + "".join(f"- {e}\n" for e in bench.errors))
     return "\n".join(parts)
