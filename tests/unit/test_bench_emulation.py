@@ -28,11 +28,11 @@ def test_the_summary_is_reported_in_emulated_time_and_keeps_the_dilation():
 
 
 def test_every_engine_gets_the_target_the_dilation_and_the_progress_thread_switch(tmp_path):
-    env = Emulation("llama-3.1-8b@h100", dilation=20).engine_env(tmp_path)
+    env = Emulation("llama-3.1-8b@h100", dilation=20).engine_env(tmp_path / "forwards-k20.jsonl")
     assert env["KVPUSH_EMULATION_TARGET"] == "llama-3.1-8b@h100"
     assert env["KVPUSH_EMULATION_DILATION"] == "20"
     assert env["KVPUSH_NIXL_PROGRESS_THREAD"] == "paced"
-    assert env["KVPUSH_EMULATION_LOG"] == str(tmp_path / "forwards.jsonl")
+    assert env["KVPUSH_EMULATION_LOG"] == str(tmp_path / "forwards-k20.jsonl")  # the file the bench reads back
     assert Emulation("llama-3.1-8b@h100", 20).profile == "timed-llama-3.1-8b"
 
 

@@ -116,11 +116,11 @@ class Emulation:
                 return name
         raise ValueError(f"no timed model profile emulates {self.target!r}")
 
-    def engine_env(self, log_dir: Path) -> dict[str, str]:
-        """What every engine process of every system gets."""
+    def engine_env(self, log_path: Path) -> dict[str, str]:
+        """What every engine process of every system gets; its forwards are logged to ``log_path``."""
         return {"KVPUSH_EMULATION_TARGET": self.target, "KVPUSH_EMULATION_DILATION": f"{self.k:g}",
                 "KVPUSH_EMULATION_PACING": self.pacing, "KVPUSH_NIXL_PROGRESS_THREAD": self.progress_thread,
-                "KVPUSH_EMULATION_LOG": str(log_dir / "forwards.jsonl")}
+                "KVPUSH_EMULATION_LOG": str(log_path)}
 
     def client_rate(self, rate: float) -> float:
         return rate / self.k

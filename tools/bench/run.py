@@ -173,11 +173,11 @@ class Bench:
                 variants = len(c.variants)
                 seconds = sum(emulation.real_seconds(emulated.target, workload.input_len, c.output_len, rate,
                                                      workload.requests, c.warmups, emulated.k)
-                              for rate in workload.rates) * variants
+                              for rate in workload.rates) * variants * c.repeats
                 total += seconds
                 self.say(f"{workload.name} ({topology.label}): k = {emulated.k:g}, rates "
                          f"{', '.join(f'{r:g}' for r in workload.rates)}: about {seconds / 60:.0f} min for "
-                         f"{variants} systems")
+                         f"{variants} systems" + (f", each point {c.repeats} times" if c.repeats > 1 else ""))
         self.say(f"the whole run: about {total / 3600:.1f} h of real time, plus each system's starts "
                  "(--resume goes on from the last point measured)")
 
@@ -208,7 +208,7 @@ class Bench:
     def _system(self, system: str, binding: str, topology: Topology, max_model_len: int):
         c = self.config
         log_dir = c.out / "logs" / f"{system}-{topology.label}-{binding}"
-        env = self.emulation.engine_env(self._forward_log(system, topology).parent) if self.emulation else None
+        env = self.emulation.engine_env(self._forward_log(system, topology)) if self.emulation else None
         if system == "kvpush":
             return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
                                 engine_env=env, hosts=self.engine_hosts)
