@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpush.tools.bench.emulation import Emulation, cpu_share, grid, rates_it_holds
+from kvpush.tools.bench.emulation import Emulation, cpu_share, grid, rates_it_holds, select
 from kvpush.tools.bench.run import Workload
 from kvpush.tools.bench.systems import Topology
 
@@ -156,3 +156,17 @@ def test_push_is_set_against_pull_at_every_point_and_every_repeat():
     assert "| 0.80 | 0.80 |" in rows[0] and rows[0].endswith("| 0.80 |")
     assert "| 1.20 | 1.20 |" in rows[1] and rows[1].endswith("| 1.00 |")
     assert push_against_pull([_point("kvpush-push", 4.0, 100, 4.0)]) == ""
+
+
+def test_workloads_picks_a_piece_of_the_grid_and_refuses_what_it_lacks():
+    workloads = grid(Workload, "qwen3-32b@p5en", requests=8)
+    piece = select(workloads, "8k@4, 16k, 8k@1")
+    assert [(w.name, w.rates) for w in piece] == [("8k", (1.0, 4.0)), ("16k", (1.0, 2.0))]
+    assert all(w.requests == 8 for w in piece)
+    assert [w.topology for w in select(workloads, "4k 2P1D")] == [Topology(2, 1)]
+    with pytest.raises(ValueError, match="no workload '32k'"):
+        select(workloads, "32k")
+    with pytest.raises(ValueError, match="16k runs at 1, 2 req/s, not 8"):
+        select(workloads, "16k@8")
+    with pytest.raises(ValueError, match="a number"):
+        select(workloads, "1k@fast")

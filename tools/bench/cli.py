@@ -59,6 +59,10 @@ def register_bench(sub) -> None:
                           help="k: every modeled time and every arrival gap is k times longer; results are "
                                "reported divided by k. auto (the default): each workload's own, from its longest "
                                "prompt, so that the forwards' real work stays a small share")
+    emulated.add_argument("--workloads", metavar="NAME[@RATE],...",
+                          help="measure only these of the grid (1k, 4k, 8k, 16k, '4k 1P2D', '4k 2P1D', "
+                               "'mixed 200-16k'; 8k@4 for one rate), e.g. the seed's most demanding points first "
+                               "and the rest later with --resume into the same --out")
     emulated.add_argument("--resume", action="store_true",
                           help="keep the points already in --out and measure only the others (each point is "
                                "written as it ends)")

@@ -195,6 +195,32 @@ def grid(workload_type, target: str, requests: int = 16):
     return tuple(w for w in workloads if w.rates)
 
 
+def select(workloads, spec: str):
+    """The part of the grid that ``--workloads`` names, so that the grid can be measured a
+    piece at a time into one folder (``--resume`` keeps what earlier pieces measured).
+    ``spec`` is comma-separated: ``8k`` keeps a workload with all its rates, ``8k@4`` only
+    that rate. A name or rate the grid does not have is refused with a sentence."""
+    by_name = {w.name: w for w in workloads}
+    chosen: dict[str, list[float]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, rate = item.partition("@")
+        if name not in by_name:
+            raise ValueError(f"no workload {name!r} in the grid; it has {', '.join(by_name)}")
+        rates = chosen.setdefault(name, [])
+        if not rate:
+            rates.extend(by_name[name].rates)
+            continue
+        try:
+            wanted = float(rate)
+        except ValueError:
+            raise ValueError(f"{item!r}: the rate after @ is a number of requests per second") from None
+        if wanted not in by_name[name].rates:
+            raise ValueError(f"{name} runs at {', '.join(f'{r:g}' for r in by_name[name].rates)} req/s, "
+                             f"not {wanted:g} (past them one emulated prefill cannot keep up)")
+        rates.append(wanted)
+    return [replace(w, rates=tuple(sorted(set(chosen[w.name])))) for w in workloads if w.name in chosen]
+
+
 def log_dir_of(out: Path, system: str, topology_label: str) -> Path:
     folder = out / "emulation" / f"{system}-{topology_label}"
     folder.mkdir(parents=True, exist_ok=True)

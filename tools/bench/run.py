@@ -531,6 +531,12 @@ def cmd(args) -> int:
                      for n in (int(x) for x in args.input_lens.split(","))]
     elif emulated is not None:
         workloads = list(emulation.grid(Workload, emulated.target, requests=args.requests))
+        if args.workloads:
+            try:
+                workloads = emulation.select(workloads, args.workloads)
+            except ValueError as exc:
+                print(f"--workloads: {exc}", file=sys.stderr)
+                return 2
     else:
         workloads = list(GRID)
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
