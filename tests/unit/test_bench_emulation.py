@@ -170,3 +170,19 @@ def test_workloads_picks_a_piece_of_the_grid_and_refuses_what_it_lacks():
         select(workloads, "16k@8")
     with pytest.raises(ValueError, match="a number"):
         select(workloads, "1k@fast")
+
+
+def test_the_seeds_claim_sets_each_push_against_nixlconnector_at_its_own_point_and_repeat():
+    from kvpush.tools.bench.report import seed_headline
+
+    table = seed_headline([_point("vllm-nixl", 4.0, 300, 5.0), _point("kvpush-push", 4.0, 100, 3.5),
+                           _point("vllm-nixl-push", 4.0, 150, 6.0), _point("kvpush-pull", 4.0, 120, 5.0),
+                           _point("vllm-nixl", 4.0, 200, 4.0, repeat=1), _point("kvpush-push", 4.0, 250, 4.0, repeat=1),
+                           _point("kvpush-push", 8.0, 90, 4.0)])  # no NixlConnector at 8 req/s: no row
+    rows = [line for line in table.splitlines() if line.startswith("| 4k")]
+    assert len(rows) == 3  # pull is not in the seed's claim
+    assert rows[0] == "| 4k | 4 | kvpush-push | 3.00x | 3.00x | +30% |"
+    assert rows[1] == "| 4k | 4 | vllm-nixl-push | 2.00x | 2.00x | -20% |"
+    assert rows[2] == "| 4k | 4 | kvpush-push | 0.80x | 0.80x | +0% |"  # repeat 1 against repeat 1's NixlConnector
+    assert "up to 3x" in table and "about 30%" in table
+    assert seed_headline([_point("kvpush-push", 4.0, 100, 4.0)]) == ""
