@@ -132,3 +132,14 @@ def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shape
     for system, link in links.items():
         assert link["rate_bits_per_s"] == pytest.approx(3200e9 * (16 / 256) / 25)
         assert link["bytes_sent"]["prefill-0->decode-0"] >= kv_bytes, (system, link)
+    # The prefill's and the decode's forwards are not confined to one core between them, vLLM's
+    # included: its NIXL worker pins the thread that builds it, the forward thread, to the last
+    # core on CPUs (core 1 for both engines, the decode's worker spinning beside the prefill's
+    # forward), and the plugin sets it back, as on a GPU server where no such pin exists.
+    for system in ("kvpush", "vllm-nixl"):
+        cores_by_engine = {}
+        for line in (out / "emulation" / f"{system}-1P1D" / "forwards.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            cores_by_engine.setdefault(record["pid"], set()).update(record["cores"])
+        assert len(cores_by_engine) == 2, (system, cores_by_engine)
+        assert set().union(*cores_by_engine.values()) == {0, 1}, (system, cores_by_engine)

@@ -10,16 +10,33 @@ none. Paced, the thread waits ``KVPUSH_NIXL_PROGRESS_DELAY_US`` (default 1000) b
 0.03 CPU-s/s at rest, measured. Turning the thread off instead (``enable_prog_thread=False``)
 stalled vLLM's pull: a prefill with nothing to compute never stepped, so nothing served
 decode's READ. kvpush's connector never starts the thread: its transfer thread polls.
+
+In an emulated engine (``KVPUSH_EMULATION_TARGET`` set) it also keeps the forward thread on
+the cores the binding gave it. On CPUs, vLLM's NIXL worker (``NixlBaseConnectorWorker``, under
+both NixlConnector and NixlPushConnector) pins the thread that builds it, which is the thread
+that runs every forward, to the last core of each NUMA node "for kv transfer": on a two-core
+machine, core 1 for the prefill and the decode alike, whatever the binding. The decode's
+worker then spins beside the prefill's forward (measured: an 8k prefill's first step did not
+end in vLLM's 300 s and the engine died). A GPU server has no such pin (it is CPU-only), so
+the emulation undoes it: the thread's cores before the worker was built are set back after.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
 import os
+import sys
+from typing import Callable
 
 PROGRESS_THREAD_ENV = "KVPUSH_NIXL_PROGRESS_THREAD"  # "on" (NIXL's own) or "paced"
 PROGRESS_DELAY_ENV = "KVPUSH_NIXL_PROGRESS_DELAY_US"
 ARCHITECTURE = "KvpushTimedForCausalLM"  # what a timed folder's config.json names
 MODULE = "kvpush.tools.emulation.timed_model"
+EMULATION_TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # set in every emulated engine (tools/bench/emulation.py)
+NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
 
 
 def register() -> None:
@@ -32,6 +49,61 @@ def register() -> None:
         _pace_progress_threads(int(os.environ.get(PROGRESS_DELAY_ENV, "1000")))
     elif switch != "on":
         raise ValueError(f"{PROGRESS_THREAD_ENV}={switch!r}: use 'on' or 'paced'")
+    if os.environ.get(EMULATION_TARGET_ENV):
+        patch_on_import(NIXL_WORKER_MODULE, _keep_the_builders_cores)
+
+
+def keeping_thread_cores(function: Callable) -> Callable:
+    """``function`` that leaves the calling thread on the cores it had before the call."""
+
+    @functools.wraps(function)
+    def kept(*args, **kwargs):
+        cores = os.sched_getaffinity(0)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            os.sched_setaffinity(0, cores)
+
+    kept.kvpush_keeps_cores = True
+    return kept
+
+
+def _keep_the_builders_cores(module) -> None:
+    worker = getattr(module, NIXL_WORKER_CLASS)
+    if not getattr(worker.__init__, "kvpush_keeps_cores", False):
+        worker.__init__ = keeping_thread_cores(worker.__init__)
+
+
+def patch_on_import(name: str, patch: Callable) -> None:
+    """Call ``patch(module)`` once module ``name`` is imported in this process (at once if it
+    already is), without importing it here: the plugin loads in every vLLM process, most of
+    which never use NIXL."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+    sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, patch: Callable):
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def _pace_progress_threads(delay_us: int) -> None:

@@ -206,6 +206,7 @@ class KvpushTimedForCausalLM(nn.Module):
             "batch": [[r.new, r.context] for r in batch],
             "modeled_s": modeled, "target_s": record.target_s,
             "wall_s": record.wall_s, "busy_s": record.busy_s,
+            "cores": sorted(os.sched_getaffinity(0)),  # where this forward's thread may run
         })
         with self._log_lock, open(self._log_path, "a", encoding="utf-8") as out:
             out.write(line + "\n")

@@ -1,0 +1,72 @@
+"""The emulation plugin's guard for the forward thread's cores (tools/emulation/plugin.py): vLLM's
+NIXL worker pins the thread that builds it to the last core; an emulated GPU server has no
+such pin, so the plugin sets the thread's cores back after the worker is built."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from kvpush.tools.emulation.plugin import keeping_thread_cores, patch_on_import
+
+def _in_a_thread(function):
+    """Run ``function`` on a thread of its own (a thread's cores are its own on Linux), so the
+    test process's cores are never touched."""
+    seen = {}
+
+    def run():
+        try:
+            seen["value"] = function()
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            seen["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen
+
+
+def test_a_function_that_pins_its_thread_leaves_it_where_it_was():
+    cores = sorted(os.sched_getaffinity(0))
+
+    def pin_to_the_last_core():  # what vLLM's NIXL worker does on CPUs
+        os.sched_setaffinity(0, {cores[-1]})
+        return sorted(os.sched_getaffinity(0))
+
+    def failing_pin():
+        os.sched_setaffinity(0, {cores[-1]})
+        raise RuntimeError("built half")
+
+    unguarded = _in_a_thread(lambda: (pin_to_the_last_core(), sorted(os.sched_getaffinity(0))))
+    assert unguarded["value"] == ([cores[-1]], [cores[-1]])  # the pin sticks without the guard
+    guarded = _in_a_thread(lambda: (keeping_thread_cores(pin_to_the_last_core)(), sorted(os.sched_getaffinity(0))))
+    assert guarded["value"] == ([cores[-1]], cores)  # pinned inside, set back after
+    failed = _in_a_thread(lambda: (_swallow(keeping_thread_cores(failing_pin)), sorted(os.sched_getaffinity(0))))
+    assert failed["value"] == ("built half", cores)
+    assert sorted(os.sched_getaffinity(0)) == cores
+
+
+def _swallow(function):
+    try:
+        function()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_module_is_patched_when_it_is_imported_and_at_once_when_it_already_was(tmp_path, monkeypatch):
+    (tmp_path / "kvpush_probe_worker.py").write_text("class Worker:\n    def __init__(self):\n        self.built = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patched = []
+    patch_on_import("kvpush_probe_worker", lambda module: patched.append(module.__name__))
+    assert patched == []  # not imported by asking
+    try:
+        import kvpush_probe_worker  # noqa: F401
+
+        assert patched == ["kvpush_probe_worker"]
+        assert not any(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)  # the hook is gone
+        patch_on_import("kvpush_probe_worker", lambda module: patched.append("again"))
+        assert patched == ["kvpush_probe_worker", "again"]
+    finally:
+        sys.modules.pop("kvpush_probe_worker", None)
