@@ -34,7 +34,7 @@ PROGRESS_THREAD_ENV = "KVPUSH_NIXL_PROGRESS_THREAD"  # "on" (NIXL's own) or "pac
 PROGRESS_DELAY_ENV = "KVPUSH_NIXL_PROGRESS_DELAY_US"
 ARCHITECTURE = "KvpushTimedForCausalLM"  # what a timed folder's config.json names
 MODULE = "kvpush.tools.emulation.timed_model"
-EMULATION_TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # set in every emulated engine (tools/bench/emulation.py)
+TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # the emulated deployment, set in every emulated engine
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
 
@@ -49,7 +49,7 @@ def register() -> None:
         _pace_progress_threads(int(os.environ.get(PROGRESS_DELAY_ENV, "1000")))
     elif switch != "on":
         raise ValueError(f"{PROGRESS_THREAD_ENV}={switch!r}: use 'on' or 'paced'")
-    if os.environ.get(EMULATION_TARGET_ENV):
+    if os.environ.get(TARGET_ENV):
         patch_on_import(NIXL_WORKER_MODULE, _keep_the_builders_cores)
 
 

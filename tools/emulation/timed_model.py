@@ -38,11 +38,10 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.pacing import PACINGS, LayerPacer, paced_by_layer
-from kvpush.tools.emulation.plugin import ARCHITECTURE
+from kvpush.tools.emulation.plugin import ARCHITECTURE, TARGET_ENV
 from kvpush.tools.emulation.time_model import Request, step_time
 
 DILATION_ENV = "KVPUSH_EMULATION_DILATION"
-TARGET_ENV = "KVPUSH_EMULATION_TARGET"
 LOG_ENV = "KVPUSH_EMULATION_LOG"
 PACING_ENV = "KVPUSH_EMULATION_PACING"  # "layers" (default), "every-layer" or "step"
 
