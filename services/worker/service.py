@@ -27,7 +27,7 @@ from kvpush.services.bus import Bus
 from kvpush.services.lifecycle import BackgroundTasks, Service
 from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
 from kvpush.services.worker.decode import DecodeRole
-from kvpush.services.worker.engine import EngineLoad, engine_args, side_channel
+from kvpush.services.worker.engine import EngineLoad, side_channel, start_engine
 from kvpush.services.worker.engine_settings import EngineSettings
 from kvpush.services.worker.jobs import RunningJob
 from kvpush.services.worker.prefill import PrefillRole
@@ -101,12 +101,10 @@ class Worker(Service):
         self.bus: Bus | None = None
 
     async def _start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         self.bus = await Bus.connect(self.nats_url, self.worker_id)
         log.info("starting engine", worker_id=self.worker_id, role=self.role.name, model=self.settings.model)
         started = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(engine_args(self.settings), stat_loggers=[self._load.factory()])
+        self.engine = start_engine(self.settings, stat_loggers=[self._load.factory()])
         config = self.engine.vllm_config
         self.total_blocks = config.cache_config.num_gpu_blocks or 0
         self.block_size = config.cache_config.block_size
