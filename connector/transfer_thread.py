@@ -34,10 +34,12 @@ log = logging.getLogger("kvpush.transfer")
 _tracer = trace.get_tracer("kvpush.transfer")
 
 # How long the thread sleeps between polls: just after a peer said its WRITE ended, while
-# it only awaits peers' WRITE notifications, and when idle. A decode waiting for pushed KV
-# polls at EXPECT_POLL_S, not ACTIVE_POLL_S: the producer's TransferDone (over NATS, see
-# ``poke``) makes it poll at once when the KV is due, so the slow cadence costs the first
-# token little and saves ~0.1 CPU-s/s per wait.
+# it only awaits peers' WRITE notifications, and when idle. None of them is on the path of
+# a notification: the engine asks for a poll at every step's end while it expects one
+# (``poll_notifications_now``), and the producer's TransferDone (over NATS, see ``poke``)
+# makes the thread poll at once when the KV is due, for an engine that has nothing to step.
+# The timed polls only catch a notification whose TransferDone was lost, so a decode
+# waiting for pushed KV can poll slowly (EXPECT_POLL_S) and save ~0.1 CPU-s/s per wait.
 ACTIVE_POLL_S = 0.0005
 EXPECT_POLL_S = 0.02
 IDLE_POLL_S = 0.05
@@ -101,6 +103,11 @@ _STOP = object()
 _POKE = object()
 
 
+@dataclass(frozen=True)
+class _PollNow:
+    done: threading.Event  # set once the thread has read the notifications that had come
+
+
 class TransferThread:
     def __init__(
         self,
@@ -156,6 +163,11 @@ class TransferThread:
         with self._expect_lock:
             self._expecting = max(0, self._expecting + count)
 
+    def expecting(self) -> bool:
+        """Peer notifications are awaited (``expect``)."""
+        with self._expect_lock:
+            return self._expecting > 0
+
     def poke(self) -> None:
         """A peer says a WRITE into our blocks ended: poll for its notification now, and
         eagerly for a moment (the notification may trail the message). A forged poke
@@ -164,6 +176,19 @@ class TransferThread:
             self._jobs.put_nowait(_POKE)
         except queue.Full:
             pass
+
+    def poll_notifications_now(self, timeout_s: float) -> bool:
+        """Have the thread read peers' notifications now, and wait (at most ``timeout_s``)
+        until it has: each one that had come by then has reached ``on_notification``. The
+        engine calls this at a step's end, so KV that landed during the step is counted in
+        that step, whatever the timed polls' cadence. False if the thread did not answer in
+        time (it was busy posting a transfer, say); the timed polls then catch it."""
+        request = _PollNow(threading.Event())
+        try:
+            self._jobs.put_nowait(request)
+        except queue.Full:
+            return False
+        return request.done.wait(timeout_s)
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -220,6 +245,8 @@ class TransferThread:
                 break
             if item is _POKE:
                 eager_until = time.monotonic() + EAGER_AFTER_POKE_S
+            elif isinstance(item, _PollNow):
+                pass  # this round's poll below is the one asked for
             elif item is not None:
                 self._post(item)
                 backoff = 0.0
@@ -227,6 +254,8 @@ class TransferThread:
                 backoff = 0.0
             if self._on_notification is not None:
                 self._poll_notifications()
+            if isinstance(item, _PollNow):
+                item.done.set()
         for flight in self._in_flight:
             self._finish(flight, ok=False, error="transfer thread stopped")
 

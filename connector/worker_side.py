@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from kvpush.connector import kv_layout
+from kvpush.connector import chaos, kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.completion import parse_notification
@@ -36,6 +36,10 @@ log = logging.getLogger("kvpush.connector")
 IDLE_WAIT_S = 0.2
 IDLE_WAIT_WITHOUT_WAKE_S = 0.01
 CLOCK_TICK_S = 0.2  # how often leases and overdue KV are checked
+# At a step's end, while KV is expected, the transfer thread reads peers' notifications
+# before the step reports what arrived, waiting this long at most: KV that landed during a
+# step makes its request runnable at the next step, not at the next timed poll.
+NOTICE_AT_STEP_END_S = 0.005
 
 
 class ConnectorWorker:
@@ -104,8 +108,11 @@ class ConnectorWorker:
         """(prefill requests whose blocks may be freed, decode requests whose wait ended,
         decode requests whose KV will not come)."""
         self._progress.clear()  # set again by any transfer that ends from here on
+        if self.transfer is not None and self.transfer.expecting():
+            self.transfer.poll_notifications_now(NOTICE_AT_STEP_END_S)
         sending, receiving, failed = self._collect_finished(finished_req_ids)
         if idle and not sending and not receiving and any(half.busy() for half in self._halves):
+            chaos.point("worker.idle_wait")  # a test delivers KV only once the step waits
             self._progress.wait(self._wake_clock.wait_s(time.monotonic()))
             more = self._collect_finished(set())
             sending |= more[0]

@@ -674,3 +674,99 @@ def test_a_read_notification_without_the_transfers_tag_over_our_blocks_keeps_the
     finally:
         worker.shutdown()
         bridge.close()
+
+
+# ------------------------------------------------------------------ the KV noticed at once
+
+def _noticing_decode_side(conn, url: str, engine_id: str, idle: bool) -> None:
+    """Busy (``idle`` False): a decode whose transfer thread has no timed poll that could
+    read a notification (EXPECT_POLL_S and IDLE_POLL_S an hour) and ignores the producer's
+    TransferDone, stepping as fast as it can: only the poll each step's end asks for can
+    notice the KV (and, on UCX's TCP and shared-memory transports, its polls are also what
+    lets the connection and the notification through). Idle: one idle step, whose wait is
+    an hour long; the KV's arrival must end it."""
+    from kvpush.connector import chaos, transfer_thread
+
+    if not idle:
+        transfer_thread.EXPECT_POLL_S = transfer_thread.IDLE_POLL_S = 3600.0
+        transfer_thread.TransferThread.poke = lambda self: None
+    bridge = NatsBridge(url, name=engine_id)
+    bridge.start()
+    caches = _kv_caches(0.0)
+    agents = AgentDirectory(bridge, 0, engine_id)
+    consumer = Consumer(engine_id, 0, 1, bridge, agents, kv_wait_s=WAIT_S, quarantine_s=5.0)
+    worker = ConnectorWorker(engine_id, 0, bridge, agents, consumer=consumer)
+    worker.register_kv_caches(caches, NUM_BLOCKS)
+    worker._wake_clock.long_s = 3600.0  # the idle step's wait: only a wake or the arrival ends it
+    scheduler = ConnectorScheduler(engine_id, BLOCK_SIZE, 1, bridge)
+    conn.send("ready")
+    params, block_ids = conn.recv()
+    request = SimpleNamespace(request_id=_id("decode"), prompt_token_ids=list(range(len(block_ids) * BLOCK_SIZE)),
+                              kv_transfer_params=params)
+    scheduler.on_new_request(request)
+    external = len(block_ids) * BLOCK_SIZE
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (external, True)
+    scheduler.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in block_ids],)),
+                                       external)
+    worker.start_load_kv(scheduler.build_connector_meta(
+        SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})))
+    if idle:
+        outcome: list = []
+        with chaos.hold("worker.idle_wait") as gate:
+            step = threading.Thread(target=lambda: outcome.append(worker.get_finished(set(), idle=True)))
+            step.start()
+            assert gate.reached.wait(WAIT_S), "the idle step did not wait"
+            gate.open()
+            conn.send("waiting")  # the step is in its wait (or about to be): now the KV may come
+            step.join(WAIT_S)
+        conn.send((bool(outcome) and request.request_id in outcome[0][1], 1))
+    else:
+        conn.send("waiting")
+        steps, received = 0, set()
+        deadline = time.monotonic() + WAIT_S
+        while request.request_id not in received and time.monotonic() < deadline:
+            steps += 1
+            received |= worker.get_finished(set())[1]
+        conn.send((request.request_id in received, steps))
+    conn.send({name: t[block_ids].clone().numpy().tolist() for name, t in caches.items()})
+    assert conn.recv() is None
+    worker.shutdown()
+    bridge.close()
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["at_the_step_end", "waking_the_idle_step"])
+def test_pushed_kv_is_noticed_at_once_not_at_a_timed_poll(nats_server, idle):
+    """Busy: decode's steps report the request as received through the poll each step's
+    end asks for, with no timer and no TransferDone to help. Idle: the one idle step, in
+    an hour-long wait, returns with the request once the KV lands."""
+    prefill_id, decode_id = _id("prefill"), _id("decode")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_noticing_decode_side, args=(child, nats_server.url, decode_id, idle))
+    proc.start()
+    try:
+        assert parent.poll(120) and parent.recv() == "ready"
+        transfer, key = _id("notice"), _key()
+        src, dst = [1, 2, 3], [8, 9, 10]
+        parent.send((wire.DecodeKvParams(transfer_id=transfer, request_id="notice", prefill_engine_id=prefill_id,
+                                         transfer_key=key).as_params(), dst))
+        assert parent.poll(WAIT_S) and parent.recv() == "waiting"
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill("prefill-notice", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
+                         decode_engine_id=decode_id, transfer_key=key)]))
+        assert parent.poll(WAIT_S + 10), "decode did not answer"
+        received, steps = parent.recv()
+        assert received, "decode never noticed its KV"
+        assert _sent(worker, "prefill-notice") == {"prefill-notice"}  # and prefill's WRITE ended
+        assert parent.poll(10)
+        _assert_copied(parent.recv(), src)
+        parent.send(None)
+    finally:
+        worker.shutdown()
+        bridge.close()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
