@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
 import os
@@ -195,19 +196,17 @@ def main() -> int:
     # every child the stack starts, and a checkout there would win over ``source``.
     os.chdir(tempfile.mkdtemp(prefix="kvpush-ab-cwd-"))
     sys.path[:] = [str(source)] + [p for p in sys.path if p not in ("", str(Path.cwd()), str(repo))]
+    # The checkout's own modules, by name: an old commit has no kvpush package.
     if (source / "kvpush").exists():
-        from kvpush.services.launch.natsd import LocalNatsServer
-        from kvpush.services.launch.stack import Stack
-        from kvpush.shared import wire
-        prefix_off = True
+        prefix, launch = "kvpush.", "services.launch."
     elif (source / "services" / "launch").is_dir():  # top-level packages, the launcher in its own folder
-        from services.launch.natsd import LocalNatsServer  # type: ignore[no-redef]
-        from services.launch.stack import Stack  # type: ignore[no-redef]
-        from shared import wire  # type: ignore[no-redef]
-    else:
-        from services.natsd import LocalNatsServer  # type: ignore[no-redef]
-        from services.stack import Stack  # type: ignore[no-redef]
-        from shared import wire  # type: ignore[no-redef]
+        prefix, launch = "", "services.launch."
+    else:  # the first layout: top-level packages, the launcher beside the services
+        prefix, launch = "", "services."
+    LocalNatsServer = importlib.import_module(f"{prefix}{launch}natsd").LocalNatsServer
+    Stack = importlib.import_module(f"{prefix}{launch}stack").Stack
+    wire = importlib.import_module(f"{prefix}shared.wire")
+    prefix_off = True
     if not (source / "kvpush").exists():
         prefix_off = "prefix_caching" in Stack.__init__.__code__.co_varnames
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
