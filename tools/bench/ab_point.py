@@ -142,6 +142,7 @@ async def _run(args, Stack, LocalNatsServer, subject: str, prefix_off: bool) -> 
                 for i in range(args.warmup):
                     await _one(nc, subject, body(10_000 + i, f"warm-{i}-{time.time_ns()}"), args.timeout)
                 before = _cpu_by_process()
+                Path(args.out + ".load").write_text(f"{time.time()}\n")  # for a profiler to start on
                 rng = random.Random(args.seed)
                 tasks = []
                 started = time.perf_counter()
