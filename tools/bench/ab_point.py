@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvpush.tools.bench.stats import percentile  # imported before the checkout's own kvpush replaces ours
+
 VOCAB = 4096
 PARTS = ("connector", "otel", "services", "shared", "tools")
 
@@ -82,6 +84,10 @@ async def _one(nc, subject: str, body: dict, timeout: float) -> dict:
             "tpot_ms": (last - first) * 1000 / (tokens - 1) if tokens > 1 else math.nan, "tokens": tokens}
 
 
+def _p(values: list[float], q: float) -> float:
+    return round(percentile(values, q), 1)
+
+
 def _cpu_by_process() -> dict[str, float]:
     """CPU seconds so far of every process this one started, and of theirs, by a short name
     (nats-server, scheduler, the prefill and decode workers, their engine cores)."""
@@ -105,14 +111,6 @@ def _cpu_by_process() -> dict[str, float]:
             name = f"engine:{role}"
         totals[name] = totals.get(name, 0.0) + times.user + times.system + times.children_user + times.children_system
     return totals
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if not math.isnan(v))
-    if not values:
-        return math.nan
-    index = min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))
-    return round(values[index], 1)
 
 
 async def _run(args, Stack, LocalNatsServer, subject: str, prefix_off: bool) -> dict:
@@ -163,8 +161,8 @@ async def _run(args, Stack, LocalNatsServer, subject: str, prefix_off: bool) -> 
     return {
         "input_len": args.input_len, "rate": args.rate, "binding": args.binding, "output_len": args.output_len, "mode": args.mode,
         "requests": len(results), "failed": [r["error"] for r in results if not r["ok"]],
-        "ttft_p50_ms": _pct([r["ttft_ms"] for r in ok], 50), "ttft_p99_ms": _pct([r["ttft_ms"] for r in ok], 99),
-        "tpot_p50_ms": _pct([r["tpot_ms"] for r in ok], 50), "tpot_p99_ms": _pct([r["tpot_ms"] for r in ok], 99),
+        "ttft_p50_ms": _p([r["ttft_ms"] for r in ok], 0.5), "ttft_p99_ms": _p([r["ttft_ms"] for r in ok], 0.99),
+        "tpot_p50_ms": _p([r["tpot_ms"] for r in ok], 0.5), "tpot_p99_ms": _p([r["tpot_ms"] for r in ok], 0.99),
         "cpu_s": {name: round(after[name] - before.get(name, 0.0), 2) for name in sorted(after)},
         "ttft_ms": [round(r["ttft_ms"], 1) for r in ok],
     }
