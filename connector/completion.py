@@ -7,7 +7,8 @@ accepts a notification only from a peer that holds the key (the scheduler gave i
 the two workers it chose, and no one else) and only for its own blocks.
 
 Pure Python and thread-safe. A transfer is complete when every expected producer
-rank has notified; notifications may arrive before decode says what it expects.
+rank has notified (with layer-wise push, once per layer: every part of every rank);
+notifications may arrive before decode says what it expects.
 """
 
 from __future__ import annotations
@@ -35,40 +36,57 @@ def keys_match(given: str, expected: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Notification:
+    """One rank's copy landed; with layer-wise push, one part (a layer) of that rank's
+    copy: ``part`` of ``parts``, and the rank's copy is whole when all its parts came."""
+
     transfer_id: str
     rank: int
     num_ranks: int
     tag: str
+    part: int = 0
+    parts: int = 1
 
 
-def notification(transfer_id: str, rank: int, num_ranks: int, tag: str) -> bytes:
-    return f"{transfer_id}:{rank}:{num_ranks}:{tag}".encode()
+def notification(transfer_id: str, rank: int, num_ranks: int, tag: str, part: int = 0, parts: int = 1) -> bytes:
+    return f"{transfer_id}:{rank}:{num_ranks}:{part}:{parts}:{tag}".encode()
 
 
 def parse_notification(message: bytes) -> Notification:
     """Raises ValueError for anything that is not one."""
-    transfer_id, rank, num_ranks, tag = message.decode().rsplit(":", 3)
-    return Notification(transfer_id, int(rank), int(num_ranks), tag)
+    transfer_id, rank, num_ranks, part, parts, tag = message.decode().rsplit(":", 5)
+    note = Notification(transfer_id, int(rank), int(num_ranks), tag, int(part), int(parts))
+    if not 0 <= note.part < note.parts:
+        raise ValueError(f"part {note.part} outside 0..{note.parts - 1}")
+    return note
 
 
 class CompletionCounter:
+    """Counts, per transfer, each rank's parts; complete once every rank's parts all came.
+    A rank names its part count in each notification, and must name the same one each time."""
+
     def __init__(self, max_tombstones: int = 100_000) -> None:
         self._lock = threading.Lock()  # protects _seen, _done and _taken
-        self._seen: dict[str, set[int]] = {}
+        self._seen: dict[str, dict[int, tuple[int, set[int]]]] = {}  # transfer -> rank -> (parts, parts seen)
         self._done: set[str] = set()
         self._taken: dict[str, None] = {}  # insertion-ordered tombstones of handed-out ids
         self._max_tombstones = max_tombstones
 
-    def record(self, transfer_id: str, rank: int, num_ranks: int) -> bool:
-        """Record one rank's notification; True the first time the transfer completes."""
+    def record(self, transfer_id: str, rank: int, num_ranks: int, part: int = 0, parts: int = 1) -> bool:
+        """Record one rank's notification (one part of it); True the first time the
+        transfer completes."""
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
+        if not 0 <= part < parts:
+            raise ValueError(f"part {part} outside 0..{parts - 1}")
         with self._lock:
             if transfer_id in self._done or transfer_id in self._taken:
                 return False
-            ranks = self._seen.setdefault(transfer_id, set())
-            ranks.add(rank)
-            if len(ranks) < num_ranks:
+            ranks = self._seen.setdefault(transfer_id, {})
+            expected, seen = ranks.setdefault(rank, (parts, set()))
+            if expected != parts:
+                raise ValueError(f"rank {rank} said {expected} parts, now {parts}")
+            seen.add(part)
+            if len(ranks) < num_ranks or any(len(got) < want for want, got in ranks.values()):
                 return False
             del self._seen[transfer_id]
             self._done.add(transfer_id)

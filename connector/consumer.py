@@ -197,7 +197,16 @@ class Consumer:
         if not tag_matches(note.tag, context.transfer_key, list(context.block_ids)):
             self._refuse(note.transfer_id, "a WRITE notification without the transfer's tag over our blocks")
             return
-        if not self._counter.record(note.transfer_id, note.rank, note.num_ranks):
+        layers = len(self.transfer.layout.layers) if self.transfer is not None else 0
+        if note.parts != 1 and note.parts != layers:
+            self._refuse(note.transfer_id, f"a WRITE notification in {note.parts} parts; "
+                                           f"a copy comes whole or in our {layers} layers")
+            return
+        try:
+            if not self._counter.record(note.transfer_id, note.rank, note.num_ranks, note.part, note.parts):
+                return
+        except ValueError as exc:
+            self._refuse(note.transfer_id, f"a WRITE notification that does not add up: {exc}")
             return
         self._counter.take_done([note.transfer_id])  # leaves a tombstone against late duplicates
         self._kv_arrived(note.transfer_id)

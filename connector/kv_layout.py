@@ -7,7 +7,7 @@ are treated as opaque bytes between identically configured engines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +21,20 @@ class KvLayout:
     num_blocks: int
     regions: list[KvRegion]
     buffers: list[tuple[int, int]]  # distinct (addr, length) to register with NIXL
+    # Each layer's regions, in layer order: (layer name, first region, end), as regions[first:end].
+    layers: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def layer_index(self, name: str) -> int | None:
+        """The position of the layer vLLM calls ``name``, or None."""
+        for index, (layer, _, _) in enumerate(self.layers):
+            if layer == name:
+                return index
+        return None
 
 
 def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
     regions: list[KvRegion] = []
+    layers: list[tuple[str, int, int]] = []
     buffers: dict[int, int] = {}
     device = None
     for name in sorted(kv_caches, key=_layer_order):
@@ -44,6 +54,7 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
         if not tensor[(0,) * (block_dim + 1)].is_contiguous():
             raise ValueError(f"layer {name}: a block is not contiguous in memory")
         leading = tensor.shape[:block_dim]
+        first = len(regions)
         for flat in range(_prod(leading)):
             index, rest = [], flat
             for size in reversed(leading):
@@ -52,6 +63,7 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
             index.reverse()
             offset = sum(i * tensor.stride(d) for d, i in enumerate(index)) * elem
             regions.append(KvRegion(tensor.data_ptr() + offset, block_stride, block_len))
+        layers.append((name, first, len(regions)))
         storage = tensor.untyped_storage()
         buffers[storage.data_ptr()] = max(buffers.get(storage.data_ptr(), 0), storage.nbytes())
     if device is None:
@@ -63,6 +75,7 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
         num_blocks=num_blocks,
         regions=regions,
         buffers=_merge(buffers),
+        layers=layers,
     )
 
 

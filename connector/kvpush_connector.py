@@ -91,7 +91,8 @@ class KvpushConnector(KVConnectorBase_V1):
             agents = AgentDirectory(bridge, rank, service=engine_id)
             producer = consumer = None
             if transfer_config.is_kv_producer:
-                producer = Producer(engine_id, rank, tp_size, bridge, agents, lease_s=config.lease_s)
+                producer = Producer(engine_id, rank, tp_size, bridge, agents, lease_s=config.lease_s,
+                                    push_by_layer=config.push_by_layer)
             if transfer_config.is_kv_consumer:
                 consumer = Consumer(engine_id, rank, tp_size, bridge, agents,
                                     kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)
@@ -140,7 +141,7 @@ class KvpushConnector(KVConnectorBase_V1):
         return None
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

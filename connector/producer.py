@@ -5,6 +5,13 @@ decode registration (from NATS) meet in the rendezvous; the match becomes a WRIT
 the transfer thread, and its end a completion event for decode. Pull: the prompt's
 blocks are held (``ServedReads``) until decode's READ notification came.
 
+Layer by layer (``push_by_layer``). A prompt whose decode registered before the step
+that finishes it is matched as that step starts (``begin_step``), and each layer's blocks
+are written as soon as the forward has written that layer (``layer_saved``), so later
+layers compute while earlier ones travel. Its transfer ends once every layer landed; a
+Revoke between two layers stops the rest and is answered once the posted ones ended.
+A registration that comes later gets one WRITE after the forward, as without the setting.
+
 Faults. A finished prompt's blocks, and a registration waiting for its prompt, are held
 under a lease that decode renews (``LeaseRenewal``); expiry frees the blocks and tells
 decode and the schedulers (``LeaseExpired``). A ``Revoke`` gives the transfer up: no
@@ -21,6 +28,7 @@ These decisions are ``kvpush.connector.transfer_book``'s; the producer acts on t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +40,7 @@ from kvpush.connector import chaos, kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.completion import Notification, block_tag, notification
+from kvpush.connector.layer_writes import LayerWrites, NotWritten, Written
 from kvpush.connector.metadata import KvpushMetadata, ReadyPrefill
 from kvpush.connector.outcomes import record_transfer, report_failure
 from kvpush.connector.rendezvous import Match, Refused
@@ -64,9 +73,19 @@ def sources(registration: wire.Registration, ready: ReadyPrefill) -> list[int]:
     return ready.block_ids[registration.first_block:]
 
 
+@dataclasses.dataclass
+class _LayeredPush:
+    """A match being written layer by layer (under the producer's lock)."""
+
+    match: Match
+    writes: LayerWrites
+    remote: wire.AgentInfo | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+
 class Producer:
     def __init__(self, engine_id: str, rank: int, tp_size: int, bridge: NatsBridge, agents: AgentDirectory,
-                 lease_s: float):
+                 lease_s: float, push_by_layer: bool = False):
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
@@ -77,6 +96,10 @@ class Producer:
         self._wake: Callable[[], None] = lambda: None
         self._lock = threading.Lock()  # protects the book: every call to it is made under this lock
         self._book = TransferBook(lease_s)
+        self.push_by_layer = push_by_layer
+        self._layered: dict[str, _LayeredPush] = {}  # transfer id -> its layer-wise write, until it ended
+        self._this_step: list[str] = []  # transfers matched at this step's start (vLLM's worker thread only)
+        self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its position in our KV layout
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when blocks may go back."""
@@ -95,9 +118,55 @@ class Producer:
 
     # ---------------------------------------------------------------- vLLM's worker thread
 
+    def begin_step(self, meta: KvpushMetadata) -> None:
+        """Before the forward pass. Layer by layer: a prompt this step finishes whose decode
+        has registered is matched now, and written as its layers are computed."""
+        self._this_step = []
+        if not self.push_by_layer or self.transfer is None or not self.transfer.layout.layers:
+            return
+        if not self._layer_of:
+            self._layer_of = {name: i for i, (name, _, _) in enumerate(self.transfer.layout.layers)}
+        for ready in meta.ready_prefills:
+            if ready.mode != "push":
+                continue
+            with self._lock:  # a registration seen waiting is offered this prompt in the same section
+                if not self._book.registration_waiting(ready.transfer_id):
+                    continue
+                arrival = self._book.prefill_ready(ready)
+                outcome = self._book.offer_prefill(arrival.prefill)
+                if isinstance(outcome, Match):
+                    self._layered[ready.transfer_id] = _LayeredPush(outcome, LayerWrites(len(self._layer_of)))
+            self._this_step.append(ready.transfer_id)  # wait_for_save leaves it alone
+            if arrival.forged is not None:
+                self._refuse(arrival.forged)
+            chaos.point("producer.matched")
+            if isinstance(outcome, Match):
+                self._rendezvous_span(outcome)
+                self.agents.with_agent(
+                    outcome.registration.decode_engine_id,
+                    lambda remote, why, match=outcome: self._layered_peer(match, remote) if remote
+                    else self._fail_match(match, AgentUnreachable(why), layered=True),
+                    incarnation=outcome.registration.decode_incarnation,
+                )
+            else:
+                self._settle(outcome, arrival.prefill)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """Inside the forward pass: ``layer_name``'s KV is written; send it where it is awaited."""
+        if not self._this_step:
+            return
+        index = self._layer_of.get(layer_name)
+        if index is not None:
+            self._post_layers(lambda writes: writes.layer_computed(index))
+
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         """After the forward pass: these prefills' KV is now in their blocks."""
+        early, self._this_step = self._this_step, []
+        if early:
+            self._post_layers(lambda writes: writes.all_computed(), early)
         for ready in meta.ready_prefills:
+            if ready.transfer_id in early:
+                continue
             chaos.point("producer.ready")
             with self._lock:
                 arrival = self._book.prefill_ready(ready)
@@ -237,10 +306,28 @@ class Producer:
             self._give_back(taken.served)
         if taken.answer is not None:  # else the write's own completion event answers, once nothing more can land
             self._fail(revoke.transfer_id, revoke.decode_engine_id, Revoked(taken.answer))
+            return
+        with self._lock:  # layer by layer: no further layer starts; answered once the posted ones ended
+            push = self._layered.get(revoke.transfer_id)
+            end = None
+            if push is not None:
+                push.writes.stop("decode gave the transfer up while its layers were being written")
+                end = self._layered_end(push, push.writes.outcome())
+        if end is not None:
+            self._layered_ended(push, end)
 
     # ---------------------------------------------------------------- writes
 
     def _start_write(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
+        self._rendezvous_span(match)
+        self.agents.with_agent(
+            match.registration.decode_engine_id,
+            lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
+                match, AgentUnreachable(why)),
+            incarnation=match.registration.decode_incarnation,
+        )
+
+    def _rendezvous_span(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
         now_ns = time.time_ns()
         wait_ms = match.waited_s * 1000
         second = "registration" if match.order == "prefill_first" else "prefill"
@@ -258,12 +345,6 @@ class Producer:
         )
         span.end(end_time=now_ns)
         instruments().rendezvous_wait.record(wait_ms, {"second": second})
-        self.agents.with_agent(
-            match.registration.decode_engine_id,
-            lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
-                match, AgentUnreachable(why)),
-            incarnation=match.registration.decode_incarnation,
-        )
 
     def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
         registration, ready = match.registration, match.prefill
@@ -285,23 +366,7 @@ class Producer:
                 self._fail(match.transfer_id, registration.decode_engine_id, WriteFailed(result.error))
                 return
             record_transfer(result)
-            self.bridge.publish(
-                wire.completion_subject(registration.decode_engine_id, self.engine_id),
-                wire.encode(
-                    wire.TransferDone(
-                        transfer_id=match.transfer_id,
-                        prefill_engine_id=self.engine_id,
-                        decode_engine_id=registration.decode_engine_id,
-                        rank=self.rank,
-                        order=match.order,
-                        waited_ms=match.waited_s * 1000,
-                        bytes=result.bytes,
-                        descriptors=result.descriptors,
-                        write_ms=(time.perf_counter() - started) * 1000,
-                        finished_at=time.time(),
-                    )
-                ),
-            )
+            self._done(match, result.bytes, result.descriptors, started)
 
         self.transfer.submit(
             TransferJob(
@@ -317,8 +382,118 @@ class Producer:
             )
         )
 
-    def _fail_match(self, match: Match[wire.Registration, ReadyPrefill], error: TransferError) -> None:
+    def _done(self, match: Match[wire.Registration, ReadyPrefill], nbytes: int, descriptors: int,
+              started: float) -> None:
+        """Tell decode (and the schedulers) that this rank's copy landed."""
+        registration = match.registration
+        self.bridge.publish(
+            wire.completion_subject(registration.decode_engine_id, self.engine_id),
+            wire.encode(
+                wire.TransferDone(
+                    transfer_id=match.transfer_id,
+                    prefill_engine_id=self.engine_id,
+                    decode_engine_id=registration.decode_engine_id,
+                    rank=self.rank,
+                    order=match.order,
+                    waited_ms=match.waited_s * 1000,
+                    bytes=nbytes,
+                    descriptors=descriptors,
+                    write_ms=(time.perf_counter() - started) * 1000,
+                    finished_at=time.time(),
+                )
+            ),
+        )
+
+    # ---------------------------------------------------------------- layer by layer
+
+    def _layered_peer(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
+        """The decode's agent is known: post the layers computed so far."""
+        registration, ready = match.registration, match.prefill
+        problem = kv_layout.copy_problem(self.transfer.layout, remote, sources(registration, ready),
+                                         registration.block_ids)
+        if problem is not None:
+            self._fail_match(match, BadRegistration(problem), layered=True)
+            return
+        with self._lock:
+            push = self._layered.get(match.transfer_id)
+            if push is not None:
+                push.remote = remote
+        self._post_layers(lambda writes: writes.peer_found(), [match.transfer_id])
+
+    def _post_layers(self, advance: Callable[[LayerWrites], list[int]], transfer_ids: list[str] | None = None) -> None:
+        """Advance each layer-wise write (``advance``), and post the layers it says may go."""
+        jobs: list[TransferJob] = []
+        with self._lock:
+            for transfer_id in self._this_step if transfer_ids is None else transfer_ids:
+                push = self._layered.get(transfer_id)
+                if push is None:
+                    continue
+                for index in advance(push.writes):
+                    jobs.append(self._layer_job(push, index))
+        for job in jobs:
+            self.transfer.submit(job)
+        if jobs:
+            chaos.point("producer.layers_posted")
+
+    def _layer_job(self, push: _LayeredPush, index: int) -> TransferJob:
+        registration, ready = push.match.registration, push.match.prefill
+        _, first, end = self.transfer.layout.layers[index]
+        return TransferJob(
+            "WRITE", push.match.transfer_id, push.remote, sources(registration, ready), registration.block_ids,
+            notification(push.match.transfer_id, self.rank, self.tp_size,
+                         block_tag(ready.transfer_key, registration.block_ids), part=index, parts=push.writes.layers),
+            lambda result, index=index: self._layer_done(push.match.transfer_id, index, result),
+            parent=context_from_traceparent(ready.traceparent),
+            regions=(first, end),
+        )
+
+    def _layer_done(self, transfer_id: str, index: int, result: TransferResult) -> None:
+        """The transfer thread: one layer's WRITE ended (or is stuck)."""
+        with self._lock:
+            push = self._layered.get(transfer_id)
+            if push is None:
+                return
+            if result.stuck:
+                first = not push.writes.stuck_reported
+                push.writes.stuck_reported = True
+            else:
+                end = self._layered_end(push, push.writes.layer_ended(index, result.ok, result.bytes,
+                                                                       result.descriptors, result.error))
+        if result.stuck:  # still posted: our blocks and decode's stay held until it ends
+            if first:
+                self._fail(transfer_id, push.match.registration.decode_engine_id, WriteStuck(result.error))
+            return
+        if end is not None:
+            self._layered_ended(push, end)
+
+    def _layered_end(self, push: _LayeredPush, end: Written | NotWritten | None) -> Written | NotWritten | None:
+        """Under the lock: the write's ``end``, once decided (given once): it is then forgotten."""
+        if end is not None:
+            self._layered.pop(push.match.transfer_id, None)
+            self._book.write_ended(push.match.transfer_id, push.match.prefill.request_id,
+                                   isinstance(end, Written))
+        return end
+
+    def _layered_ended(self, push: _LayeredPush, end: Written | NotWritten) -> None:
+        match = push.match
+        decode_engine_id = match.registration.decode_engine_id
+        self._wake()  # the prompt's blocks may go back
+        if isinstance(end, NotWritten):
+            landed = f"{end.layers_landed} of {push.writes.layers} layers landed"
+            error = Revoked(f"{end.reason}; {landed}") if end.stopped else WriteFailed(f"{end.reason}; {landed}")
+            self._fail(match.transfer_id, decode_engine_id, error)
+            return
+        record_transfer(TransferResult(match.transfer_id, True, bytes=end.bytes, descriptors=end.descriptors,
+                                       write_ms=(time.perf_counter() - push.started) * 1000))
+        self._done(match, end.bytes, end.descriptors, push.started)
+
+    # ---------------------------------------------------------------- failures
+
+    def _fail_match(self, match: Match[wire.Registration, ReadyPrefill], error: TransferError,
+                    layered: bool = False) -> None:
         with self._lock:  # closed: a copy of the registration sent again gets the answer; nothing in flight
+            if layered:
+                self._layered.pop(match.transfer_id, None)
             self._book.write_not_posted(match.transfer_id, match.prefill.request_id)
         self._wake()  # its blocks may go back
         self._fail(match.transfer_id, match.registration.decode_engine_id, error)

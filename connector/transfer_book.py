@@ -27,6 +27,8 @@ vLLM's worker thread
   rendezvous's answer (``kvpush.connector.rendezvous``). A ``Match`` is marked writing in the
   same call, so a revoke never finds a match without its write.
 - ``finished(request_ids)``: those vLLM finished whose blocks may go back now; ``busy()``.
+- ``registration_waiting(transfer_id)``: layer by layer, a prompt is offered before its
+  forward only to a registration already waiting (else its KV would be written unfinished).
 
 The NATS thread
 - ``registration_arrived(registration)`` -> ``Arrival``: ``moved_to``: the transfer moved
@@ -222,6 +224,11 @@ class TransferBook:
     def busy(self) -> bool:
         """Blocks are held for a transfer that has not ended."""
         return bool(self._pushing)
+
+    def registration_waiting(self, transfer_id: str) -> bool:
+        """Push: decode's registration for this transfer waits for the prompt."""
+        half = self._rendezvous.peek(transfer_id)
+        return half is not None and half.registration is not None
 
     def waiting(self, transfer_id: str) -> bool:
         """A half of this push transfer (registration or prompt) waits for the other."""

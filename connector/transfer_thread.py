@@ -84,6 +84,7 @@ class TransferJob:
     notif: bytes
     on_done: Callable[[TransferResult], None]  # runs on the transfer thread, inside the job's span
     parent: Context | None = None  # the request's trace context, carried across the thread boundary
+    regions: tuple[int, int] | None = None  # only regions[first:end] of the layout (a layer's); None: all
 
 
 @dataclass
@@ -131,6 +132,7 @@ class TransferThread:
         self._error: BaseException | None = None
         self._expecting = 0  # notifications decode waits for; guarded by _expect_lock
         self._expect_lock = threading.Lock()
+        self.posted = 0  # transfers posted so far (written by the thread only)
         self._thread = threading.Thread(target=self._run, name=f"kvpush-transfer-{rank}", daemon=True)
 
     # ------------------------------------------------------------------ other threads
@@ -286,6 +288,7 @@ class TransferThread:
         self._in_flight.append(
             _InFlight(job, handle, nbytes, len(local), prepare_ms, posted_at, span, transfer_span)
         )
+        self.posted += 1
         # Posted, not yet progressed (this thread drives UCX): a test holds the write open here.
         chaos.point("transfer.posted")
 
@@ -299,7 +302,8 @@ class TransferThread:
             self._known_agents[remote.agent_name] = None
             self._known_agents.move_to_end(remote.agent_name)
             runs = coalesce(job.local_block_ids, job.remote_block_ids)
-            local, far = byte_ranges(runs, self.layout.regions, remote.regions)
+            first, end = job.regions if job.regions is not None else (0, len(self.layout.regions))
+            local, far = byte_ranges(runs, self.layout.regions[first:end], remote.regions[first:end])
             local_descs = self._agent.get_xfer_descs(
                 _as_array(local, self.layout.device_id), self.layout.mem_type
             )

@@ -97,8 +97,14 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- each step
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
+        if self.producer is not None:
+            self.producer.begin_step(meta)
         if self.consumer is not None:
             self.consumer.start_load_kv(meta)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.producer is not None:
+            self.producer.layer_saved(layer_name)
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         if self.producer is not None:

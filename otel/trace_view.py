@@ -6,7 +6,9 @@ The critical path to the first token runs through these milestones, in order:
     received by the scheduler -> prefill job received -> prefill scheduled -> prompt computed
     -> transfer started -> transfer done -> decode scheduled with the KV -> first token
 
-(the transfer is prefill's WRITE in push mode, decode's READ in pull mode)
+(the transfer is prefill's WRITE in push mode, decode's READ in pull mode; layer by layer,
+it starts with the first layer's WRITE, often before the prompt is computed, and is done
+with the last layer's: what is left after the prompt is the transfer time exposed)
 
 Each segment between two milestones belongs to one category: queueing (waiting for an
 engine), compute (an engine working on this request), transfer (the KV WRITE) or
@@ -78,6 +80,11 @@ def _first(trace: list[dict], name: str) -> dict | None:
     return min(matching, key=lambda s: s["start_ns"]) if matching else None
 
 
+def _last_to_end(trace: list[dict], name: str) -> dict:
+    names = (A.KV_WRITE, A.KV_READ) if name == _TRANSFER else (name,)
+    return max((s for s in trace if s["name"] in names), key=lambda s: s["end_ns"])
+
+
 def critical_path(trace: list[dict]) -> list[Segment] | None:
     """The TTFT segments of one request's trace, or None if a stage is missing.
 
@@ -100,6 +107,8 @@ def critical_path(trace: list[dict]) -> list[Segment] | None:
         span = _first(trace, span_name)
         if span is None:
             return None
+        if span_name == _TRANSFER and end == "end":
+            span = _last_to_end(trace, span_name)  # layer by layer: the KV is there when its last layer is
         at = max(previous, span["start_ns"] if end == "start" else span["end_ns"])
         segments.append(Segment(name, category, previous, at))
         previous = at

@@ -14,6 +14,7 @@ MAX_MODEL_LEN = 2048  # context the engines serve
 TRANSFER_MODE = "push"  # how a request is served unless it says: push, pull, or auto (decided per request)
 CONNECTOR = "kvpush"  # the workers' KV connector: kvpush, vllm-nixl or vllm-nixl-push
 PREFIX_CACHING = "on"  # the engines' prefix caching (vLLM's default): on or off
+PUSH_BY_LAYER = "off"  # prefill: write each layer's KV as the forward finishes it (issue 27: off until it measures better)
 
 # The scheduler
 DEADLINE_S = 300.0  # every accepted request gets its final message within this

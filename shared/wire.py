@@ -692,6 +692,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     kv_wait_s: float
     quarantine_s: float
     incarnation: str = ""  # the worker's start: carried by this engine's agents and registrations
+    push_by_layer: bool = False  # prefill: write each layer's KV as the forward finishes it (connector/layer_writes.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

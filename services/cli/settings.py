@@ -61,6 +61,9 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--prefix-caching", "KVPUSH_PREFIX_CACHING", defaults.PREFIX_CACHING,
             "the engines' prefix caching: a prompt's cached prefix is neither computed nor transferred again",
             str, ("on", "off")),
+    Setting("--push-by-layer", "KVPUSH_PUSH_BY_LAYER", defaults.PUSH_BY_LAYER,
+            "prefill: write each layer's KV to decode as soon as the forward has computed it, so later "
+            "layers compute while earlier ones travel (else one WRITE after the last layer)", str, ("on", "off")),
     Setting("--deadline-s", "KVPUSH_DEADLINE_S", defaults.DEADLINE_S,
             "every accepted request gets a final message (an answer or an error) within this", float),
     Setting("--worker-timeout-s", "KVPUSH_WORKER_TIMEOUT_S", defaults.WORKER_TIMEOUT_S,

@@ -25,4 +25,5 @@ class EngineSettings:
     faults: FaultSettings = settings.FAULTS
     incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
     prefix_caching: bool = settings.PREFIX_CACHING == "on"
+    push_by_layer: bool = settings.PUSH_BY_LAYER == "on"  # prefill with kvpush's connector: layer-wise push
     kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)

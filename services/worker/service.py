@@ -72,6 +72,7 @@ class Worker(Service):
         connector: str = settings.CONNECTOR,
         faults: FaultSettings = settings.FAULTS,
         prefix_caching: bool = settings.PREFIX_CACHING == "on",
+        push_by_layer: bool = settings.PUSH_BY_LAYER == "on",
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -81,7 +82,7 @@ class Worker(Service):
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
             max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
-            prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching, push_by_layer=push_by_layer,
             # The schedulers route by what each engine's prefix cache holds: its events, relayed.
             kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )

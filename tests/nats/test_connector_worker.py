@@ -62,9 +62,9 @@ def _numbered_caches() -> dict[str, torch.Tensor]:
     return caches
 
 
-def _producer(bridge: NatsBridge, engine_id: str, lease_s: float) -> ConnectorWorker:
+def _producer(bridge: NatsBridge, engine_id: str, lease_s: float, push_by_layer: bool = False) -> ConnectorWorker:
     agents = AgentDirectory(bridge, 0, engine_id)
-    producer = Producer(engine_id, 0, 1, bridge, agents, lease_s=lease_s)
+    producer = Producer(engine_id, 0, 1, bridge, agents, lease_s=lease_s, push_by_layer=push_by_layer)
     worker = ConnectorWorker(engine_id, 0, bridge, agents, producer=producer)
     worker.caches = _numbered_caches()  # registered memory: kept alive as long as the worker, as vLLM does
     worker.register_kv_caches(worker.caches, NUM_BLOCKS)
@@ -457,6 +457,85 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
         bridge.close()
 
 
+# ------------------------------------------------------------------ layer by layer
+
+LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
+
+
+def _layered_step(worker: ConnectorWorker, decode, name: str, src: list[int], dst: list[int]):
+    """Decode registers; the step that finishes the prompt starts, and its forward computes
+    layer 0 only: (transfer id, key, the step's metadata)."""
+    transfer, key = _id(name), _key()
+    _start_load(decode, wire.DecodeKvParams(transfer_id=transfer, request_id=name,
+                                            prefill_engine_id=worker.producer.engine_id, transfer_key=key), dst)
+    _until(lambda: worker.producer.waiting(transfer), "decode's registration")
+    meta = KvpushMetadata(ready_prefills=[
+        ReadyPrefill(f"prefill-{name}", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
+                     decode_engine_id=decode.engine_id, transfer_key=key)])
+    worker.start_load_kv(meta)
+    worker.save_kv_layer(LAYERS[0])
+    thread = worker.producer.transfer
+    _until(lambda: thread.posted == 1, "layer 0's WRITE posted while layer 1 is still to compute", 10)
+    return transfer, key, meta
+
+
+def test_layer_by_layer_each_layer_leaves_as_the_forward_computes_it_and_decode_starts_when_all_landed(
+        nats_server, decode):
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S, push_by_layer=True)
+    try:
+        src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
+        _, _, meta = _layered_step(worker, decode, "layered", src, dst)
+        worker.save_kv_layer(LAYERS[1])
+        worker.wait_for_save(meta)
+        arrived, failed, blocks = _loaded(decode)  # it counts both layers' notifications before it says so
+        assert (arrived, failed) == (True, [])
+        _assert_copied(blocks, src)
+        assert worker.producer.transfer.posted == 2  # one WRITE per layer, none after the forward
+        assert _sent(worker, "prefill-layered") == {"prefill-layered"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
+def test_a_revoke_between_two_layers_stops_the_rest_and_is_answered_once_the_posted_layer_landed(
+        nats_server, decode):
+    """Layer 0 is on its way when decode gives the transfer up: layer 1 must not be
+    written, even though the forward computes it after; decode hears the answer once no
+    write of ours can land (its blocks may then go to another request), and the prompt's
+    blocks go back."""
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    completions = _Completions()
+    bridge.subscribe_typed(wire.completion_subject(decode.engine_id, prefill_id), wire.Completion, completions.put,
+                           "test")
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S, push_by_layer=True)
+    try:
+        src, dst = [0, 1, 2], [5, 6, 7]
+        transfer, key, meta = _layered_step(worker, decode, "revoked", src, dst)
+        bridge.publish(wire.registration_subject(prefill_id, decode.engine_id), _revoke(transfer, decode.engine_id, key))
+        [answer] = _until(lambda: completions.of(transfer), "the revoke's answer", 10)
+        assert isinstance(answer, wire.TransferFailed) and answer.code == Revoked.code, answer
+        assert "1 of 2 layers landed" in answer.reason
+        worker.save_kv_layer(LAYERS[1])  # the forward goes on
+        worker.wait_for_save(meta)
+        thread = worker.producer.transfer
+        assert thread.poll_notifications_now(10)  # the thread has taken every job queued before
+        assert thread.posted == 1, "a layer was written after the revoke was answered"
+        arrived, failed, blocks = _loaded(decode)
+        assert len(failed) == 1, "decode's wait ended without the KV"
+        layer0, layer1 = (torch.tensor(blocks[name]) for name in LAYERS)
+        assert all(torch.all(layer0[i] == s) for i, s in enumerate(src))  # it had landed
+        assert torch.all(layer1 == 0)
+        assert _sent(worker, "prefill-revoked") == {"prefill-revoked"}
+    finally:
+        worker.shutdown()
+        bridge.close()
+
+
 # ------------------------------------------------------------------ trust: the transfer's key and its parties
 
 
@@ -636,15 +715,19 @@ def test_a_write_notification_without_the_transfers_tag_over_our_blocks_is_no_ar
     try:
         if when == "during_the_wait":
             worker.start_load_kv(meta)
-        for note in _wrong_notes(transfer, key, blocks):
+        tag = block_tag(key, blocks)
+        for note in [*_wrong_notes(transfer, key, blocks),
+                     notification(transfer, 0, 1, tag, part=0, parts=3)]:  # our KV has 2 layers, not 3
             worker.on_notification(note)
         if when == "before_the_wait":
             worker.start_load_kv(meta)
-        refused = _until(lambda: refusals.by(decode_id)[2:] and refusals.by(decode_id), "three refusals", 10)
-        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 3
+        refused = _until(lambda: refusals.by(decode_id)[3:] and refusals.by(decode_id), "four refusals", 10)
+        assert [(r.code, transfer in r.reason) for r in refused] == [(WrongParty.code, True)] * 4
+        assert "in 3 parts" in refused[3].reason
+        worker.on_notification(notification(transfer, 0, 1, tag, part=0, parts=2))  # layer by layer: one of two
         assert worker.get_finished(set(), idle=True) == (set(), set(), set())
 
-        worker.on_notification(notification(transfer, 0, 1, block_tag(key, blocks)))
+        worker.on_notification(notification(transfer, 0, 1, tag, part=1, parts=2))
         _, receiving, failed = _until(lambda: (r := worker.get_finished(set(), idle=True))[1] and r, "the arrival", 10)
         assert (receiving, failed) == ({"tagged"}, set())
     finally:

@@ -97,3 +97,38 @@ def test_a_late_duplicate_after_take_done_is_ignored():
     assert counter.take_done(["t"]) == {"t"}
     assert counter.record("t", 0, 1) is False
     assert counter.take_done(["t"]) == set()
+
+
+# ------------------------------------------------------------------ layer by layer
+
+
+def test_a_layered_copy_completes_only_when_every_layer_of_every_rank_came():
+    counter = CompletionCounter()
+    arrivals = [(0, 0), (1, 1), (0, 2), (1, 0), (0, 1), (1, 2)]  # (rank, layer), in any order
+    done = [counter.record("t", rank, 2, layer, 3) for rank, layer in arrivals]
+    assert done == [False] * 5 + [True]
+
+
+def test_one_rank_whole_and_another_layered_complete_together():
+    """Each rank's producer decides alone (its registration may come before or during the
+    step): one rank's copy in one part, the other's in layers, is one transfer."""
+    counter = CompletionCounter()
+    assert counter.record("t", 0, 2) is False
+    assert counter.record("t", 1, 2, 0, 2) is False
+    assert counter.record("t", 1, 2, 1, 2) is True
+
+
+def test_a_repeated_layer_does_not_stand_in_for_a_missing_one():
+    counter = CompletionCounter()
+    assert counter.record("t", 0, 1, 0, 2) is False
+    assert counter.record("t", 0, 1, 0, 2) is False
+    assert counter.take_done(["t"]) == set()
+
+
+def test_a_rank_that_changes_its_part_count_is_refused():
+    counter = CompletionCounter()
+    counter.record("t", 0, 1, 0, 4)
+    with pytest.raises(ValueError, match="said 4 parts"):
+        counter.record("t", 0, 1, 0, 1)
+    with pytest.raises(ValueError, match="part 4 outside"):
+        counter.record("t", 0, 1, 4, 4)

@@ -61,7 +61,7 @@ ENGINE = {"model": "/models/tiny", "tokenizer": "/models/tiny", "dtype": "float3
           "max_model_len": 512, "block_size": 16, "max_num_seqs": 8, "enable_prefix_caching": True,
           "tensor_parallel_size": 2}
 KVPUSH_EXTRA = {"nats_url": "nats://n:4222", "lease_s": 7.0, "kv_wait_s": 90.0, "quarantine_s": 11.0,
-                "incarnation": "inc-w"}
+                "incarnation": "inc-w", "push_by_layer": False}
 TRANSFER = {
     ("kvpush", "prefill"): {
         "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
@@ -98,8 +98,14 @@ def test_kvpush_without_a_nats_url_or_fault_settings_gets_the_defaults():
     engine = EngineSettings(model="m", role="decode", engine_id="x", nats_url=None, max_model_len=2048,
                             connector="kvpush", faults=FaultSettings(), prefix_caching=False)
     same(engine_kwargs(engine)["kv_transfer_config"]["kv_connector_extra_config"],
-         {"nats_url": None, "lease_s": 10.0, "kv_wait_s": 120.0, "quarantine_s": 15.0, "incarnation": ""})
+         {"nats_url": None, "lease_s": 10.0, "kv_wait_s": 120.0, "quarantine_s": 15.0, "incarnation": "", "push_by_layer": False})
     assert engine_kwargs(engine)["kv_transfer_config"]["kv_load_failure_policy"] == "recompute"
+
+
+def test_layer_wise_push_reaches_the_connector_of_a_prefill_that_asks_for_it():
+    engine = EngineSettings(model="m", role="prefill", engine_id="x", nats_url="nats://n:4222", max_model_len=2048,
+                            connector="kvpush", push_by_layer=True)
+    assert engine_kwargs(engine)["kv_transfer_config"]["kv_connector_extra_config"]["push_by_layer"] is True
 
 
 # --------------------------------------------------------------------------- requests

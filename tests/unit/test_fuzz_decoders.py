@@ -355,8 +355,9 @@ def test_request_id_of_gives_an_id_an_error_reply_can_carry(request_id):
 
 @FUZZ
 @given(message=st.binary(max_size=60) | st.text(max_size=40).map(str.encode))
-@example(message=b"t:1:" + b"9" * 5000 + b":tag")
-@example(message=b"\xff:0:1:tag")
+@example(message=b"t:1:" + b"9" * 5000 + b":0:1:tag")
+@example(message=b"\xff:0:1:0:1:tag")
+@example(message=b"t:0:1:3:2:tag")  # a part outside its parts
 def test_parse_notification_raises_only_value_error(message):
     try:
         note = parse_notification(message)
@@ -367,11 +368,12 @@ def test_parse_notification_raises_only_value_error(message):
 
 @FUZZ
 @given(transfer_id=st.text(max_size=40), rank=st.integers(0, 1000), num_ranks=st.integers(1, 1000),
-       blocks=st.lists(st.integers(0, 10**6), max_size=8))
-def test_notifications_round_trip(transfer_id, rank, num_ranks, blocks):
+       blocks=st.lists(st.integers(0, 10**6), max_size=8), parts=st.integers(1, 128), data=st.data())
+def test_notifications_round_trip(transfer_id, rank, num_ranks, blocks, parts, data):
     tag = block_tag("key", blocks)
-    assert parse_notification(notification(transfer_id, rank, num_ranks, tag)) == Notification(
-        transfer_id, rank, num_ranks, tag)
+    part = data.draw(st.integers(0, parts - 1))
+    assert parse_notification(notification(transfer_id, rank, num_ranks, tag, part, parts)) == Notification(
+        transfer_id, rank, num_ranks, tag, part, parts)
 
 
 # ------------------------------------------------------------------ pairing checks

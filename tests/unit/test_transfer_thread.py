@@ -115,7 +115,7 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
         os.kill(proc.pid, signal.SIGCONT)
         proc.join(timeout=30)
     assert [(r.ok, r.stuck) for r in results] == [(False, True), (True, False)]
-    assert notes == ["t-1:0:1:tag"]  # the peer was told, late
+    assert notes == [notification("t-1", 0, 1, "tag").decode()]  # the peer was told, late
     for layer in range(2):
         got = torch.tensor(landed[f"model.layers.{layer}.attn"])
         assert torch.all(got[[3, 4]] == 7.0)  # the late write did land: freeing these blocks early would be unsafe
@@ -169,7 +169,7 @@ def test_a_write_to_a_peer_that_dies_fails_and_the_thread_goes_on_writing(monkey
                 os.kill(proc.pid, signal.SIGCONT)
             proc.join(timeout=30)
     assert [(r.ok, r.transfer_id) for r in results] == [(False, "t-dead"), (True, "t-next")]
-    assert notes == ["t-next:0:1:tag"]
+    assert notes == [notification("t-next", 0, 1, "tag").decode()]
     assert torch.all(torch.tensor(landed["model.layers.0.attn"])[[3, 4]] == 7.0)
 
 
