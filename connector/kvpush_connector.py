@@ -141,7 +141,9 @@ class KvpushConnector(KVConnectorBase_V1):
         return None
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        self._worker.save_kv_layer(layer_name)
+        meta = self._get_connector_metadata()  # bound before the forward
+        assert isinstance(meta, KvpushMetadata)
+        self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -6,7 +6,7 @@ the transfer thread, and its end a completion event for decode. Pull: the prompt
 blocks are held (``ServedReads``) until decode's READ notification came.
 
 Layer by layer (``push_by_layer``). A prompt whose decode registered before the step
-that finishes it is matched as that step starts (``begin_step``), and each layer's blocks
+that finishes it is matched when that step's forward saves its first layer, and each layer's blocks
 are written as soon as the forward has written that layer (``layer_saved``), so later
 layers compute while earlier ones travel. Its transfer ends once every layer landed; a
 Revoke between two layers stops the rest and is answered once the posted ones ended.
@@ -98,7 +98,8 @@ class Producer:
         self._book = TransferBook(lease_s)
         self.push_by_layer = push_by_layer
         self._layered: dict[str, _LayeredPush] = {}  # transfer id -> its layer-wise write, until it ended
-        self._this_step: list[str] = []  # transfers matched at this step's start (vLLM's worker thread only)
+        self._this_step: list[str] = []  # transfers matched in this step's forward (vLLM's worker thread only)
+        self._step_meta: KvpushMetadata | None = None  # the step whose forward is under way, once it saved a layer
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its position in our KV layout
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
@@ -118,9 +119,12 @@ class Producer:
 
     # ---------------------------------------------------------------- vLLM's worker thread
 
-    def begin_step(self, meta: KvpushMetadata) -> None:
-        """Before the forward pass. Layer by layer: a prompt this step finishes whose decode
-        has registered is matched now, and written as its layers are computed."""
+    def _begin_step(self, meta: KvpushMetadata) -> None:
+        """The forward pass has written its first layer. Layer by layer: a prompt this step
+        finishes whose decode has registered is matched now, and written as its layers are
+        computed. (vLLM binds the step's metadata before the forward but calls
+        ``start_load_kv`` after it unless a load must come first: the first layer is the
+        first moment inside the forward we are called.)"""
         self._this_step = []
         if not self.push_by_layer or self.transfer is None or not self.transfer.layout.layers:
             return
@@ -151,8 +155,11 @@ class Producer:
             else:
                 self._settle(outcome, arrival.prefill)
 
-    def layer_saved(self, layer_name: str) -> None:
+    def layer_saved(self, layer_name: str, meta: KvpushMetadata) -> None:
         """Inside the forward pass: ``layer_name``'s KV is written; send it where it is awaited."""
+        if meta is not self._step_meta:
+            self._step_meta = meta
+            self._begin_step(meta)
         if not self._this_step:
             return
         index = self._layer_of.get(layer_name)
@@ -161,7 +168,8 @@ class Producer:
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         """After the forward pass: these prefills' KV is now in their blocks."""
-        early, self._this_step = self._this_step, []
+        early = self._this_step if meta is self._step_meta else []
+        self._this_step, self._step_meta = [], None
         if early:
             self._post_layers(lambda writes: writes.all_computed(), early)
         for ready in meta.ready_prefills:

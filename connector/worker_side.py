@@ -97,14 +97,13 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- each step
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
-        if self.producer is not None:
-            self.producer.begin_step(meta)
         if self.consumer is not None:
             self.consumer.start_load_kv(meta)
 
-    def save_kv_layer(self, layer_name: str) -> None:
+    def save_kv_layer(self, layer_name: str, meta: KvpushMetadata) -> None:
+        """Inside the forward (vLLM's worker thread): ``layer_name``'s KV is written."""
         if self.producer is not None:
-            self.producer.layer_saved(layer_name)
+            self.producer.layer_saved(layer_name, meta)
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         if self.producer is not None:

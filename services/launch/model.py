@@ -104,7 +104,9 @@ PROFILES: dict[str, ModelProfile] = {
         head_dim=128,
         intermediate_size=1024,
         vocab_size=4096,
-        max_position_embeddings=16384,
+        # A 16k prompt and its outputs. Memory would allow far more (16 KiB of KV per token:
+        # the bench's 2 GiB per engine hold 131,072 tokens); time does not (docs/benchmarks.md).
+        max_position_embeddings=20480,
     ),
     # Emulated GPUs (docs/benchmarks.md, "Emulated GPUs"): the named model's layer count at the
     # narrowest width vLLM's CPU attention takes (head_dim 32, one KV head: 16 KiB of KV per

@@ -464,7 +464,9 @@ LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 
 def _layered_step(worker: ConnectorWorker, decode, name: str, src: list[int], dst: list[int]):
     """Decode registers; the step that finishes the prompt starts, and its forward computes
-    layer 0 only: (transfer id, key, the step's metadata)."""
+    layer 0 only: (transfer id, key, the step's metadata). As vLLM does it: the step's
+    metadata bound, then the forward (``save_kv_layer`` after each layer), and
+    ``start_load_kv`` only after the forward (unless a load must come first)."""
     transfer, key = _id(name), _key()
     _start_load(decode, wire.DecodeKvParams(transfer_id=transfer, request_id=name,
                                             prefill_engine_id=worker.producer.engine_id, transfer_key=key), dst)
@@ -472,8 +474,7 @@ def _layered_step(worker: ConnectorWorker, decode, name: str, src: list[int], ds
     meta = KvpushMetadata(ready_prefills=[
         ReadyPrefill(f"prefill-{name}", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
                      decode_engine_id=decode.engine_id, transfer_key=key)])
-    worker.start_load_kv(meta)
-    worker.save_kv_layer(LAYERS[0])
+    worker.save_kv_layer(LAYERS[0], meta)
     thread = worker.producer.transfer
     _until(lambda: thread.posted == 1, "layer 0's WRITE posted while layer 1 is still to compute", 10)
     return transfer, key, meta
@@ -488,7 +489,8 @@ def test_layer_by_layer_each_layer_leaves_as_the_forward_computes_it_and_decode_
     try:
         src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
         _, _, meta = _layered_step(worker, decode, "layered", src, dst)
-        worker.save_kv_layer(LAYERS[1])
+        worker.save_kv_layer(LAYERS[1], meta)
+        worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         arrived, failed, blocks = _loaded(decode)  # it counts both layers' notifications before it says so
         assert (arrived, failed) == (True, [])
@@ -520,7 +522,8 @@ def test_a_revoke_between_two_layers_stops_the_rest_and_is_answered_once_the_pos
         [answer] = _until(lambda: completions.of(transfer), "the revoke's answer", 10)
         assert isinstance(answer, wire.TransferFailed) and answer.code == Revoked.code, answer
         assert "1 of 2 layers landed" in answer.reason
-        worker.save_kv_layer(LAYERS[1])  # the forward goes on
+        worker.save_kv_layer(LAYERS[1], meta)  # the forward goes on
+        worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         thread = worker.producer.transfer
         assert thread.poll_notifications_now(10)  # the thread has taken every job queued before

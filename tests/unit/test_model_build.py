@@ -230,3 +230,13 @@ def test_generation_depends_on_context(loaded):
     assert _greedy(model, long) != _greedy(model, changed)
     # Greedy decoding is reproducible.
     assert _greedy(model, long) == _greedy(model, long)
+
+
+def test_the_kv_heavy_model_holds_the_benchs_longest_prompt_and_its_outputs():
+    """kvpush bench's 16k workload (``--workloads 16k``) runs on the kv-heavy model: the
+    prompt, 128 output tokens and nothing cut."""
+    from kvpush.tools.bench.run import LONG
+
+    longest = max(w.longest for w in LONG)
+    assert longest >= 16384
+    assert PROFILES["kv-heavy"].max_position_embeddings >= longest + 128

@@ -62,7 +62,8 @@ def register_bench(sub) -> None:
     emulated.add_argument("--workloads", metavar="NAME[@RATE],...",
                           help="measure only these of the grid (1k, 4k, 8k, 16k, '4k 1P2D', '4k 2P1D', "
                                "'mixed 200-16k'; 8k@4 for one rate), e.g. the seed's most demanding points first "
-                               "and the rest later with --resume into the same --out")
+                               "and the rest later with --resume into the same --out. Without --emulate: of the "
+                               "CPU grid and its longer inputs (8k, 16k, outside the default grid)")
     emulated.add_argument("--resume", action="store_true",
                           help="keep the points already in --out and measure only the others (each point is "
                                "written as it ends)")

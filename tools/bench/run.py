@@ -78,6 +78,12 @@ GRID = (
     Workload("1k 1P2D", 1024, (2.0,), 6, topology=Topology(1, 2)),
     Workload("1k 2P1D", 1024, (2.0,), 6, topology=Topology(2, 1)),
 )
+# The seed's longer inputs, outside the hour's grid (``--workloads 8k,16k``): one light rate
+# each, below what one CPU prefill keeps up with (docs/benchmarks.md, "8k and 16k on CPUs").
+LONG = (
+    Workload("8k", 8192, (0.1,), 4),
+    Workload("16k", 16384, (0.03,), 3),
+)
 BINDING_PROBE = Workload("binding probe, 1k", 1024, (1.0,), 4)
 
 
@@ -539,6 +545,12 @@ def cmd(args) -> int:
                 return 2
     else:
         workloads = list(GRID)
+        if args.workloads:
+            try:
+                workloads = emulation.select([*GRID, *LONG], args.workloads)
+            except ValueError as exc:
+                print(f"--workloads: {exc}", file=sys.stderr)
+                return 2
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
     probe = BINDING_PROBE if args.probe_requests is None else \
         Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
