@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from kvpush.services.cli.commands import lazy
+from kvpush.shared import settings
 
 BLOCK_SIZE = 16  # bench-scheduler's stand-ins: tokens per KV block, vLLM's default on GPUs (its CPU platform's is 128)
 
@@ -41,6 +42,8 @@ def register_bench(sub) -> None:
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
     bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
     bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--push-by-layer", choices=["on", "off"], default=settings.PUSH_BY_LAYER,
+                       help="kvpush's prefill workers write each layer's KV as the forward finishes it")
     bench.add_argument("--point-timeout", type=float, default=1800.0,
                        help="seconds a point's client may take; past it the point failed (and is tried once more "
                             "on a fresh start of its system)")

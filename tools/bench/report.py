@@ -87,6 +87,8 @@ def tables(bench) -> str:
     machine_cores = bench.config.bindings
     parts.append("Bindings kept: " + ", ".join(f"{system} **{binding}**" for system, binding in machine_cores.items())
                  + "\n")
+    if "kvpush" in bench.config.systems:
+        parts.append(f"kvpush's layer-wise push: **{bench.config.push_by_layer}**\n")
     emulation = getattr(bench.config, "emulation", None)
     if emulation is not None:
         ks = sorted({p.summary["dilation"] for p in bench.points if p.summary.get("dilation")})

@@ -36,7 +36,7 @@ from pathlib import Path
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
 from kvpush.services.launch.model import PROFILES, build_model, default_model_dir
-from kvpush.shared import wire
+from kvpush.shared import settings, wire
 from kvpush.tools.bench import client, emulation, report, transfer
 from kvpush.tools.bench.results import Point
 from kvpush.tools.bench.stats import percentile
@@ -108,6 +108,7 @@ class BenchConfig:
     # A test hook: the first attempt of each point of this system gets this timeout instead,
     # so that the retry below runs on purpose (KVPUSH_BENCH_FIRST_ATTEMPT_TIMEOUT=system:seconds).
     first_attempt_timeout: tuple[str, float] | None = None
+    push_by_layer: str = settings.PUSH_BY_LAYER  # kvpush's prefill workers: layer-wise push on or off
 
     @property
     def systems(self) -> list[str]:
@@ -217,7 +218,8 @@ class Bench:
         env = self.emulation.engine_env(self._forward_log(system, topology)) if self.emulation else None
         if system == "kvpush":
             return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
-                                engine_env=env, hosts=self.engine_hosts)
+                                engine_env={**(env or {}), "KVPUSH_PUSH_BY_LAYER": c.push_by_layer},
+                                hosts=self.engine_hosts)
         return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir,
                                engine_env=env, hosts=self.engine_hosts)
 
@@ -559,7 +561,8 @@ def cmd(args) -> int:
                          out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
                          try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated,
                          resume=getattr(args, "resume", False), repeats=args.repeats,
-                         point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout())
+                         point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout(),
+                         push_by_layer=args.push_by_layer)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()
