@@ -30,6 +30,8 @@ class Point:
     measured_summary: dict = field(default_factory=dict)
     cpu_share: dict = field(default_factory=dict)
     repeat: int = 0  # 0 the first measurement of the point, 1, 2, ... its repeats (--repeats)
+    # kvpush: each request's TTFT split (segment -> ms, and its request id), in arrival order
+    segments_by_request: list[dict] = field(default_factory=list)
 
 
 def within_capacity(point: Point, points: list[Point]) -> bool:

@@ -344,6 +344,9 @@ class Bench:
             point.measured_summary = point.summary
             point.summary = emulated.summary(point.summary) if point.summary else {}
             point.segments_ms = emulated.segments(point.segments_ms)
+            point.segments_by_request = [{name: (value / emulated.k if name not in ("request_id", "start_ns")
+                                                 else value) for name, value in row.items()}
+                                         for row in point.segments_by_request]
             if point.handoff_overhead_ms:
                 point.handoff_overhead_ms = {k: v / emulated.k for k, v in point.handoff_overhead_ms.items()}
         s = point.summary
@@ -368,17 +371,20 @@ class Bench:
         bandwidth = self._raw_bytes_per_ms()
         profile = PROFILES.get(self.config.profile)  # "custom" (--model): unknown, no overhead figure
         kv_bytes_per_token = profile.kv_bytes_per_token_fp32 if profile else 0
-        for trace in by_request.values():
+        for request_id, trace in by_request.items():
             path = view.critical_path(trace)
             if not path:
                 continue
             ms = {s.name: s.ms for s in path}
             for name, value in ms.items():
                 segments.setdefault(name, []).append(value)
+            point.segments_by_request.append({"request_id": request_id, "start_ns": path[0].start_ns,
+                                              **{name: round(value, 3) for name, value in ms.items()}})
             if bandwidth:
                 handoff = sum(ms.get(k, 0.0) for k in ("handoff", "transfer", "kv notice"))
                 prompt = _prompt_tokens(trace) or workload.input_len
                 overheads.append(handoff - prompt * kv_bytes_per_token / bandwidth)
+        point.segments_by_request.sort(key=lambda row: row["start_ns"])
         point.segments_ms = {name: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "mean": sum(v) / len(v),
                                     "n": len(v)} for name, v in segments.items()}
         if overheads:
