@@ -280,6 +280,23 @@ def reply_problem(reply: str, owner: str) -> str | None:
 
 # --------------------------------------------------------------------------- public JSON
 
+class StructuredOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The answer constrained to a grammar: exactly one of these, with the meaning of vLLM's
+    StructuredOutputsParams (``json`` is a JSON schema, as text or as an object)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, name) is not None]
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of a request on ``kvpush.generate``; exactly one of the two prompts."""
 
@@ -290,7 +307,23 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     request_id: str | None = None
     transfer_mode: RequestedMode | None = None  # default: the scheduler's --mode
-    stop: list[str] | None = None  # strings that end the answer (not included in it)
+    stop: list[str] | None = None  # strings that end the answer (not included in it, unless asked)
+    # Sampling, with the names and meaning of vLLM's SamplingParams (the decode engine's):
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutput | None = None
+    logprobs: int | None = None  # each token's logprob and this many of the most likely ones
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -314,12 +347,25 @@ class _Reply(msgspec.Struct, tag_field="type"):
     """A message to a client's reply inbox; its ``type`` names which one."""
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One candidate at one position of the answer, as vLLM's Logprob (a logprob of -inf
+    is sent as -9999.0, as vLLM's server writes it)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+    token: str | None  # as the engine decoded it
+
+
 class TokenChunk(_Reply, tag="chunk"):
     request_id: str
     token_ids: list[int]
     text: str
     finished: bool = False
     seq: int = 0  # 0, 1, 2, ... per request: a gap is a lost chunk
+    # With ``logprobs``: one list per token of ``token_ids``, in vLLM's order (the sampled
+    # token first, then the most likely ones).
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 class Usage(msgspec.Struct):
@@ -382,10 +428,29 @@ class WorkerHeartbeat(Internal):
 
 
 class SamplingSpec(msgspec.Struct):
+    """How the answer is sampled, checked (``kvpush.services.scheduler.validation``): the
+    fields of vLLM's SamplingParams that decode (or a local request's engine) applies. A
+    flight written before a field existed reads back with its neutral value."""
+
     max_tokens: int
     temperature: float
     ignore_eos: bool
     stop: list[str] = []
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] = []
+    bad_words: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutput | None = None
+    logprobs: int | None = None  # each token's logprob and this many of the most likely ones
 
 
 class PrefillJob(Internal):
@@ -730,6 +795,7 @@ class SchedulerStatus(msgspec.Struct):
     scheduler_id: str
     prefill_workers: list[str]
     decode_workers: list[str]
+    max_model_len: int = 0  # the least context of the workers it routes to (0: none live)
 
 
 _json_encoder = msgspec.json.Encoder()

@@ -1,10 +1,13 @@
-"""Greedy outputs of one plain vLLM instance (no connector): the reference that the
-disaggregated path must match token for token.
+"""Outputs of one plain vLLM instance (no connector): the reference that the
+disaggregated path must match token for token. Greedy unless a request says otherwise.
 
     python -m kvpush.tools.reference --model DIR --requests in.json --out out.json
 
-``in.json`` is a list of {"prompt_token_ids": [...], "max_tokens": n}; ``out.json``
-the list of generated token id lists, in the same order.
+``in.json`` is a list of {"prompt_token_ids": [...], "max_tokens": n, ...}, where ``...``
+is any more of vLLM's SamplingParams, by its own names (``temperature``, ``top_p``,
+``seed``, ...); ``out.json`` the list of generated token id lists, in the same order, and
+where a request asked for ``logprobs``, ``out.json.logprobs.json`` each position's
+candidates as [token id, logprob], in the engine's order (null for the others).
 """
 
 from __future__ import annotations
@@ -17,16 +20,26 @@ from kvpush.services.worker.engine_settings import EngineSettings
 from kvpush.shared import settings
 
 
-def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN) -> list[list[int]]:
+def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN) -> tuple[list, list]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(EngineSettings(model=model, role=None, engine_id="reference", nats_url=None,
                                              max_model_len=max_model_len)))
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r.get("ignore_eos", False))
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=r.get("temperature", 0.0),
+                             ignore_eos=r.get("ignore_eos", False),
+                             **{k: v for k, v in r.items() if k not in ("prompt_token_ids", "max_tokens",
+                                                                         "temperature", "ignore_eos")})
               for r in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs], [_logprobs(o.outputs[0].logprobs) for o in outputs]
+
+
+def _logprobs(positions) -> list[list[list]] | None:
+    """Each position's candidates, in the engine's order: [token id, logprob]."""
+    if positions is None:
+        return None
+    return [[[token_id, lp.logprob] for token_id, lp in (position or {}).items()] for position in positions]
 
 
 def main() -> None:
@@ -38,9 +51,12 @@ def main() -> None:
     args = parser.parse_args()
     with open(args.requests) as f:
         requests = json.load(f)
-    result = run(args.model, requests, args.max_model_len)
+    tokens, logprobs = run(args.model, requests, args.max_model_len)
     with open(args.out, "w") as f:
-        json.dump(result, f)
+        json.dump(tokens, f)
+    if any(entry is not None for entry in logprobs):
+        with open(args.out + ".logprobs.json", "w") as f:
+            json.dump(logprobs, f)
 
 
 if __name__ == "__main__":

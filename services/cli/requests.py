@@ -42,6 +42,9 @@ def cmd_generate(args) -> int:
     from kvpush.shared.errors import KvpushError, to_error_body
 
     body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    for name in ("top_p", "top_k", "seed"):
+        if getattr(args, name, None) is not None:
+            body[name] = getattr(args, name)
     if args.token_ids:
         body["prompt_token_ids"] = [int(t) for t in args.prompt.replace(",", " ").split()]
     else:

@@ -18,6 +18,7 @@ from kvpush.services.gateway.service import Gateway
 from kvpush.services.launch.stack import Stack
 from kvpush.services.scheduler.service import Scheduler
 from kvpush.services.scheduler.validation import load_validator
+from kvpush.services.worker.engine_settings import layer_wise
 from kvpush.services.worker.service import Worker, worker_id_for
 from kvpush.shared import wire
 from kvpush.shared.nats_security import nats_user
@@ -91,7 +92,7 @@ def cmd_worker(args) -> int:
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
-        faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=args.push_by_layer == "on"),
+        faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer)),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 

@@ -1,12 +1,15 @@
 """OpenAI's completions and chat completions, as kvpush requests and replies.
 
 What a body may hold: the fields kvpush serves (``prompt``/``messages``, ``max_tokens``,
-``max_completion_tokens``, ``temperature``, ``ignore_eos``, ``stop``, ``stream``,
-``stream_options``, and kvpush's own ``transfer_mode``); fields that never change the
-output, ignored (``user``, ``metadata``, ...); and fields that would change it, accepted
-only at their neutral value (``n: 1``, ``top_p: 1``, ``logprobs: null``,
-``repetition_penalty: 1.0``: what ``vllm bench serve`` sends). Anything else is refused
-with a sentence that names it, as is a neutral-only field at another value.
+``max_completion_tokens``, ``stream``, ``stream_options``, kvpush's own ``transfer_mode``,
+and the sampling fields of ``SAMPLING``, which go on the wire with vLLM's names and meaning
+and are checked by the scheduler, ``kvpush.services.scheduler.validation``); fields that
+never change the output, ignored (``user``, ``metadata``, ...); and fields not served yet
+that would change it, accepted only at their neutral value (``n: 1``, ``logprobs: null``:
+what ``vllm bench serve`` sends). ``response_format`` (``json_object``, ``json_schema``)
+and vLLM's ``structured_outputs`` constrain the answer on decode, which samples all of it.
+Anything else is refused with a sentence that names it, as is a neutral-only field at
+another value.
 
 Pure: no HTTP, no NATS. ``kvpush.services.gateway.service`` serves it.
 """
@@ -34,32 +37,26 @@ def _neutral(*values) -> Callable[[Any], bool]:
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "n": _neutral(None, 1),
     "best_of": _neutral(None, 1),
-    "top_p": _neutral(None, 1, 1.0),
-    "top_k": _neutral(None, -1, 0),
-    "min_p": _neutral(None, 0, 0.0),
-    "frequency_penalty": _neutral(None, 0, 0.0),
-    "presence_penalty": _neutral(None, 0, 0.0),
-    "repetition_penalty": _neutral(None, 1, 1.0),
-    "logprobs": _neutral(None, False, 0),
-    "top_logprobs": _neutral(None, 0),
     "prompt_logprobs": _neutral(None),
     "echo": _neutral(None, False),
     "suffix": _neutral(None, ""),
-    "logit_bias": lambda v: not v,
-    "min_tokens": _neutral(None, 0),
     "tools": lambda v: not v,
     "tool_choice": _neutral(None, "none", "auto"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "skip_special_tokens": _neutral(None, True),
     "spaces_between_special_tokens": _neutral(None, True),
     "add_generation_prompt": _neutral(None, True),
 }
 # Fields that never change the output.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority", "request_id"}
-COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode", "seed",
-          "return_token_ids"}
-COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens"}
-CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens"}
+# Sampling: carried as they are to the engine that samples (vLLM's SamplingParams names).
+SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+            "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids",
+            "include_stop_str_in_output")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire.StructuredOutput's
+COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
+          "return_token_ids", "response_format", "structured_outputs", *SAMPLING}
+COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 
 @dataclass
@@ -71,6 +68,7 @@ class OpenAiRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
+    logprobs: int | None = None  # each token's logprob, with this many of the most likely ones
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -88,14 +86,15 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
                                    "leave it out or send its neutral value")
             continue
         raise InvalidField(f"unknown field '{name}'")
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise NotFound(f"the model '{model}' does not exist here; this server serves '{served_model}'")
+    _check_model(body, served_model)
     temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)
-    if body.get("seed") is not None and temperature > 0:
-        raise InvalidField("'seed' is not supported with temperature > 0 (kvpush has no seeded sampling); "
-                           "send temperature 0 or leave the seed out")
     generate: dict[str, Any] = {"temperature": temperature}
+    for name in SAMPLING:
+        if body.get(name) is not None:
+            generate[name] = body[name]
+    structured = _structured_outputs(body.get("response_format"), body.get("structured_outputs"))
+    if structured is not None:
+        generate["structured_outputs"] = structured
     for flag in ("ignore_eos",):
         if body.get(flag) is not None:
             generate[flag] = _bool(body, flag)
@@ -116,6 +115,9 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
     request = OpenAiRequest(kind, served_model, generate, stream=stream,
                             include_usage=bool(options.get("include_usage")),
                             return_token_ids=bool(body.get("return_token_ids")))
+    request.logprobs = _logprobs(kind, body)
+    if request.logprobs is not None:
+        generate["logprobs"] = request.logprobs
     if kind == "completion":
         _completion_prompt(body.get("prompt"), generate)
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -127,6 +129,53 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
             raise InvalidField(f"'max_tokens' must be an integer, got {max_tokens!r}")
         generate["max_tokens"] = max_tokens
     return request
+
+
+def _structured_outputs(response_format: Any, structured: Any) -> dict | None:
+    """OpenAI's ``response_format`` (and vLLM's own ``structured_outputs``) as the wire's
+    ``StructuredOutput``; ``response_format`` wins where both are given, as in vLLM."""
+    if structured is not None and not isinstance(structured, dict):
+        raise InvalidField("'structured_outputs' must be an object")
+    if response_format is None:
+        return structured
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise InvalidField("'response_format' must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return structured
+    options = {k: v for k, v in (structured or {}).items() if k not in STRUCTURED_KINDS}  # whitespace, ...
+    if kind == "json_object":
+        return {**options, "json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidField("'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
+                               "\"schema\": {...}}")
+        return {**options, "json": spec["schema"]}
+    raise InvalidField(f"'response_format' type {kind!r} is not supported by kvpush "
+                       "(text, json_object and json_schema are)")
+
+
+def _logprobs(kind: Kind, body: dict) -> int | None:
+    """How many of the most likely tokens to report beside each sampled one (None: no
+    logprobs). Completions say it in ``logprobs``; chats turn ``logprobs`` on and say it in
+    ``top_logprobs``."""
+    if kind == "completion":
+        value = body.get("logprobs")
+        if value is None or value is False:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidField(f"'logprobs' must be an integer, got {value!r}")
+        return value
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        raise InvalidField(f"'top_logprobs' must be an integer, got {top!r}")
+    if body.get("logprobs") is None or body.get("logprobs") is False:
+        if top:
+            raise InvalidField("'top_logprobs' needs 'logprobs': true")
+        return None
+    _bool(body, "logprobs")
+    return top or 0
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -201,6 +250,66 @@ def prompt_bytes(request: OpenAiRequest) -> int:
     return len(prompt.encode()) if isinstance(prompt, str) else 0
 
 
+# ------------------------------------------------------------------ /tokenize, /detokenize
+
+@dataclass
+class TokenizeRequest:
+    """vLLM's ``/tokenize``: a text (``prompt``) or a chat (``messages``, through the chat
+    template)."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+def tokenize_request(body: Any, served_model: str) -> TokenizeRequest:
+    if not isinstance(body, dict):
+        raise InvalidField("the request body must be a JSON object")
+    _check_model(body, served_model)
+    known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InvalidField(f"unknown field '{unknown[0]}'")
+    if body.get("return_token_strs"):
+        raise InvalidField("'return_token_strs' is not supported by kvpush")
+    request = TokenizeRequest()
+    for flag in ("add_special_tokens", "add_generation_prompt"):
+        if body.get(flag) is not None:
+            setattr(request, flag, _bool(body, flag))
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidField("give either 'prompt' or 'messages'")
+    if "messages" in body:
+        request.messages = _messages(body["messages"])
+    elif isinstance(body["prompt"], str):
+        request.prompt = body["prompt"]
+    else:
+        raise InvalidField("'prompt' must be a string")
+    return request
+
+
+def detokenize_request(body: Any, served_model: str, vocab_size: int) -> list[int]:
+    if not isinstance(body, dict):
+        raise InvalidField("the request body must be a JSON object")
+    _check_model(body, served_model)
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise InvalidField(f"unknown field '{unknown[0]}'")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidField("'tokens' must be a list of token ids")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidField(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
+    return tokens
+
+
+def _check_model(body: dict, served_model: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise NotFound(f"the model '{model}' does not exist here; this server serves '{served_model}'")
+
+
 # ------------------------------------------------------------------ replies
 
 def response_id(kind: Kind, request_id: str) -> str:
@@ -212,17 +321,65 @@ def usage(final: wire.FinalReply) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+LOWEST_LOGPROB = -9999.0  # vLLM's server's stand-in for -inf
+
+
+def logprobs_object(request: OpenAiRequest, token_ids: list[int], positions: list[list[wire.TokenLogprob]] | None,
+                    text_offset: int = 0) -> dict | None:
+    """A choice's ``logprobs`` for these tokens, as vLLM's server writes them
+    (``_create_completion_logprobs``, ``_create_chat_logprobs``): over each position's
+    candidates in the engine's order, the sampled token first. ``text_offset``: the
+    characters of the answer before these tokens (completions)."""
+    if request.logprobs is None:
+        return None
+    positions = positions or []
+    if request.kind == "completion":
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for i, token_id in enumerate(token_ids):
+            candidates = positions[i] if i < len(positions) else []
+            sampled = next((c for c in candidates if c.token_id == token_id), None)
+            token = (sampled.token if sampled is not None else None) or ""
+            tokens.append(token)
+            token_logprobs.append(sampled.logprob if sampled is not None else None)
+            top_logprobs.append({(c.token or ""): max(c.logprob, LOWEST_LOGPROB)
+                                 for place, c in enumerate(candidates) if place <= request.logprobs}
+                                if sampled is not None else None)
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}
+    content = []
+    for i, token_id in enumerate(token_ids):
+        candidates = positions[i] if i < len(positions) else []
+        sampled = next((c for c in candidates if c.token_id == token_id), None)
+        token = (sampled.token if sampled is not None else None) or ""
+        entry: dict[str, Any] = {"token": token, "logprob": LOWEST_LOGPROB, "bytes": _bytes(token),
+                                 "top_logprobs": []}
+        if sampled is not None:
+            entry["logprob"] = max(sampled.logprob, LOWEST_LOGPROB)
+            entry["bytes"] = None if sampled.token is None else _bytes(sampled.token)
+            entry["top_logprobs"] = [{"token": c.token or "", "logprob": max(c.logprob, LOWEST_LOGPROB),
+                                      "bytes": _bytes(c.token or "")}
+                                     for place, c in enumerate(candidates) if place < request.logprobs]
+        content.append(entry)
+    return {"content": content}
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
 def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
-          first: bool = False, token_ids: list[int] | None = None) -> dict:
+          first: bool = False, token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
     """One server-sent event's object."""
     if request.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text:
             delta = {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     if request.return_token_ids:
         choice["token_ids"] = token_ids or []
@@ -239,14 +396,14 @@ def usage_chunk(request: OpenAiRequest, request_id: str, final: wire.FinalReply)
 
 
 def response(request: OpenAiRequest, request_id: str, text: str, final: wire.FinalReply,
-             token_ids: list[int] | None = None) -> dict:
+             token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
     """The whole answer, for a request without ``stream``."""
     finish = final.finish_reason
     if request.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         kind = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         kind = "chat.completion"
     if request.return_token_ids:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -170,6 +171,28 @@ class Gateway(Service):
         request.generate["prompt_token_ids"] = await asyncio.get_running_loop().run_in_executor(
             self._templating, chat_prompt, self.tokenizer, request.messages)
 
+    async def tokenize(self, request: openai_api.TokenizeRequest) -> list[int]:
+        """``/tokenize``, as the engines tokenize: the model's own tokenizer (and chat template)."""
+        if request.messages is not None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidField(f"the model '{self.served_model_name}' has no chat template")
+        text_size = len(request.prompt.encode()) if request.prompt is not None else \
+            sum(len(m["content"].encode()) for m in request.messages or [])
+        if text_size > self.max_prompt_bytes:
+            raise PromptTooLong(f"the text is {text_size} bytes: more than {self.max_model_len} tokens of this "
+                                f"model can hold (at most {self.max_prompt_bytes} bytes)")
+
+        def run() -> list[int]:
+            if request.messages is not None:
+                return list(self.tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
+                    return_dict=False))
+            return list(self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+
+        return await asyncio.get_running_loop().run_in_executor(self._templating, run)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._templating, self.tokenizer.decode, token_ids)
+
     def replies(self, tenant: Tenant, body: dict, headers: dict[str, str]) -> AsyncIterator[wire.Reply]:
         return generate(self.connection(tenant), body, timeout=self.timeout_s, headers=headers)
 
@@ -264,10 +287,39 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        """As ``vllm serve``'s, with the context the engines serve (the least of the
+        workers a scheduler routes to; the gateway's own setting if none answers)."""
+        try:
+            max_model_len = (await scheduler_status(gateway.nc, timeout=2.0)).max_model_len or gateway.max_model_len
+        except Exception:
+            max_model_len = gateway.max_model_len
         return {"object": "list", "data": [{
             "id": gateway.served_model_name, "object": "model", "created": 0, "owned_by": "kvpush",
-            "root": gateway.model, "max_model_len": getattr(gateway.tokenizer, "model_max_length", None),
+            "root": gateway.model, "max_model_len": max_model_len,
         }]}
+
+    @app.get("/version")
+    async def version():
+        return {"version": kvpush_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await _json_object(request, gateway)
+            ids = await gateway.tokenize(openai_api.tokenize_request(body, gateway.served_model_name))
+        except KvpushError as exc:
+            return _error_of(exc, "")
+        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await _json_object(request, gateway)
+            ids = openai_api.detokenize_request(body, gateway.served_model_name, len(gateway.tokenizer))
+            text = await gateway.detokenize(ids)
+        except KvpushError as exc:
+            return _error_of(exc, "")
+        return {"prompt": text}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -278,6 +330,22 @@ def build_app(gateway: Gateway) -> FastAPI:
         return _counted("/v1/chat/completions", await _serve(gateway, request, "chat"))
 
     return app
+
+
+async def _json_object(http: Request, gateway: Gateway):
+    """A small JSON body (bounded like a generation's by NATS's max_payload)."""
+    data = await read_body(http, gateway.nc.max_payload)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadJson("the body is not valid JSON") from None
+
+
+def kvpush_version() -> str:
+    try:
+        return importlib.metadata.version("kvpush")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _counted(endpoint: str, response):
@@ -363,11 +431,13 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
 async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONResponse:
     text: list[str] = []
     token_ids: list[int] = []
+    positions: list[list[wire.TokenLogprob]] = []
     reply = first
     try:
         while isinstance(reply, wire.TokenChunk):
             text.append(reply.text)
             token_ids.extend(reply.token_ids)
+            positions.extend(reply.logprobs or [])
             reply = await replies.__anext__()
     except (KvpushError, TimeoutError, StopAsyncIteration) as exc:
         await replies.aclose()
@@ -377,7 +447,8 @@ async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONRe
         case wire.ErrorReply(error=error):
             return _error(error.code, error.message, request_id)
         case wire.FinalReply():
-            return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids),
+            logprobs = openai_api.logprobs_object(request, token_ids, positions)
+            return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids, logprobs),
                                 headers={REQUEST_ID_HEADER: request_id})
 
 
@@ -388,11 +459,13 @@ def _sse(event: dict | str) -> bytes:
 async def _events(request, request_id: str, first: wire.Reply, replies) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
     closed, and the client's generate() cancels what did not finish)."""
-    reply, sent_first = first, False
+    reply, sent_first, text_offset = first, False, 0
     try:
         while isinstance(reply, wire.TokenChunk):
+            logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset)
             yield _sse(openai_api.chunk(request, request_id, reply.text, first=not sent_first,
-                                        token_ids=reply.token_ids))
+                                        token_ids=reply.token_ids, logprobs=logprobs))
+            text_offset += len(reply.text)
             sent_first = True
             reply = await replies.__anext__()
         match reply:

@@ -133,10 +133,12 @@ class Events:
 
     async def on_status(self, msg) -> None:
         now = time.monotonic()
+        prefill, decode = self.pool.live("prefill", now), self.pool.live("decode", now)
         status = wire.SchedulerStatus(
             scheduler_id=self.scheduler_id,
-            prefill_workers=[b.worker_id for b in self.pool.live("prefill", now)],
-            decode_workers=[b.worker_id for b in self.pool.live("decode", now)],
+            prefill_workers=[b.worker_id for b in prefill],
+            decode_workers=[b.worker_id for b in decode],
+            max_model_len=min((b.max_model_len for b in (*prefill, *decode)), default=0),
         )
         # Only to the asker's own inbox: never make a scheduler publish into another's.
         if msg.reply and wire.reply_problem(msg.reply, wire.owner_of(msg.subject)) is None:

@@ -7,6 +7,7 @@ reads it, and the limits, from a model folder).
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,12 @@ MAX_REQUEST_ID_LEN = wire.MAX_REQUEST_ID_LEN
 DEFAULT_MAX_TOKENS = 128  # when a request does not say, and the context has room
 MAX_STOP_STRINGS = 4  # as OpenAI allows
 MAX_STOP_LEN = 256
+MAX_BAD_WORDS = 64
+MAX_TEMPERATURE = 2.0  # vLLM's bound
+MAX_LOGIT_BIAS = 100.0  # a bias beyond it is clamped to it, as vLLM's SamplingParams.from_optional does
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, which kvpush's engines keep
+MAX_STRUCTURED_BYTES = 64 * 1024  # a JSON schema, regex, grammar or choice list, as JSON
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what vLLM's server takes (and its engine's transport carries)
 
 
 @dataclass(frozen=True)
@@ -90,17 +97,104 @@ class RequestValidator:
                 f"the model's context is {self.max_model_len} tokens, but the request asks for "
                 f"{len(token_ids) + max_tokens} ({len(token_ids)} in the prompt, {max_tokens} to generate); "
                 f"ask for at most {room} tokens")
-        if body.temperature < 0:
-            raise InvalidField(f"temperature must be 0 or more, got {body.temperature}")
-        stop = body.stop or []
-        if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in stop):
-            raise InvalidField(f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
         return ValidRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
-            sampling=wire.SamplingSpec(max_tokens, body.temperature, body.ignore_eos, stop=list(stop)),
+            sampling=sampling_of(body, max_tokens, self.vocab_size),
             transfer_mode=body.transfer_mode,
         )
+
+
+def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) -> wire.SamplingSpec:
+    """The request's sampling, within the bounds vLLM's SamplingParams (and its input
+    processor) set, checked here so that a request is refused with a sentence before any
+    engine sees it, never failed by the engine halfway through the split."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(body, name)):
+            raise InvalidField(f"{name} must be a finite number, got {getattr(body, name)}")
+    if not 0 <= body.temperature <= MAX_TEMPERATURE:
+        raise InvalidField(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {body.temperature}")
+    if not 0 < body.top_p <= 1:
+        raise InvalidField(f"top_p must be in (0, 1], got {body.top_p}")
+    if body.top_k < -1:
+        raise InvalidField(f"top_k must be 0 (every token; -1 too) or at least 1, got {body.top_k}")
+    if not 0 <= body.min_p <= 1:
+        raise InvalidField(f"min_p must be in [0, 1], got {body.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(body, name) <= 2:
+            raise InvalidField(f"{name} must be in [-2, 2], got {getattr(body, name)}")
+    if body.repetition_penalty <= 0:
+        raise InvalidField(f"repetition_penalty must be greater than 0, got {body.repetition_penalty}")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+        raise InvalidField(f"seed must be a 64-bit signed integer, got {body.seed}")
+    if not 0 <= body.min_tokens <= max_tokens:
+        raise InvalidField(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}")
+    stop = body.stop or []
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LEN for s in stop):
+        raise InvalidField(f"stop takes at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_LEN} characters")
+    bad_words = body.bad_words or []
+    if len(bad_words) > MAX_BAD_WORDS or any(not w or len(w) > MAX_STOP_LEN for w in bad_words):
+        raise InvalidField(f"bad_words takes at most {MAX_BAD_WORDS} strings of 1 to {MAX_STOP_LEN} characters")
+    logit_bias = body.logit_bias or {}
+    for token, bias in logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise InvalidField(f"logit_bias: token id {token} is outside the model's vocabulary "
+                               f"(0..{vocab_size - 1})")
+        if not math.isfinite(bias):
+            raise InvalidField(f"logit_bias: the bias of token {token} must be a finite number, got {bias}")
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        ids = getattr(body, name)
+        if ids is None:
+            continue
+        if name == "allowed_token_ids" and not ids:
+            raise InvalidField("allowed_token_ids must hold at least one token id (leave it out for every token)")
+        if len(ids) > vocab_size:
+            raise InvalidField(f"{name} holds {len(ids)} ids; the vocabulary has {vocab_size}")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidField(f"{name}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
+    structured = _structured(body.structured_outputs)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise InvalidField(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens to report), "
+                           f"got {body.logprobs}")
+    return wire.SamplingSpec(
+        max_tokens, body.temperature, body.ignore_eos, stop=list(stop), top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, min_tokens=body.min_tokens,
+        logit_bias={token: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias)) for token, bias in logit_bias.items()},
+        allowed_token_ids=list(body.allowed_token_ids or []),
+        bad_words=list(bad_words), stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured,
+        logprobs=body.logprobs)
+
+
+def _structured(structured: wire.StructuredOutput | None) -> wire.StructuredOutput | None:
+    """Its shape; whether the grammar compiles is the decode engine's to say (vLLM's own
+    check, refused there with its sentence before anything is generated)."""
+    if structured is None:
+        return None
+    kinds = structured.kinds()
+    if len(kinds) != 1:
+        raise InvalidField("structured_outputs takes exactly one of json, regex, choice, grammar or json_object, "
+                           f"got {len(kinds)}" + (f" ({', '.join(kinds)})" if kinds else ""))
+    size = len(msgspec.json.encode(structured))
+    if size > MAX_STRUCTURED_BYTES:
+        raise InvalidField(f"the output's schema or grammar is {size} bytes; at most {MAX_STRUCTURED_BYTES}")
+    if structured.json_object is False:
+        raise InvalidField("structured_outputs.json_object must be true if given")
+    if isinstance(structured.json, str):
+        try:
+            schema = json.loads(structured.json)
+        except ValueError:
+            raise InvalidField("structured_outputs.json must be a JSON schema (an object, or its JSON text)") from None
+        if not isinstance(schema, dict):
+            raise InvalidField("structured_outputs.json must be a JSON schema (an object, or its JSON text)")
+    if structured.choice is not None and (not structured.choice or not all(structured.choice)):
+        raise InvalidField("structured_outputs.choice must be a list of non-empty strings")
+    for name in ("regex", "grammar"):
+        if getattr(structured, name) == "":
+            raise InvalidField(f"structured_outputs.{name} must not be empty")
+    return structured
 
 
 def request_id_of(data: bytes) -> str:

@@ -31,8 +31,9 @@ from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
+from kvpush.services.worker.sampling import sampling_params_kwargs, token_logprobs
 from kvpush.shared import wire
-from kvpush.shared.errors import EngineFailed, KvTransferFailed, KvpushError, StreamLost, to_error_body
+from kvpush.shared.errors import EngineFailed, InvalidField, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")
@@ -154,11 +155,13 @@ class DecodeRole:
 
         job: wire.DecodeJob = running.job
         engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
+        kwargs = sampling_params_kwargs(job.sampling)
+        if "structured_outputs" in kwargs:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         params = SamplingParams(
-            max_tokens=job.sampling.max_tokens,
-            temperature=job.sampling.temperature,
-            ignore_eos=job.sampling.ignore_eos,
-            stop=job.sampling.stop or None,
+            **kwargs,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )
@@ -194,11 +197,17 @@ class DecodeRole:
                     await self._progress(job, "streaming")
                 stream.completion_tokens += len(completion.token_ids)
                 chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
-                                        seq=stream.chunks)
+                                        seq=stream.chunks,
+                                        logprobs=None if completion.logprobs is None
+                                        else token_logprobs(completion.logprobs))
                 stream.chunks += 1
                 # Token chunks are not traced one by one; the final reply is. The reply
                 # subject hears "no responders" if the client has gone.
                 await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+        except ValueError as exc:  # vLLM's input checks (VLLMValidationError is one): nothing was generated
+            if stream.last is not None:
+                raise
+            raise InvalidField(f"the decode engine refused the request: {exc}") from exc
         finally:
             if computing:
                 self.meter.finished(prompt_tokens, time.monotonic(), computed=False)

@@ -25,5 +25,19 @@ class EngineSettings:
     faults: FaultSettings = settings.FAULTS
     incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
     prefix_caching: bool = settings.PREFIX_CACHING == "on"
-    push_by_layer: bool = settings.PUSH_BY_LAYER == "on"  # prefill with kvpush's connector: layer-wise push
+    push_by_layer: bool = False  # prefill with kvpush's connector: layer-wise push (``layer_wise``)
     kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)
+
+
+def layer_wise(setting: str, on_gpu: bool | None = None) -> bool:
+    """``--push-by-layer``: "on", "off", or "auto" (on for an engine on a GPU, where it
+    measured better; off on CPUs). ``on_gpu``: None asks torch."""
+    if setting in ("on", "off"):
+        return setting == "on"
+    if setting != "auto":
+        raise ValueError(f"--push-by-layer takes on, off or auto, not {setting!r}")
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    return on_gpu

@@ -28,7 +28,7 @@ from kvpush.services.lifecycle import BackgroundTasks, Service
 from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
 from kvpush.services.worker.decode import DecodeRole
 from kvpush.services.worker.engine import EngineLoad, side_channel, start_engine
-from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.services.worker.engine_settings import EngineSettings, layer_wise
 from kvpush.services.worker.jobs import RunningJob
 from kvpush.services.worker.prefill import PrefillRole
 from kvpush.shared import settings, wire
@@ -72,7 +72,7 @@ class Worker(Service):
         connector: str = settings.CONNECTOR,
         faults: FaultSettings = settings.FAULTS,
         prefix_caching: bool = settings.PREFIX_CACHING == "on",
-        push_by_layer: bool = settings.PUSH_BY_LAYER == "on",
+        push_by_layer: bool | None = None,  # None: the setting's default (``layer_wise``)
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -82,7 +82,8 @@ class Worker(Service):
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
             max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
-            prefix_caching=prefix_caching, push_by_layer=push_by_layer,
+            prefix_caching=prefix_caching,
+            push_by_layer=layer_wise(settings.PUSH_BY_LAYER) if push_by_layer is None else push_by_layer,
             # The schedulers route by what each engine's prefix cache holds: its events, relayed.
             kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )

@@ -23,6 +23,7 @@ from kvpush.services.gateway.service import Gateway
 from kvpush.services.scheduler.service import Scheduler
 from kvpush.services.scheduler.validation import load_validator
 from kvpush.shared import wire
+from tests.nats.test_scheduler import MAX_MODEL_LEN as WORKERS_MAX_MODEL_LEN
 from tests.nats.test_scheduler import (  # noqa: F401  (fixtures)
     PLAIN_ONLY,
     REPLY_TOKENS,
@@ -135,6 +136,47 @@ async def test_a_chat_is_rendered_with_the_models_template_and_answered(stack):
     assert "".join(e.choices[0].delta.content or "" for e in events) == TEXT
 
 
+async def test_tokenize_detokenize_and_version_answer_as_vllm_serves_them(stack):
+    _, _, _, gateway = stack
+    tokenizer = gateway.tokenizer
+    messages = [{"role": "user", "content": "def main():"}]
+    async with httpx.AsyncClient() as http:
+        text = await http.post(gateway.url + "/tokenize", json={"prompt": "import os"})
+        assert text.json()["tokens"] == tokenizer.encode("import os") and text.json()["count"] > 0
+        chat = await http.post(gateway.url + "/tokenize", json={"messages": messages})
+        assert chat.json()["tokens"] == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=False)
+        back = await http.post(gateway.url + "/detokenize", json={"tokens": text.json()["tokens"]})
+        assert back.json() == {"prompt": tokenizer.decode(text.json()["tokens"])}
+        for path, body, code in [("/tokenize", {"prompt": 3}, "invalid_field"),
+                                 ("/tokenize", {"prompt": "x", "messages": messages}, "invalid_field"),
+                                 ("/detokenize", {"tokens": [len(tokenizer)]}, "invalid_field"),
+                                 ("/detokenize", {"tokens": [1], "model": "gpt-9"}, "not_found")]:
+            refused = await http.post(gateway.url + path, json=body)
+            assert refused.status_code in (400, 404) and refused.json()["error"]["code"] == code, (path, body)
+        assert (await http.get(gateway.url + "/version")).json()["version"]
+
+
+async def test_the_openai_clients_sampling_fields_reach_the_decode_job_with_vllms_meaning(stack):
+    """What a chat front end sends by default (top_p, penalties, a seed with temperature)
+    is served, not refused, and decode gets it as vLLM's SamplingParams would."""
+    _, _, decode, gateway = stack
+    oai = api(gateway)
+    events = [e async for e in await oai.chat.completions.create(
+        model=gateway.served_model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0.8, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.25, seed=7,
+        logit_bias={"5": 250}, stream=True,
+        extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "stop_token_ids": [3], "bad_words": ["xyz"], "include_stop_str_in_output": True})]
+    assert "".join(e.choices[0].delta.content or "" for e in events) == TEXT
+    sampling = decode.jobs[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.8, 0.9, 40, 0.05)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert sampling.seed == 7 and sampling.min_tokens == 2 and sampling.stop_token_ids == [3]
+    assert sampling.logit_bias == {5: 100.0}  # clamped, as vLLM's SamplingParams.from_optional does
+    assert sampling.bad_words == ["xyz"] and sampling.include_stop_str_in_output
+
+
 async def test_what_vllm_bench_serve_sends_is_served(stack):
     """Its payload as vLLM 0.32's benchmark client builds it, neutral fields and all."""
     _, _, decode, gateway = stack
@@ -157,7 +199,7 @@ async def test_what_vllm_bench_serve_sends_is_served(stack):
     ({"prompt": ""}, 400, "empty_prompt"),
     ({"prompt": "def f(x):\n    return x\n" * 200}, 400, "prompt_too_long"),
     ({"prompt": "hello", "n": 2}, 400, "invalid_field"),
-    ({"prompt": "hello", "top_p": 0.5}, 400, "invalid_field"),
+    ({"prompt": "hello", "top_p": 1.5}, 400, "invalid_field"),
     ({"prompt": "hello", "frobnicate": True}, 400, "invalid_field"),
     ({"prompt": ["a", "b"]}, 400, "invalid_field"),
     ({"prompt": "hello", "model": "gpt-9"}, 404, "not_found"),
@@ -226,6 +268,8 @@ async def test_health_ready_models_and_a_generated_request_id(stack):
         assert ready.status_code == 200 and ready.json()["prefill_workers"] == 1
         models = (await http.get(gateway.url + "/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [gateway.served_model_name]
+        # the workers' context, from their heartbeats (not the tokenizer's model_max_length)
+        assert models["data"][0]["max_model_len"] == WORKERS_MAX_MODEL_LEN != gateway.tokenizer.model_max_length
         reply = await http.post(gateway.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert reply.headers["x-request-id"] == decode.jobs[-1].request_id
     assert reply.json()["id"] == "cmpl-" + decode.jobs[-1].request_id

@@ -47,8 +47,9 @@ async def stack(model_dir, nats_server, stack_logs, otlp):
 
 
 @pytest.fixture(scope="session")
-def reference(model_dir, tmp_path_factory) -> list[list[int]]:
-    """Token ids a single plain vLLM instance generates for prompts.reference_requests()."""
+def reference_run(model_dir, tmp_path_factory) -> tuple[list[list[int]], list]:
+    """What a single plain vLLM instance generates for prompts.reference_requests(): token
+    ids, and each position's [token id, logprob] candidates where a request asked."""
     folder = tmp_path_factory.mktemp("reference")
     requests, out = folder / "requests.json", folder / "out.json"
     requests.write_text(json.dumps(prompts.reference_requests() + [prompts.chat_reference_request(model_dir)]))
@@ -57,4 +58,14 @@ def reference(model_dir, tmp_path_factory) -> list[list[int]]:
          "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
         check=True, timeout=400, stdout=subprocess.DEVNULL,
     )
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), json.loads((folder / "out.json.logprobs.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run) -> list[list[int]]:
+    return reference_run[0]
+
+
+@pytest.fixture(scope="session")
+def reference_logprobs(reference_run) -> list:
+    return reference_run[1]

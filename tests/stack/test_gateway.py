@@ -80,22 +80,25 @@ async def test_a_chat_from_the_openai_client_equals_its_template_run_on_a_single
     assert ids == reference[prompts.CHAT]
 
 
-async def test_vllm_bench_serve_against_the_gateway_completes_every_request(stack, tmp_path):
-    """vLLM's own benchmark client, as the benchmark issue will run it for every system."""
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.7", "--top-p", "0.9"]],
+                         ids=["its-defaults", "temperature-0.7-top-p-0.9"])
+async def test_vllm_bench_serve_against_the_gateway_completes_every_request(stack, tmp_path, sampling):
+    """vLLM's own benchmark client, as the benchmark issue will run it for every system:
+    with its default sampling flags, and sampling as a chat front end does."""
+    name = "vllm-bench-gateway.json" if not sampling else "vllm-bench-gateway-sampled.json"
     command = [sys.executable, "-m", "kvpush.tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
                "--base-url", stack.gateway_url, "--model", model_name(stack), "--tokenizer", stack.model,
                "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "16",
-               "--num-prompts", "24", "--request-rate", "4", "--seed", "0", "--ignore-eos",
-               "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-               "--result-filename", "vllm-bench-gateway.json"]
+               "--num-prompts", "16", "--request-rate", "4", "--seed", "0", "--ignore-eos", *sampling,
+               "--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", name]
     run = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads((tmp_path / "vllm-bench-gateway.json").read_text())
+    result = json.loads((tmp_path / name).read_text())
     ARTIFACTS.mkdir(exist_ok=True)
-    shutil.copy(tmp_path / "vllm-bench-gateway.json", ARTIFACTS / "vllm-bench-gateway.json")
-    assert result["completed"] == 24 and result.get("failed", 0) == 0, {k: result.get(k) for k in
+    shutil.copy(tmp_path / name, ARTIFACTS / name)
+    assert result["completed"] == 16 and result.get("failed", 0) == 0, {k: result.get(k) for k in
                                                                          ("completed", "failed", "errors")}
-    assert result["total_output_tokens"] == 24 * 16
+    assert result["total_output_tokens"] == 16 * 16
     assert result["mean_ttft_ms"] > 0
 
 

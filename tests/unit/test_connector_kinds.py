@@ -231,3 +231,15 @@ def test_the_bench_serves_vllms_kinds_with_their_class_and_flow(variant, connect
 def test_the_bench_serves_no_kvpush_through_vllm_serve():
     with pytest.raises(ValueError, match="kvpush"):
         VllmServeSystem("kvpush", "/models/tiny", "tiny", 512, Topology(), "auto", Path("/nonexistent"))
+
+
+def test_layer_wise_push_is_on_by_default_where_it_measured_better_engines_on_gpus():
+    from kvpush.services.worker.engine_settings import layer_wise
+
+    assert layer_wise("auto", on_gpu=True) and not layer_wise("auto", on_gpu=False)
+    assert layer_wise("on", on_gpu=False) and not layer_wise("off", on_gpu=True)
+    import torch
+
+    assert layer_wise("auto") is torch.cuda.is_available()  # on CPUs (CI's machine): one WRITE
+    with pytest.raises(ValueError, match="on, off or auto"):
+        layer_wise("sometimes")

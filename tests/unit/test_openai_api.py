@@ -49,10 +49,11 @@ def test_a_chat_keeps_its_messages_for_the_template_and_prefers_max_completion_t
 
 @pytest.mark.parametrize("body, error, says", [
     ({"prompt": "x", "n": 2}, InvalidField, "'n'"),
-    ({"prompt": "x", "top_p": 0.9}, InvalidField, "'top_p'"),
-    ({"prompt": "x", "logprobs": 5}, InvalidField, "'logprobs'"),
+    ({"prompt": "x", "best_of": 3}, InvalidField, "'best_of'"),
+    ({"prompt": "x", "logprobs": "5"}, InvalidField, "'logprobs'"),
+    ({"prompt": "x", "echo": True}, InvalidField, "'echo'"),
     ({"prompt": "x", "wibble": 1}, InvalidField, "unknown field 'wibble'"),
-    ({"prompt": "x", "seed": 3, "temperature": 0.7}, InvalidField, "'seed'"),
+    ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, InvalidField, "'tools'"),
     ({"prompt": ["a", "b"]}, InvalidField, "2 prompts"),
     ({"prompt": [1, "a"]}, InvalidField, "'prompt'"),
     ({"prompt": ""}, EmptyPrompt, "no prompt"),
@@ -76,6 +77,75 @@ def test_neutral_values_and_fields_that_never_change_the_output_pass():
             "logprobs": None, "echo": False, "best_of": 1, "logit_bias": {}, "user": "me", "seed": 1,
             "temperature": 0}
     assert openai_api.parse("completion", body, MODEL).generate["prompt"] == "x"
+
+
+def test_sampling_fields_go_on_the_wire_with_vllms_names_seed_with_temperature_too():
+    body = {"prompt": "x", "temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 7,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 3,
+            "logit_bias": {"17": -100}, "allowed_token_ids": [5, 6], "bad_words": ["no"], "stop_token_ids": [2],
+            "include_stop_str_in_output": True}
+    generate = openai_api.parse("completion", body, MODEL).generate
+    assert {k: v for k, v in generate.items() if k not in ("prompt", "max_tokens")} == \
+        {k: v for k, v in body.items() if k != "prompt"}
+    # and the scheduler's wire type takes them as they are
+    decoded = wire.decode_json(wire.encode_json(generate), wire.GenerateRequest)
+    assert decoded.logit_bias == {17: -100.0} and decoded.seed == 7 and decoded.top_p == 0.9
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+
+
+@pytest.mark.parametrize("body, structured", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}, {"json": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}}, {"json_object": True}),
+], ids=["json_schema", "json_object", "text", "vllm-choice", "response_format-wins"])
+def test_response_format_and_vllms_structured_outputs_constrain_the_answer(body, structured):
+    generate = openai_api.parse("chat", {"messages": [{"role": "user", "content": "x"}], **body}, MODEL).generate
+    assert generate.get("structured_outputs") == structured
+    if structured is not None:  # the wire type takes it as it is
+        decoded = wire.decode_json(wire.encode_json(generate | {"prompt": "x"}), wire.GenerateRequest)
+        assert decoded.structured_outputs.kinds() == list(structured)
+
+
+@pytest.mark.parametrize("response_format, says", [
+    ({"type": "json_schema"}, "needs 'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "needs 'json_schema'"),
+    ({"type": "grammar"}, "'grammar' is not supported"),
+    ("json", "must be an object"),
+])
+def test_a_response_format_kvpush_cannot_serve_is_refused_with_a_sentence(response_format, says):
+    with pytest.raises(InvalidField) as refused:
+        openai_api.parse("completion", {"prompt": "x", "response_format": response_format}, MODEL)
+    assert says in refused.value.message
+
+
+def _candidates(*entries) -> list[wire.TokenLogprob]:
+    return [wire.TokenLogprob(token_id, logprob, rank, token) for token_id, logprob, rank, token in entries]
+
+
+def test_logprobs_are_asked_for_as_each_api_asks_and_written_as_vllms_server_writes_them():
+    completion = openai_api.parse("completion", {"prompt": "x", "logprobs": 2}, MODEL)
+    assert completion.logprobs == 2 and completion.generate["logprobs"] == 2
+    chat = openai_api.parse("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                     "top_logprobs": 2}, MODEL)
+    assert chat.logprobs == 2 and chat.generate["logprobs"] == 2
+    assert openai_api.parse("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+                            MODEL).logprobs == 0
+    with pytest.raises(InvalidField, match="needs 'logprobs': true"):
+        openai_api.parse("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, MODEL)
+    # two tokens; the engine lists the sampled token first, then the most likely ones
+    positions = [_candidates((7, -0.5, 2, "ab"), (3, -0.25, 1, "c"), (9, -3.0, 3, "d")),
+                 _candidates((3, -1.0, 1, "c"), (7, -2.0, 2, "ab"), (1, -4.0, 3, "e"))]
+    whole = openai_api.logprobs_object(completion, [7, 3], positions, text_offset=5)
+    assert whole == {"tokens": ["ab", "c"], "token_logprobs": [-0.5, -1.0], "text_offset": [5, 7],
+                     "top_logprobs": [{"ab": -0.5, "c": -0.25, "d": -3.0}, {"c": -1.0, "ab": -2.0, "e": -4.0}]}
+    content = openai_api.logprobs_object(chat, [7, 3], positions)["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("ab", -0.5, [97, 98]), ("c", -1.0, [99])]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["ab", "c"]  # the first two, as vLLM's chat
+    assert openai_api.logprobs_object(openai_api.parse("completion", {"prompt": "x"}, MODEL), [7], positions) is None
 
 
 def test_a_chat_with_images_is_refused():

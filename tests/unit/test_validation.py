@@ -167,3 +167,63 @@ def test_the_byte_bound_is_the_longest_token_of_the_real_tokenizer(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     bound = max_token_bytes(tokenizer)
     assert bound >= max(len(tokenizer.decode([i]).encode()) for i in range(len(tokenizer)))
+
+
+SAMPLING = dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-1.0,
+                repetition_penalty=1.2, seed=7, min_tokens=2, logit_bias={"3": 5.0, "4": -250},
+                allowed_token_ids=[3, 4, 5], bad_words=["zz"], stop_token_ids=[9], include_stop_str_in_output=True)
+
+
+def test_sampling_fields_are_taken_with_vllms_meaning_a_bias_clamped_as_vllm_clamps():
+    sampling = _validator().validate(_body(prompt="hi", max_tokens=4, **SAMPLING)).sampling
+    assert (sampling.top_p, sampling.top_k, sampling.min_p, sampling.seed, sampling.min_tokens) == (0.9, 40, 0.05, 7, 2)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sampling.logit_bias == {3: 5.0, 4: -100.0}
+    assert sampling.allowed_token_ids == [3, 4, 5] and sampling.bad_words == ["zz"] and sampling.stop_token_ids == [9]
+    assert sampling.include_stop_str_in_output
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("temperature", 2.5, "temperature must be in [0, 2]"),
+    ("top_p", 0.0, "top_p must be in (0, 1]"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("top_k", -2, "top_k must be 0"),
+    ("min_p", 1.5, "min_p must be in [0, 1]"),
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0, "repetition_penalty must be greater than 0"),
+    ("seed", 2**63, "seed must be a 64-bit signed integer"),
+    ("min_tokens", 5, "min_tokens must be in [0, max_tokens = 4]"),
+    ("logit_bias", {"100": 1.0}, "logit_bias: token id 100 is outside"),
+    ("logit_bias", {"x": 1.0}, "invalid request"),
+    ("allowed_token_ids", [], "allowed_token_ids must hold at least one"),
+    ("allowed_token_ids", [1, 100], "allowed_token_ids: token id 100"),
+    ("stop_token_ids", [-1], "stop_token_ids: token id -1"),
+    ("bad_words", [""], "bad_words takes at most"),
+    ("top_p", "0.9", "invalid request"),
+    ("logprobs", 21, "logprobs must be in [0, 20]"),
+    ("logprobs", -1, "logprobs must be in [0, 20]"),
+], ids=lambda v: str(v)[:24])
+def test_sampling_out_of_vllms_bounds_is_refused_before_any_engine(field, value, says):
+    with pytest.raises(InvalidField) as refused:
+        _validator().validate(_body(prompt="hi", max_tokens=4, **{field: value}))
+    assert says in refused.value.message
+
+
+
+@pytest.mark.parametrize("structured, says", [
+    ({}, "exactly one of json, regex, choice, grammar or json_object, got 0"),
+    ({"regex": "a", "choice": ["a"]}, "got 2 (regex, choice)"),
+    ({"json": "[1, 2]"}, "must be a JSON schema"),
+    ({"json": "{not json"}, "must be a JSON schema"),
+    ({"choice": []}, "non-empty strings"),
+    ({"choice": ["a", ""]}, "non-empty strings"),
+    ({"regex": ""}, "must not be empty"),
+    ({"json_object": False}, "must be true"),
+    ({"grammar": "x" * (64 * 1024)}, "bytes; at most"),
+    ({"json": {"type": "object"}, "wibble": 1}, "invalid request"),
+], ids=lambda v: str(v)[:30])
+def test_a_structured_output_of_the_wrong_shape_is_refused_before_any_engine(structured, says):
+    with pytest.raises(InvalidField) as refused:
+        _validator().validate(_body(prompt="hi", max_tokens=4, structured_outputs=structured))
+    assert says in refused.value.message

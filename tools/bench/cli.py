@@ -42,7 +42,7 @@ def register_bench(sub) -> None:
     bench.add_argument("--probe-requests", type=int, help="requests of the binding probe point (default 4)")
     bench.add_argument("--no-raw-nixl", action="store_true", help="skip the raw NIXL bandwidth measurement")
     bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--push-by-layer", choices=["on", "off"], default=settings.PUSH_BY_LAYER,
+    bench.add_argument("--push-by-layer", choices=["on", "off", "auto"], default=settings.PUSH_BY_LAYER,
                        help="kvpush's prefill workers write each layer's KV as the forward finishes it")
     bench.add_argument("--point-timeout", type=float, default=1800.0,
                        help="seconds a point's client may take; past it the point failed (and is tried once more "
