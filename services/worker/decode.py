@@ -151,6 +151,7 @@ class DecodeRole:
     async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
         """Generate and send each chunk as it comes."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
         job: wire.DecodeJob = running.job
@@ -204,7 +205,7 @@ class DecodeRole:
                 # Token chunks are not traced one by one; the final reply is. The reply
                 # subject hears "no responders" if the client has gone.
                 await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
-        except ValueError as exc:  # vLLM's input checks (VLLMValidationError is one): nothing was generated
+        except (ValueError, VLLMValidationError) as exc:  # vLLM's input checks: nothing was generated
             if stream.last is not None:
                 raise
             raise InvalidField(f"the decode engine refused the request: {exc}") from exc
