@@ -64,7 +64,7 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--push-by-layer", "KVPUSH_PUSH_BY_LAYER", defaults.PUSH_BY_LAYER,
             "prefill: write each layer's KV to decode as soon as the forward has computed it, so later "
             "layers compute while earlier ones travel (else one WRITE after the last layer); auto: on for engines on "
-            "GPUs, where it measured better, off on CPUs", str, ("on", "off", "auto")),
+            "GPUs, off on CPUs", str, ("on", "off", "auto")),
     Setting("--deadline-s", "KVPUSH_DEADLINE_S", defaults.DEADLINE_S,
             "every accepted request gets a final message (an answer or an error) within this", float),
     Setting("--worker-timeout-s", "KVPUSH_WORKER_TIMEOUT_S", defaults.WORKER_TIMEOUT_S,
