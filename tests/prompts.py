@@ -67,11 +67,19 @@ PREFIX_CASES = [
 ]
 
 
-# Each token's logprob and the most likely ones: within 1e-4 of the single engine's, in
-# every mode. Greedy: a sampled answer is repeatable only with a seed, which waits on
-# vLLM's CPU generators (issue 28).
+# Sampled, not greedy: each of these with SEEDED_SAMPLING must give the single engine's
+# tokens in every mode (the seed makes a sample repeatable); lengths below, at and across
+# block boundaries, up to most of the context.
+SEEDED_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
+SEEDED = [token_prompt(n, 500 + i) for i, n in enumerate(
+    [1, 3, 17, 64, 127, 128, 129, 200, 255, 256, 300, 384, 500, 640, 700, 900, 1024, 1100, 1300, 1800])]
+SEEDED_MAX_TOKENS = 16
+
+
+# Each token's logprob and the 5 most likely, greedy and sampled: within 1e-4 of the
+# single engine's, in every mode.
 LOGPROBS = [(token_prompt(40, 600), {"logprobs": 5}), (token_prompt(300, 601), {"logprobs": 5}),
-            (token_prompt(700, 602), {"logprobs": 3})]
+            (token_prompt(700, 602), {**SEEDED_SAMPLING, "logprobs": 3})]
 LOGPROBS_MAX_TOKENS = 8
 
 
@@ -82,6 +90,10 @@ def reference_requests() -> list[dict]:
     requests.append({"prompt_token_ids": STREAM_PROMPT, "max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True})
     for _, prompt in PREFIX_CASES:
         requests.append({"prompt_token_ids": prompt, "max_tokens": PREFIX_MAX_TOKENS, "ignore_eos": True})
+    for sampling in (SEEDED_SAMPLING, {**SEEDED_SAMPLING, "seed": 8}, {}):  # seed 7, seed 8, greedy
+        for prompt in SEEDED:
+            requests.append({"prompt_token_ids": prompt, "max_tokens": SEEDED_MAX_TOKENS, "ignore_eos": True,
+                             **sampling})
     for prompt, sampling in LOGPROBS:
         requests.append({"prompt_token_ids": prompt, "max_tokens": LOGPROBS_MAX_TOKENS, "ignore_eos": True,
                          **sampling})
@@ -89,7 +101,8 @@ def reference_requests() -> list[dict]:
 
 
 PREFIX = len(CORRECTNESS) + 4  # the first of PREFIX_CASES in the reference
-LOGPROBS_AT = PREFIX + len(PREFIX_CASES)
+SEEDED_AT = PREFIX + len(PREFIX_CASES)  # SEEDED with seed 7, then with seed 8, then greedy
+LOGPROBS_AT = SEEDED_AT + 3 * len(SEEDED)
 
 
 # The gateway's chat test: its reference is these messages through the model's chat

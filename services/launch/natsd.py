@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -37,8 +38,41 @@ def terminate(process: subprocess.Popen, timeout: float = 5.0) -> None:
         process.wait()
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()  # by this process: never the same port twice
+
+
+def listen_ports(ephemeral_range: str | None = None) -> range:
+    """Where ``free_port`` picks: below the kernel's ephemeral range, from which every
+    outgoing connection of every process takes its local port. A port picked from that
+    range (as ``bind(0)`` picks) can be taken by someone's connection between the pick and
+    the server's own bind: a ``vllm serve`` of the benchmark lost its NIXL side channel so
+    ("Address already in use") and never became ready."""
+    if ephemeral_range is None:
+        try:
+            ephemeral_range = EPHEMERAL_RANGE_FILE.read_text()
+        except OSError:
+            ephemeral_range = "32768 60999"
+    low = int(ephemeral_range.split()[0])
+    return range(max(1024, low - 12000), low)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port that is free now on 127.0.0.1, outside the ephemeral range, and that this
+    process has not handed out before (two calls in a row never give the same one)."""
+    ports = listen_ports()
+    for _ in range(500):
+        port = random.choice(ports)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # all taken: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

@@ -127,12 +127,6 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) ->
         raise InvalidField(f"repetition_penalty must be greater than 0, got {body.repetition_penalty}")
     if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
         raise InvalidField(f"seed must be a 64-bit signed integer, got {body.seed}")
-    if body.seed is not None and body.temperature > 0:
-        # vLLM's CPU engines fail (the whole engine, "CPU Generator does not use offset") when
-        # a seeded request's prompt is computed over more than one step; kvpush cannot yet
-        # tell which engines are on CPUs, nor keep such a prompt in one step (issue 28).
-        raise InvalidField("'seed' with temperature > 0 is not served yet: vLLM's CPU engines fail when a "
-                           "seeded prompt is computed in more than one step; send temperature 0 or no seed")
     if not 0 <= body.min_tokens <= max_tokens:
         raise InvalidField(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}")
     stop = body.stop or []

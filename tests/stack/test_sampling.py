@@ -1,32 +1,90 @@
-"""Sampling across the split (issue 28): logprobs equal a single plain vLLM instance's,
-whichever path the request took, a structured output holds from the answer's first token,
-and what a chat front end sends is served. Decode (or a local request's own engine)
-samples every token of the answer, the first one included; prefill's one token is never
-part of it."""
+"""Sampling across the split (issue 28): a request sampled with a seed gives the tokens a
+single plain vLLM instance gives with the same seed, whichever path it took, and a
+structured output holds from the answer's first token. Decode (or a local request's own
+engine) samples every token of the answer, the first one included, from the request's own
+seeded generator; prefill's one token is never part of it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
-from kvpush.client import generate
+from kvpush.client import generate, generate_all
 from kvpush.shared import wire
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)
+
+COUNT = len(prompts.SEEDED)
+
+
+def _references(reference: list[list[int]]) -> tuple[list, list, list]:
+    at = prompts.SEEDED_AT
+    return reference[at:at + COUNT], reference[at + COUNT:at + 2 * COUNT], reference[at + 2 * COUNT:at + 3 * COUNT]
+
+
+def test_the_references_sample_so_a_dropped_field_would_show(reference):
+    """The single engine's answers with seed 7 differ from its greedy ones and from seed
+    8's: a path that ignored temperature, top_p or the seed could not match them."""
+    seed7, seed8, greedy = _references(reference)
+    assert sum(a != b for a, b in zip(seed7, greedy)) >= COUNT - 2
+    assert sum(a != b for a, b in zip(seed7, seed8)) >= COUNT - 2
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "local"])
+async def test_seeded_sampling_equals_a_single_instance_in_every_mode(stack, nc, reference, mode):
+    seed7, _, _ = _references(reference)
+    bodies = [{"prompt_token_ids": prompt, "max_tokens": prompts.SEEDED_MAX_TOKENS, "ignore_eos": True,
+               "request_id": f"seeded-{mode}-{i}", "transfer_mode": mode, **prompts.SEEDED_SAMPLING}
+              for i, prompt in enumerate(prompts.SEEDED)]
+    results = await asyncio.gather(*(generate_all(nc, body) for body in bodies))
+    differ = []
+    for i, (expected, (token_ids, _, final)) in enumerate(zip(seed7, results)):
+        assert isinstance(final, wire.FinalReply), (i, final)
+        if token_ids != expected:
+            differ.append((i, len(prompts.SEEDED[i]), token_ids, expected))
+    assert not differ, f"{len(differ)} of {COUNT} differ from the single engine: {differ[:3]}"
+
+
+# Bounded: enums and fixed fields, so a random-weight model closes its JSON; no free
+# whitespace (vLLM's disable_any_whitespace), which such a model would otherwise spin in.
+PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L"]},
+                                         "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["color", "size", "count"], "additionalProperties": False}
 
 
 def _openai(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.parametrize("mode", ["push", "pull", "local"])
+async def test_a_json_schema_answer_parses_and_validates_in_every_mode(stack, mode):
+    """Decode samples every token of the answer, so the grammar holds from the first token
+    on, whichever engine computed the prompt."""
+    oai = _openai(stack)
+
+    async def one(i: int):
+        reply = await oai.chat.completions.create(
+            model=Path(stack.model).name, messages=[{"role": "user", "content": f"pick one, {i}"}], max_tokens=48,
+            temperature=0.8, seed=i, response_format={"type": "json_schema", "json_schema": {"name": "pick",
+                                                                                              "schema": PICK}},
+            extra_body={"transfer_mode": mode, "structured_outputs": {"disable_any_whitespace": True}})
+        return reply.choices[0]
+
+    for choice in await asyncio.gather(*(one(i) for i in range(6))):
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PICK)
+
+
 async def test_a_choice_constrains_the_answer_and_a_grammar_the_engine_refuses_is_a_400(stack):
     oai = _openai(stack)
     reply = await oai.completions.create(model=Path(stack.model).name, prompt="yes or no?", max_tokens=8,
-                                         temperature=1.0,
+                                         temperature=1.0, seed=3,
                                          extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert reply.choices[0].text in ("yes", "no")
     with pytest.raises(openai.BadRequestError) as refused:
@@ -56,7 +114,7 @@ async def test_logprobs_equal_a_single_instances_within_1e_4_in_every_mode(stack
         for got, want in zip(positions, expected):
             assert [c.token_id for c in got] == [token_id for token_id, _ in want]
             assert all(abs(c.logprob - logprob) <= 1e-4 for c, (_, logprob) in zip(got, want)), (got, want)
-            assert all(c.token is not None for c in got)  # decoded by the engine ("" for a byte piece)
+            assert all(c.token for c in got)  # decoded by the engine, for the gateway to write
     # through the gateway: as the completions API writes them
     prompt, sampling = prompts.LOGPROBS[0]
     reply = await _openai(stack).completions.create(

@@ -79,7 +79,7 @@ def test_neutral_values_and_fields_that_never_change_the_output_pass():
     assert openai_api.parse("completion", body, MODEL).generate["prompt"] == "x"
 
 
-def test_sampling_fields_go_on_the_wire_with_vllms_names():
+def test_sampling_fields_go_on_the_wire_with_vllms_names_seed_with_temperature_too():
     body = {"prompt": "x", "temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 7,
             "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "min_tokens": 3,
             "logit_bias": {"17": -100}, "allowed_token_ids": [5, 6], "bad_words": ["no"], "stop_token_ids": [2],
