@@ -14,6 +14,9 @@ MAX_MODEL_LEN = 2048  # context the engines serve
 TRANSFER_MODE = "push"  # how a request is served unless it says: push, pull, or auto (decided per request)
 CONNECTOR = "kvpush"  # the workers' KV connector: kvpush, vllm-nixl or vllm-nixl-push
 PREFIX_CACHING = "on"  # the engines' prefix caching (vLLM's default): on or off
+# structured JSON output: whitespace the grammar allows between tokens, "any" (vLLM's default)
+# or "none" (vLLM's disable_any_whitespace, which this vLLM reads per engine, not per request)
+JSON_WHITESPACE = "any"
 # prefill: write each layer's KV as the forward finishes it. "auto": on for engines on GPUs,
 # where it measured better (emulated 8k and 16k: no transfer left after the prompt); off on
 # CPUs until the fault suites have run with it there, though it measured better there too

@@ -324,6 +324,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutput | None = None
     logprobs: int | None = None  # each token's logprob and this many of the most likely ones
+    # Answers to sample from the one prompt (vLLM's n): its KV moves once; answer i is
+    # sampled with seed + i when a seed is given, as vLLM's own fan-out does.
+    n: int = 1
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -362,10 +365,11 @@ class TokenChunk(_Reply, tag="chunk"):
     token_ids: list[int]
     text: str
     finished: bool = False
-    seq: int = 0  # 0, 1, 2, ... per request: a gap is a lost chunk
+    seq: int = 0  # 0, 1, 2, ... per request (all its answers): a gap is a lost chunk
     # With ``logprobs``: one list per token of ``token_ids``, in vLLM's order (the sampled
     # token first, then the most likely ones).
     logprobs: list[list[TokenLogprob]] | None = None
+    index: int = 0  # which of the request's n answers these tokens belong to
 
 
 class Usage(msgspec.Struct):
@@ -386,6 +390,9 @@ class FinalReply(_Reply, tag="final"):
     timings: Timings
     finished: bool = True
     chunks: int = 0  # how many token chunks came before this final
+    # With n > 1: each answer's finish reason, by index (``finish_reason`` is the first's);
+    # usage.completion_tokens counts the tokens of all of them.
+    finish_reasons: list[str | None] | None = None
 
 
 class ErrorReply(_Reply, tag="error"):
@@ -451,6 +458,7 @@ class SamplingSpec(msgspec.Struct):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutput | None = None
     logprobs: int | None = None  # each token's logprob and this many of the most likely ones
+    n: int = 1  # answers sampled from the prompt (vLLM's n)
 
 
 class PrefillJob(Internal):

@@ -81,7 +81,7 @@ def add_worker(sub) -> None:
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
                                             "keeps the id and gets a new incarnation")
-    cli_settings.add(worker, "--connector", "--prefix-caching", "--push-by-layer", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
+    cli_settings.add(worker, "--connector", "--prefix-caching", "--push-by-layer", "--json-whitespace", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_worker"))
 

@@ -92,7 +92,8 @@ def cmd_worker(args) -> int:
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
-        faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer)),
+        faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer),
+        json_whitespace=args.json_whitespace),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 

@@ -61,6 +61,10 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--prefix-caching", "KVPUSH_PREFIX_CACHING", defaults.PREFIX_CACHING,
             "the engines' prefix caching: a prompt's cached prefix is neither computed nor transferred again",
             str, ("on", "off")),
+    Setting("--json-whitespace", "KVPUSH_JSON_WHITESPACE", defaults.JSON_WHITESPACE,
+            "decode: whitespace a JSON answer (response_format, structured_outputs) may have between tokens: any "
+            "(vLLM's default) or none (vLLM's disable_any_whitespace; this vLLM reads it per engine, not per request)",
+            str, ("any", "none")),
     Setting("--push-by-layer", "KVPUSH_PUSH_BY_LAYER", defaults.PUSH_BY_LAYER,
             "prefill: write each layer's KV to decode as soon as the forward has computed it, so later "
             "layers compute while earlier ones travel (else one WRITE after the last layer); auto: on for engines on "

@@ -26,6 +26,9 @@ MAX_BAD_WORDS = 64
 MAX_TEMPERATURE = 2.0  # vLLM's bound
 MAX_LOGIT_BIAS = 100.0  # a bias beyond it is clamped to it, as vLLM's SamplingParams.from_optional does
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, which kvpush's engines keep
+# Answers from one prompt (n): each is a sequence on the decode engine, which runs at most
+# 16 at once (kvpush's max_num_seqs), so more could never run together.
+MAX_N = 16
 MAX_STRUCTURED_BYTES = 64 * 1024  # a JSON schema, regex, grammar or choice list, as JSON
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what vLLM's server takes (and its engine's transport carries)
 
@@ -154,6 +157,11 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) ->
         if bad is not None:
             raise InvalidField(f"{name}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
     structured = _structured(body.structured_outputs)
+    if not 1 <= body.n <= MAX_N:
+        raise InvalidField(f"n must be in [1, {MAX_N}] (answers sampled from the one prompt), got {body.n}")
+    if body.seed is not None and body.n > 1 and body.seed + body.n - 1 > SEED_MAX:
+        raise InvalidField(f"seed + n - 1 must be a 64-bit signed integer (answer i is sampled with seed + i), "
+                           f"got {body.seed} + {body.n - 1}")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise InvalidField(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens to report), "
                            f"got {body.logprobs}")
@@ -165,7 +173,7 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) ->
         allowed_token_ids=list(body.allowed_token_ids or []),
         bad_words=list(bad_words), stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured,
-        logprobs=body.logprobs)
+        logprobs=body.logprobs, n=body.n)
 
 
 def _structured(structured: wire.StructuredOutput | None) -> wire.StructuredOutput | None:

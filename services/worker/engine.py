@@ -5,10 +5,12 @@ per-request stage times (as child spans)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
-from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.services.worker.kinds import strategy
 from kvpush.shared import wire
 
@@ -36,9 +38,29 @@ def engine_kwargs(engine: EngineSettings) -> dict:
         enable_prefix_caching=engine.prefix_caching,
         tensor_parallel_size=engine.tensor_parallel_size,
     )
+    if engine.json_whitespace == "none":
+        from vllm.config import StructuredOutputsConfig
+
+        # vLLM takes it for one backend named, not "auto": xgrammar, auto's first choice
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+    kwargs.update(whole_prompt_steps(engine.max_model_len, _on_cpu(), _emulated(engine.model)))
     if engine.role is not None:
         kwargs.update(strategy(engine.connector).transfer_kwargs(engine))
     return kwargs
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _emulated(model: str) -> bool:
+    """Whether ``model`` is an emulated-GPU model (tools/emulation; its config.json says)."""
+    try:
+        return "kvpush_emulation" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def engine_args(engine: EngineSettings):

@@ -26,6 +26,7 @@ class EngineSettings:
     incarnation: str = ""  # the worker's start, carried by its connector's agents and registrations
     prefix_caching: bool = settings.PREFIX_CACHING == "on"
     push_by_layer: bool = False  # prefill with kvpush's connector: layer-wise push (``layer_wise``)
+    json_whitespace: str = settings.JSON_WHITESPACE  # "any" or "none" (vLLM's disable_any_whitespace)
     kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)
 
 
@@ -41,3 +42,25 @@ def layer_wise(setting: str, on_gpu: bool | None = None) -> bool:
 
         on_gpu = torch.cuda.is_available()
     return on_gpu
+
+
+# vLLM's step budget for an engine on CPUs when it does not chunk prompts: at least this,
+# and at least the longest prompt (vLLM refuses a budget below max_model_len then).
+WHOLE_PROMPT_MIN_BUDGET = 2048
+
+
+def whole_prompt_steps(max_model_len: int, on_cpu: bool, emulated: bool = False) -> dict:
+    """Engine arguments that keep each prompt in one step, on CPUs (else none).
+
+    After a step that computed only part of a prompt, vLLM rewinds the request's seeded
+    generator by the draw it discarded (``Generator.set_offset``). torch's CPU generators
+    have no offset: on CPUs the whole engine fails ("CPU Generator does not use offset")
+    as soon as a seeded, sampled request's prompt is split across steps, which chunked
+    prefill does whenever a step's budget is short of it (found by tests/stack's
+    single-engine reference, issue 28). So on CPUs kvpush's engines do not chunk prompts,
+    and a step's budget holds the longest one; a seed then samples every token exactly
+    where a single engine would, on any path. An emulated GPU keeps vLLM's GPU
+    scheduling: it stands in for a GPU's timing, and seeds are not what it measures."""
+    if not on_cpu or emulated:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, WHOLE_PROMPT_MIN_BUDGET)}

@@ -73,6 +73,7 @@ class Worker(Service):
         faults: FaultSettings = settings.FAULTS,
         prefix_caching: bool = settings.PREFIX_CACHING == "on",
         push_by_layer: bool | None = None,  # None: the setting's default (``layer_wise``)
+        json_whitespace: str = settings.JSON_WHITESPACE,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -84,6 +85,7 @@ class Worker(Service):
             max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
             prefix_caching=prefix_caching,
             push_by_layer=layer_wise(settings.PUSH_BY_LAYER) if push_by_layer is None else push_by_layer,
+            json_whitespace=json_whitespace,
             # The schedulers route by what each engine's prefix cache holds: its events, relayed.
             kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )

@@ -30,7 +30,9 @@ def otlp():
 
 @pytest.fixture(scope="package")  # stopped before tests/bench starts engines of its own
 async def stack(model_dir, nats_server, stack_logs, otlp):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+           # compact JSON answers: a random-weight model would otherwise spin in free whitespace
+           "KVPUSH_JSON_WHITESPACE": "none"}
     stack = Stack(model_dir, nats_url=nats_server.url, prefill=1, decode=1,
                   max_model_len=prompts.MAX_MODEL_LEN, log_dir=stack_logs, extra_env=env, gateway_port=0,
                   metrics=True)

@@ -201,15 +201,20 @@ async def test_kill_9_of_prefill_during_prefill(rig, reference):
     """Prefill dies with a prompt computed and nothing written yet (held right after its
     forward pass): every request is retried with a new transfer id on the replacement,
     whose KV is pushed; decode gives up the blocks it had registered for the dead one.
+    Seeded, sampled requests among them give the single engine's tokens after the retry.
 
     Held, not raced: killed on its first job's arrival, prefill sometimes finished a
     prompt decode mostly had cached and wrote it before the signal landed, and its
     TransferDone, the rig's proof of the push, died unsent with it."""
     indexes = [LONG, MANY, EIGHT]
+    seeded = [3, 16]  # indexes into prompts.SEEDED: 64 and 1024 tokens
     old = rig.live_incarnations("prefill")
     rig.hold("producer.ready")
     try:
         tasks = [asyncio.create_task(rig.request(body(i))) for i in indexes]
+        seeded_tasks = [asyncio.create_task(rig.request(
+            {"prompt_token_ids": prompts.SEEDED[k], "max_tokens": prompts.SEEDED_MAX_TOKENS, "ignore_eos": True,
+             **prompts.SEEDED_SAMPLING})) for k in seeded]
         await rig.wait_held("producer.ready", 60)
         rig.kill("prefill")
     finally:
@@ -220,6 +225,8 @@ async def test_kill_9_of_prefill_during_prefill(rig, reference):
     for index, outcome in zip(indexes, outcomes):
         assert_served(outcome, reference[index])
         await rig.assert_pushed(outcome)
+    for k, outcome in zip(seeded, await asyncio.gather(*seeded_tasks)):
+        assert_served(outcome, reference[prompts.SEEDED_AT + k])  # seed 7's tokens, retried or not
     await assert_healthy(rig, reference)
 
 

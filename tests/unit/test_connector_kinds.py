@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+import torch
 
 from kvpush.services.worker import kinds
 from kvpush.services.worker.engine import decode_request, engine_kwargs, prefill_request, side_channel
-from kvpush.services.worker.engine_settings import EngineSettings
+from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.shared import connector_kinds, wire
 from kvpush.shared.settings import FaultSettings
 from kvpush.tools.bench.systems import Topology, VllmServeSystem
@@ -59,7 +60,8 @@ def test_every_kind_has_one_worker_strategy():
 
 ENGINE = {"model": "/models/tiny", "tokenizer": "/models/tiny", "dtype": "float32", "enforce_eager": True,
           "max_model_len": 512, "block_size": 16, "max_num_seqs": 8, "enable_prefix_caching": True,
-          "tensor_parallel_size": 2}
+          "tensor_parallel_size": 2,
+          **whole_prompt_steps(512, on_cpu=not torch.cuda.is_available())}  # on CPUs: no chunked prefill
 KVPUSH_EXTRA = {"nats_url": "nats://n:4222", "lease_s": 7.0, "kv_wait_s": 90.0, "quarantine_s": 11.0,
                 "incarnation": "inc-w", "push_by_layer": False}
 TRANSFER = {
@@ -243,3 +245,14 @@ def test_layer_wise_push_is_on_by_default_where_it_measured_better_engines_on_gp
     assert layer_wise("auto") is torch.cuda.is_available()  # on CPUs (CI's machine): one WRITE
     with pytest.raises(ValueError, match="on, off or auto"):
         layer_wise("sometimes")
+
+
+def test_json_without_free_whitespace_is_an_engine_setting_vllm_takes():
+    """This vLLM reads disable_any_whitespace from the engine's config, not the request's:
+    ``--json-whitespace none`` is how a deployment gets compact JSON answers."""
+    plain = engine_kwargs(EngineSettings(model="m", role="decode", engine_id="x", nats_url=None))
+    assert "structured_outputs_config" not in plain
+    compact = engine_kwargs(EngineSettings(model="m", role="decode", engine_id="x", nats_url=None,
+                                           json_whitespace="none"))
+    config = compact["structured_outputs_config"]  # vLLM's own type: it validated the pair when made
+    assert config.disable_any_whitespace is True and config.backend == "xgrammar"
