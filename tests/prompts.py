@@ -97,12 +97,21 @@ def reference_requests() -> list[dict]:
     for prompt, sampling in LOGPROBS:
         requests.append({"prompt_token_ids": prompt, "max_tokens": LOGPROBS_MAX_TOKENS, "ignore_eos": True,
                          **sampling})
+    requests.append({"prompt_token_ids": N_PROMPT, "max_tokens": SEEDED_MAX_TOKENS, "ignore_eos": True,
+                     **N_SAMPLING})
     return requests
 
 
 PREFIX = len(CORRECTNESS) + 4  # the first of PREFIX_CASES in the reference
 SEEDED_AT = PREFIX + len(PREFIX_CASES)  # SEEDED with seed 7, then with seed 8, then greedy
 LOGPROBS_AT = SEEDED_AT + 3 * len(SEEDED)
+N_AT = LOGPROBS_AT + len(LOGPROBS)  # N_PROMPT's n answers: a list of n lists
+
+
+# n = 4 answers from one prompt, seeded: vLLM samples answer i with seed + i. Several
+# blocks long, so that the answers after the first find most of it in decode's cache.
+N_PROMPT = token_prompt(700, 700)
+N_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "n": 4}
 
 
 # The gateway's chat test: its reference is these messages through the model's chat

@@ -5,7 +5,8 @@ disaggregated path must match token for token. Greedy unless a request says othe
 
 ``in.json`` is a list of {"prompt_token_ids": [...], "max_tokens": n, ...}, where ``...``
 is any more of vLLM's SamplingParams, by its own names (``temperature``, ``top_p``,
-``seed``, ...); ``out.json`` the list of generated token id lists, in the same order, and
+``seed``, ``n``, ...); ``out.json`` the list of generated token id lists, in the same order
+(a request with ``n`` > 1: the list of its n answers' lists, by index), and
 where a request asked for ``logprobs``, ``out.json.logprobs.json`` each position's
 candidates as [token id, logprob], in the engine's order (null for the others).
 """
@@ -32,7 +33,9 @@ def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODE
                                                                          "temperature", "ignore_eos")})
               for r in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], [_logprobs(o.outputs[0].logprobs) for o in outputs]
+    tokens = [list(o.outputs[0].token_ids) if len(o.outputs) == 1
+              else [list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outputs]
+    return tokens, [_logprobs(o.outputs[0].logprobs) for o in outputs]
 
 
 def _logprobs(positions) -> list[list[list]] | None:

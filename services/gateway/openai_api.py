@@ -1,15 +1,25 @@
 """OpenAI's completions and chat completions, as kvpush requests and replies.
 
 What a body may hold: the fields kvpush serves (``prompt``/``messages``, ``max_tokens``,
-``max_completion_tokens``, ``stream``, ``stream_options``, kvpush's own ``transfer_mode``,
-and the sampling fields of ``SAMPLING``, which go on the wire with vLLM's names and meaning
-and are checked by the scheduler, ``kvpush.services.scheduler.validation``); fields that
-never change the output, ignored (``user``, ``metadata``, ...); and fields not served yet
-that would change it, accepted only at their neutral value (``n: 1``, ``logprobs: null``:
-what ``vllm bench serve`` sends). ``response_format`` (``json_object``, ``json_schema``)
-and vLLM's ``structured_outputs`` constrain the answer on decode, which samples all of it.
-Anything else is refused with a sentence that names it, as is a neutral-only field at
-another value.
+``max_completion_tokens``, ``n``, ``stream``, ``stream_options``, kvpush's own
+``transfer_mode``, ``logprobs``/``top_logprobs``, and the sampling fields of ``SAMPLING``,
+which go on the wire with vLLM's names and meaning and are checked by the scheduler,
+``kvpush.services.scheduler.validation``); fields that never change the output, ignored
+(``user``, ``metadata``, ...); and fields not served yet that would change it, accepted
+only at their neutral value (``echo: false``, ``tools: []``: what clients send by
+default). ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``structured_outputs`` constrain the answer on decode, which samples all of it. Anything
+else is refused with a sentence that names it, as is a neutral-only field at another value.
+
+Why a mapping of our own, not vLLM's OpenAI serving layer over an engine client that
+speaks kvpush's protocol (issue 28): that layer (``OpenAIServingChat`` and its kin) is
+built on vLLM's ``EngineClient``, its renderer, input processors and model config, whose
+signatures have changed from one vLLM release to the next; following them would tie the
+gateway to each release's internals and bring vLLM and torch into a process that today
+needs only a tokenizer. What this mapping costs instead is keeping
+up with the API's fields, and ``kvpush conformance`` (tools/conformance) measures exactly
+that against a single ``vllm serve`` of the same release, field by field, in CI. Chat
+templates are the tokenizer's own (``transformers``), as vLLM renders them.
 
 Pure: no HTTP, no NATS. ``kvpush.services.gateway.service`` serves it.
 """
@@ -35,7 +45,6 @@ def _neutral(*values) -> Callable[[Any], bool]:
 
 # Fields that would change the output: served only at these values.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "n": _neutral(None, 1),
     "best_of": _neutral(None, 1),
     "prompt_logprobs": _neutral(None),
     "echo": _neutral(None, False),
@@ -54,7 +63,7 @@ SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", 
             "include_stop_str_in_output")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire.StructuredOutput's
 COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
-          "return_token_ids", "response_format", "structured_outputs", *SAMPLING}
+          "return_token_ids", "response_format", "structured_outputs", "n", *SAMPLING}
 COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
 
@@ -69,7 +78,17 @@ class OpenAiRequest:
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
     logprobs: int | None = None  # each token's logprob, with this many of the most likely ones
+    n: int = 1  # answers (choices) sampled from the prompt
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Answer:
+    """One choice of a whole response: its text, token ids and ``logprobs`` object."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict | None = None
 
 
 def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
@@ -115,6 +134,11 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
     request = OpenAiRequest(kind, served_model, generate, stream=stream,
                             include_usage=bool(options.get("include_usage")),
                             return_token_ids=bool(body.get("return_token_ids")))
+    if body.get("n") is not None:
+        n = body["n"]
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise InvalidField(f"'n' must be an integer, got {n!r}")
+        request.n = generate["n"] = n  # bounds: the scheduler's
     request.logprobs = _logprobs(kind, body)
     if request.logprobs is not None:
         generate["logprobs"] = request.logprobs
@@ -370,16 +394,17 @@ def _bytes(token: str) -> list[int]:
 
 
 def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
-          first: bool = False, token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-    """One server-sent event's object."""
+          first: bool = False, token_ids: list[int] | None = None, logprobs: dict | None = None,
+          index: int = 0) -> dict:
+    """One server-sent event's object, for choice ``index``."""
     if request.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text:
             delta = {}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     if request.return_token_ids:
         choice["token_ids"] = token_ids or []
@@ -395,21 +420,26 @@ def usage_chunk(request: OpenAiRequest, request_id: str, final: wire.FinalReply)
             "model": request.model, "choices": [], "usage": usage(final)}
 
 
-def response(request: OpenAiRequest, request_id: str, text: str, final: wire.FinalReply,
-             token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-    """The whole answer, for a request without ``stream``."""
-    finish = final.finish_reason
-    if request.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        kind = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
-        kind = "chat.completion"
-    if request.return_token_ids:
-        choice["token_ids"] = token_ids or []
+def finish_reasons(final: wire.FinalReply) -> list[str | None]:
+    """Each choice's finish reason, by index."""
+    return list(final.finish_reasons) if final.finish_reasons else [final.finish_reason]
+
+
+def response(request: OpenAiRequest, request_id: str, answers: list[Answer], final: wire.FinalReply) -> dict:
+    """The whole answer, for a request without ``stream``: one choice per answer."""
+    choices = []
+    for index, (answer, finish) in enumerate(zip(answers, finish_reasons(final))):
+        if request.kind == "completion":
+            choice = {"index": index, "text": answer.text, "logprobs": answer.logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "message": {"role": "assistant", "content": answer.text},
+                      "logprobs": answer.logprobs, "finish_reason": finish}
+        if request.return_token_ids:
+            choice["token_ids"] = answer.token_ids
+        choices.append(choice)
+    kind = "text_completion" if request.kind == "completion" else "chat.completion"
     return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
-            "model": request.model, "choices": [choice], "usage": usage(final)}
+            "model": request.model, "choices": choices, "usage": usage(final)}
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",

@@ -429,15 +429,17 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
 
 
 async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONResponse:
-    text: list[str] = []
-    token_ids: list[int] = []
-    positions: list[list[wire.TokenLogprob]] = []
+    # each answer's (by index): text pieces, token ids, logprobs per position
+    text: list[list[str]] = [[] for _ in range(request.n)]
+    token_ids: list[list[int]] = [[] for _ in range(request.n)]
+    positions: list[list[list[wire.TokenLogprob]]] = [[] for _ in range(request.n)]
     reply = first
     try:
         while isinstance(reply, wire.TokenChunk):
-            text.append(reply.text)
-            token_ids.extend(reply.token_ids)
-            positions.extend(reply.logprobs or [])
+            if 0 <= reply.index < request.n:
+                text[reply.index].append(reply.text)
+                token_ids[reply.index].extend(reply.token_ids)
+                positions[reply.index].extend(reply.logprobs or [])
             reply = await replies.__anext__()
     except (KvpushError, TimeoutError, StopAsyncIteration) as exc:
         await replies.aclose()
@@ -447,8 +449,10 @@ async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONRe
         case wire.ErrorReply(error=error):
             return _error(error.code, error.message, request_id)
         case wire.FinalReply():
-            logprobs = openai_api.logprobs_object(request, token_ids, positions)
-            return JSONResponse(openai_api.response(request, request_id, "".join(text), reply, token_ids, logprobs),
+            answers = [openai_api.Answer("".join(text[i]), token_ids[i],
+                                         openai_api.logprobs_object(request, token_ids[i], positions[i]))
+                       for i in range(request.n)]
+            return JSONResponse(openai_api.response(request, request_id, answers, reply),
                                 headers={REQUEST_ID_HEADER: request_id})
 
 
@@ -459,20 +463,25 @@ def _sse(event: dict | str) -> bytes:
 async def _events(request, request_id: str, first: wire.Reply, replies) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
     closed, and the client's generate() cancels what did not finish)."""
-    reply, sent_first, text_offset = first, False, 0
+    reply = first
+    sent_first: set[int] = set()  # the answers whose first event went (a chat's role comes in it)
+    text_offset = [0] * request.n  # each answer's characters so far
     try:
         while isinstance(reply, wire.TokenChunk):
-            logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset)
-            yield _sse(openai_api.chunk(request, request_id, reply.text, first=not sent_first,
-                                        token_ids=reply.token_ids, logprobs=logprobs))
-            text_offset += len(reply.text)
-            sent_first = True
+            index = reply.index if 0 <= reply.index < request.n else 0
+            logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset[index])
+            yield _sse(openai_api.chunk(request, request_id, reply.text, first=index not in sent_first,
+                                        token_ids=reply.token_ids, logprobs=logprobs, index=index))
+            text_offset[index] += len(reply.text)
+            sent_first.add(index)
             reply = await replies.__anext__()
         match reply:
             case wire.ErrorReply(error=error):
                 yield _sse(openai_api.error(error.code, error.message)[1])
             case wire.FinalReply():
-                yield _sse(openai_api.chunk(request, request_id, "", reply.finish_reason, first=not sent_first))
+                for index, finish in enumerate(openai_api.finish_reasons(reply)):
+                    yield _sse(openai_api.chunk(request, request_id, "", finish, first=index not in sent_first,
+                                                index=index))
                 if request.include_usage:
                     yield _sse(openai_api.usage_chunk(request, request_id, reply))
         yield _sse("[DONE]")

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -31,7 +33,7 @@ from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
-from kvpush.services.worker.sampling import sampling_params_kwargs, token_logprobs
+from kvpush.services.worker.sampling import answer_sampling, sampling_params_kwargs, token_logprobs
 from kvpush.shared import wire
 from kvpush.shared.errors import EngineFailed, InvalidField, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
@@ -44,10 +46,12 @@ class _Stream:
     """What one decode request has sent so far."""
 
     first_at: float | None = None
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of all answers
+    first_answer_tokens: int = 0  # of the first (its TPOT)
     chunks: int = 0  # token chunks sent; the next one's seq
-    finish_reason: str | None = None
-    last: object = None  # vLLM's last RequestOutput
+    finish_reason: str | None = None  # the first answer's
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # each answer's, by index (n > 1)
+    last: object = None  # vLLM's last RequestOutput of the first answer (the one the KV came for)
 
 
 class _Fenced(Exception):
@@ -166,20 +170,26 @@ class DecodeRole:
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )
+        # n > 1: the others are requests of this engine alone, seeded as vLLM's fan-out
+        # seeds them; they find the prompt's KV in its prefix cache once the first has it.
+        others = [(f"{job.request_id}-n{index}-{job.transfer_id[:8]}",
+                   SamplingParams(**answer_sampling(kwargs, index), output_kind=RequestOutputKind.DELTA,
+                                  extra_args={"kv_transfer_params": {}}))
+                  for index in range(1, job.sampling.n)]
         prompt_tokens = len(job.prompt_token_ids)
         computing = job.mode == "local"  # the prompt is ours to compute, until the first token
         if computing:
             self.meter.started(prompt_tokens, time.monotonic())
         try:
             wake_engine(self.worker.settings)
-            async for output in self.worker.engine.generate(
-                {"prompt_token_ids": job.prompt_token_ids}, params, request_id=engine_request_id,
-            ):
-                stream.last = output
+            async for index, output in self._answers(job, engine_request_id, params, others):
                 completion = output.outputs[0]
                 if completion.finish_reason is not None:
-                    stream.finish_reason = completion.finish_reason
-                if stream.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
+                    stream.finish_reasons[index] = completion.finish_reason
+                if index == 0:
+                    stream.last = output
+                    stream.finish_reason = stream.finish_reasons.get(0)
+                if completion.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
                     raise KvTransferFailed(
                         "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
                         "requests (--on-kv-failure fail)")
@@ -197,10 +207,12 @@ class DecodeRole:
                     # a retry would repeat tokens no later than the client sees one.
                     await self._progress(job, "streaming")
                 stream.completion_tokens += len(completion.token_ids)
+                if index == 0:
+                    stream.first_answer_tokens += len(completion.token_ids)
                 chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
                                         seq=stream.chunks,
                                         logprobs=None if completion.logprobs is None
-                                        else token_logprobs(completion.logprobs))
+                                        else token_logprobs(completion.logprobs), index=index)
                 stream.chunks += 1
                 # Token chunks are not traced one by one; the final reply is. The reply
                 # subject hears "no responders" if the client has gone.
@@ -212,6 +224,56 @@ class DecodeRole:
         finally:
             if computing:
                 self.meter.finished(prompt_tokens, time.monotonic(), computed=False)
+
+    async def _answers(self, job: wire.DecodeJob, engine_request_id: str, params, others: list
+                       ) -> AsyncIterator[tuple[int, Any]]:
+        """(answer index, vLLM's output) as the engine makes them: the first answer, whose
+        request carries the connector's KV, and with n > 1 the others, started once the
+        first has produced a token (the prompt's KV is then in the engine's prefix cache;
+        a local request starts them at once, as vLLM's own fan-out does)."""
+        prompt = {"prompt_token_ids": job.prompt_token_ids}
+        if not others:
+            async for output in self.worker.engine.generate(prompt, params, request_id=engine_request_id):
+                yield 0, output
+            return
+        outputs: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+
+        async def feed(index: int, request_id: str, answer_params) -> None:
+            try:
+                async for output in self.worker.engine.generate(prompt, answer_params, request_id=request_id):
+                    outputs.put_nowait((index, output))
+            except Exception as exc:  # to the consumer, which raises it
+                outputs.put_nowait((index, exc))
+                return
+            outputs.put_nowait((index, None))
+
+        def start_others() -> None:
+            for index, (request_id, answer_params) in enumerate(others, start=1):
+                tasks.append(asyncio.create_task(feed(index, request_id, answer_params)))
+
+        tasks.append(asyncio.create_task(feed(0, engine_request_id, params)))
+        waiting_for_first = job.mode != "local"
+        if not waiting_for_first:
+            start_others()
+        running = len(tasks) if waiting_for_first else 1 + len(others)
+        try:
+            while running:
+                index, item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                if waiting_for_first and index == 0 and (item is None or item.outputs[0].token_ids):
+                    waiting_for_first = False
+                    start_others()
+                    running += len(others)
+                if item is None:
+                    running -= 1
+                else:
+                    yield index, item
+        finally:  # cancelled, failed or done: vLLM aborts what still runs
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _fail(self, running: RunningJob, span, exc: Exception) -> bytes:
         job: wire.DecodeJob = running.job
@@ -238,7 +300,8 @@ class DecodeRole:
         stages.record(A.DECODE_GENERATE, stages.first_token_ns, stages.last_token_ns)
         timings = wire.Timings(
             ttft_ms=(first_at - job.received_at) * 1000,
-            tpot_ms=((done - first_at) / (tokens - 1) * 1000) if tokens > 1 else 0.0,
+            tpot_ms=((done - first_at) / (stream.first_answer_tokens - 1) * 1000) if stream.first_answer_tokens > 1
+            else 0.0,
             e2e_ms=(done - job.received_at) * 1000,
         )
         span.set_attributes({A.TTFT_MS: timings.ttft_ms, A.COMPLETION_TOKENS: tokens,
@@ -246,7 +309,7 @@ class DecodeRole:
         metrics = instruments()
         metrics.ttft.record(timings.ttft_ms)
         metrics.e2e.record(timings.e2e_ms)
-        if tokens > 1:
+        if stream.first_answer_tokens > 1:
             metrics.tpot.record(timings.tpot_ms)
         metrics.ttft_stage.record((received_ns / 1e9 - job.received_at) * 1000, {"stage": "queue"})
         if stages.scheduled_ns is not None:
@@ -262,6 +325,8 @@ class DecodeRole:
             usage=wire.Usage(len(job.prompt_token_ids), tokens),
             timings=timings,
             chunks=stream.chunks,
+            finish_reasons=[stream.finish_reasons.get(i) for i in range(job.sampling.n)] if job.sampling.n > 1
+            else None,
         )
         data = await self._send_final(job, final)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,

@@ -43,6 +43,14 @@ def sampling_params_kwargs(spec: wire.SamplingSpec) -> dict[str, Any]:
     return kwargs
 
 
+def answer_sampling(kwargs: dict[str, Any], index: int) -> dict[str, Any]:
+    """Answer ``index``'s of a request's n: what vLLM's own fan-out (``ParentRequest``)
+    gives its child ``index``, the seed plus the index when there is a seed."""
+    if kwargs.get("seed") is None or index == 0:
+        return dict(kwargs)
+    return {**kwargs, "seed": kwargs["seed"] + index}
+
+
 LOWEST_LOGPROB = -9999.0  # what vLLM's server writes for -inf (JSON has no infinity)
 
 

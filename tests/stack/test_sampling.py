@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 
 import jsonschema
@@ -15,6 +16,8 @@ import openai
 import pytest
 
 from kvpush.client import generate, generate_all
+from kvpush.otel import attributes as A
+from kvpush.otel import trace_view as view
 from kvpush.shared import wire
 from tests import prompts
 
@@ -51,6 +54,40 @@ async def test_seeded_sampling_equals_a_single_instance_in_every_mode(stack, nc,
     assert not differ, f"{len(differ)} of {COUNT} differ from the single engine: {differ[:3]}"
 
 
+@pytest.mark.parametrize("mode", ["push", "pull", "local"])
+async def test_n_4_moves_the_kv_once_and_samples_the_single_engines_four_answers(stack, nc, otlp, reference, mode):
+    """n = 4, seeded: one prefill, one registration and one WRITE in the trace (push and
+    pull move the prompt's KV once), and answer i equals the single engine's answer i
+    (vLLM samples it with seed + i); the final gives each answer's finish reason."""
+    request_id = f"n4-{mode}-{uuid.uuid4().hex[:6]}"
+    body = {"prompt_token_ids": prompts.N_PROMPT, "max_tokens": prompts.SEEDED_MAX_TOKENS, "ignore_eos": True,
+            "request_id": request_id, "transfer_mode": mode, **prompts.N_SAMPLING}
+    answers: dict[int, list[int]] = {}
+    final = None
+    async for reply in generate(nc, body):
+        if isinstance(reply, wire.TokenChunk):
+            answers.setdefault(reply.index, []).extend(reply.token_ids)
+        else:
+            final = reply
+    assert isinstance(final, wire.FinalReply), final
+    expected = reference[prompts.N_AT]
+    assert len(expected) == 4 and len({tuple(a) for a in expected}) > 1, "the reference's answers differ"
+    assert [answers.get(i) for i in range(4)] == expected
+    assert final.finish_reasons == ["length"] * 4 and final.usage.completion_tokens == 4 * prompts.SEEDED_MAX_TOKENS
+    if mode == "local":
+        return
+
+    def moved_once(spans):
+        trace = view.find_trace(spans, request_id)
+        names = [s["name"] for s in trace or []]
+        return names if A.DECODE in names and (A.KV_WRITE in names or A.KV_READ in names) else None
+
+    names = otlp.wait_for(moved_once, timeout=20)
+    assert names, "the request's trace did not arrive"
+    assert names.count(A.PREFILL) == 1
+    assert names.count(A.KV_WRITE) + names.count(A.KV_READ) == 1, sorted(names)
+
+
 # Bounded: enums and fixed fields, so a random-weight model closes its JSON; no free
 # whitespace (vLLM's disable_any_whitespace), which such a model would otherwise spin in.
 PICK = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L"]},
@@ -73,7 +110,7 @@ async def test_a_json_schema_answer_parses_and_validates_in_every_mode(stack, mo
             model=Path(stack.model).name, messages=[{"role": "user", "content": f"pick one, {i}"}], max_tokens=48,
             temperature=0.8, seed=i, response_format={"type": "json_schema", "json_schema": {"name": "pick",
                                                                                               "schema": PICK}},
-            extra_body={"transfer_mode": mode, "structured_outputs": {"disable_any_whitespace": True}})
+            extra_body={"transfer_mode": mode})  # compact JSON: the stack's decode has --json-whitespace none
         return reply.choices[0]
 
     for choice in await asyncio.gather(*(one(i) for i in range(6))):
@@ -114,7 +151,7 @@ async def test_logprobs_equal_a_single_instances_within_1e_4_in_every_mode(stack
         for got, want in zip(positions, expected):
             assert [c.token_id for c in got] == [token_id for token_id, _ in want]
             assert all(abs(c.logprob - logprob) <= 1e-4 for c, (_, logprob) in zip(got, want)), (got, want)
-            assert all(c.token for c in got)  # decoded by the engine, for the gateway to write
+            assert all(c.token is not None for c in got)  # decoded by the engine ("" for a byte piece)
     # through the gateway: as the completions API writes them
     prompt, sampling = prompts.LOGPROBS[0]
     reply = await _openai(stack).completions.create(

@@ -48,7 +48,7 @@ def test_a_chat_keeps_its_messages_for_the_template_and_prefers_max_completion_t
 
 
 @pytest.mark.parametrize("body, error, says", [
-    ({"prompt": "x", "n": 2}, InvalidField, "'n'"),
+    ({"prompt": "x", "n": "2"}, InvalidField, "'n'"),
     ({"prompt": "x", "best_of": 3}, InvalidField, "'best_of'"),
     ({"prompt": "x", "logprobs": "5"}, InvalidField, "'logprobs'"),
     ({"prompt": "x", "echo": True}, InvalidField, "'echo'"),
@@ -157,7 +157,7 @@ def test_a_chat_with_images_is_refused():
 def test_replies_are_openai_objects():
     request = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}]}, MODEL)
     final = wire.FinalReply("r1", "stop", wire.Usage(prompt_tokens=4, completion_tokens=2), wire.Timings(1.0, 1.0, 2.0))
-    whole = openai_api.response(request, "r1", "ok", final)
+    whole = openai_api.response(request, "r1", [openai_api.Answer("ok")], final)
     assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r1"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
     assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
@@ -166,6 +166,20 @@ def test_replies_are_openai_objects():
     last = openai_api.chunk(request, "r1", "", "stop")
     assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert openai_api.usage_chunk(request, "r1", final)["choices"] == []
+
+
+def test_n_answers_are_n_choices_each_with_its_own_finish_reason():
+    request = openai_api.parse("completion", {"prompt": "x", "n": 3, "return_token_ids": True}, MODEL)
+    assert request.n == 3 and request.generate["n"] == 3
+    final = wire.FinalReply("r1", "length", wire.Usage(prompt_tokens=1, completion_tokens=5),
+                            wire.Timings(1.0, 1.0, 2.0), finish_reasons=["length", "stop", "length"])
+    whole = openai_api.response(request, "r1", [openai_api.Answer("ab", [1, 2]), openai_api.Answer("c", [3]),
+                                                openai_api.Answer("de", [4, 5])], final)
+    assert [(c["index"], c["text"], c["token_ids"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "ab", [1, 2], "length"), (1, "c", [3], "stop"), (2, "de", [4, 5], "length")]
+    assert whole["usage"]["completion_tokens"] == 5  # all answers' tokens, as vLLM counts them
+    assert openai_api.chunk(request, "r1", "c", index=2)["choices"][0]["index"] == 2
+    assert openai_api.finish_reasons(wire.FinalReply("r2", "stop", final.usage, final.timings)) == ["stop"]
 
 
 @pytest.mark.parametrize("code, status", [

@@ -227,3 +227,13 @@ def test_a_structured_output_of_the_wrong_shape_is_refused_before_any_engine(str
     with pytest.raises(InvalidField) as refused:
         _validator().validate(_body(prompt="hi", max_tokens=4, structured_outputs=structured))
     assert says in refused.value.message
+
+
+def test_n_answers_are_bounded_by_what_the_decode_engine_runs_at_once():
+    assert _validator().validate(_body(prompt="hi", max_tokens=4, n=4, seed=7, temperature=0.8)).sampling.n == 4
+    assert _validator().validate(_body(prompt="hi", max_tokens=4)).sampling.n == 1
+    for n in (0, 17):
+        with pytest.raises(InvalidField, match=r"n must be in \[1, 16\]"):
+            _validator().validate(_body(prompt="hi", max_tokens=4, n=n))
+    with pytest.raises(InvalidField, match="seed \\+ n - 1"):  # answer i is seeded seed + i
+        _validator().validate(_body(prompt="hi", max_tokens=4, n=2, seed=2**63 - 1))

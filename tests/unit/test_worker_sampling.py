@@ -64,3 +64,45 @@ def test_vllms_logprobs_go_on_the_wire_in_its_order_with_infinity_as_its_server_
                                          [wire.TokenLogprob(1, LOWEST_LOGPROB, 9, "e")], []]
     chunk = wire.TokenChunk("r", [7], "ab", logprobs=token_logprobs(positions[:1]))
     assert wire.decode_reply(wire.encode_json(chunk)) == chunk
+
+
+def test_engines_on_cpus_keep_each_prompt_in_one_step_so_a_seed_never_needs_a_generator_offset():
+    """vLLM rewinds a seeded generator after a step that computed part of a prompt; a CPU
+    generator cannot rewind, so on CPUs kvpush's engines do not split prompts
+    (``whole_prompt_steps``), with a budget vLLM accepts for the longest prompt."""
+    import torch
+    from vllm.config import SchedulerConfig
+
+    from kvpush.services.worker.engine import engine_kwargs
+    from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
+
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator(device="cpu").get_offset()  # why: what vLLM's rewind calls
+    assert whole_prompt_steps(20480, on_cpu=False) == {}  # GPUs: vLLM's chunked prefill
+    assert whole_prompt_steps(20480, on_cpu=True, emulated=True) == {}  # an emulated GPU too
+    for length in (512, 2048, 20480):
+        kwargs = whole_prompt_steps(length, on_cpu=True)
+        assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] >= length
+        SchedulerConfig(max_model_len=length, is_encoder_decoder=False, max_num_seqs=16, **kwargs)  # vLLM takes it
+    on_this_machine = engine_kwargs(EngineSettings(model="/nonexistent", role=None, engine_id="x", nats_url=None))
+    assert on_this_machine.get("enable_chunked_prefill", True) is torch.cuda.is_available()
+
+
+def test_answer_i_of_n_is_sampled_as_vllms_own_fan_out_samples_its_child_i():
+    """Decode starts a request's n answers itself (the first carries the KV); each must
+    be sampled as vLLM's ParentRequest samples child i: its seed plus i."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from kvpush.services.worker.sampling import answer_sampling
+
+    for seed in (7, None):
+        kwargs = sampling_params_kwargs(_spec(temperature=0.8, top_p=0.9, n=4, **({} if seed is None else {"seed": seed})))
+        parent = ParentRequest(SimpleNamespace(request_id="p", external_req_id="p",
+                                               params=SamplingParams(n=4, **kwargs)))
+        for index in range(4):
+            _, child = parent.get_child_info(index)
+            ours = SamplingParams(**answer_sampling(kwargs, index))
+            assert (ours.seed, ours.temperature, ours.top_p, ours.n) == (child.seed, child.temperature, child.top_p, 1)
