@@ -28,7 +28,8 @@ Internal (msgpack):
                                     client's own inbox)
     kvpush.worker.heartbeat.<sender>  WorkerHeartbeat   worker -> scheduler, every second
     kvpush.prefill.<worker_id>      PrefillJob (request, ack) | CancelJob   scheduler -> prefill
-    kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob    scheduler -> decode
+    kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob | PromptReady
+                                                      scheduler -> decode
     kvpush.request.progress.<sender>  RequestProgress   decode worker -> schedulers: streaming, ended
     kvpush.kv.register.<engine_id>.<sender>  Registration | LeaseRenewal | Revoke
                                                       decode -> prefill connector: blocks to push
@@ -327,6 +328,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # Answers to sample from the one prompt (vLLM's n): its KV moves once; answer i is
     # sampled with seed + i when a seed is given, as vLLM's own fan-out does.
     n: int = 1
+    # Each prompt position's logprob and this many of the most likely tokens there,
+    # computed where the prompt is (prefill, or decode when local); on answer 0's first chunk.
+    prompt_logprobs: int | None = None
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -370,11 +374,17 @@ class TokenChunk(_Reply, tag="chunk"):
     # token first, then the most likely ones).
     logprobs: list[list[TokenLogprob]] | None = None
     index: int = 0  # which of the request's n answers these tokens belong to
+    # With ``prompt_logprobs``, on the first chunk of answer 0 only: one entry per prompt
+    # token (the first None: nothing precedes it), as ``logprobs``.
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens the engine that computed the prompt found in its prefix cache (prefill's,
+    # or decode's when local); None when that engine's count did not reach decode.
+    cached_tokens: int | None = None
 
 
 class Timings(msgspec.Struct):
@@ -459,6 +469,16 @@ class SamplingSpec(msgspec.Struct):
     structured_outputs: StructuredOutput | None = None
     logprobs: int | None = None  # each token's logprob and this many of the most likely ones
     n: int = 1  # answers sampled from the prompt (vLLM's n)
+    prompt_logprobs: int | None = None  # computed where the prompt is: prefill, or decode when local
+
+
+class PromptReport(msgspec.Struct):
+    """What the engine that computed a prompt says of it: how many of its tokens it found
+    in its prefix cache, and, with ``prompt_logprobs``, each position's logprobs (the first
+    None), as ``TokenChunk.logprobs``."""
+
+    cached_tokens: int
+    logprobs: list[list[TokenLogprob] | None] | None = None
 
 
 class PrefillJob(Internal):
@@ -469,6 +489,7 @@ class PrefillJob(Internal):
     mode: TransferMode = "push"
     decode_engine_id: str = ""  # push only: pull picks decode after prefill
     transfer_key: str = ""  # the transfer's secret, shared with its decode only
+    prompt_logprobs: int | None = None  # the request's: prefill computes them with the prompt
 
 
 class DecodeJob(Internal):
@@ -486,6 +507,7 @@ class DecodeJob(Internal):
     kv_transfer_params: dict[str, Any] = msgspec.field(default_factory=dict)
     transfer_key: str = ""  # the transfer's secret, shared with its prefill only
     prefill_incarnation: str = ""  # the prefill engine's start the scheduler chose
+    prompt: PromptReport | None = None  # pull: what prefill said of the prompt (push: PromptReady)
 
 
 class CancelJob(Internal):
@@ -498,8 +520,19 @@ class CancelJob(Internal):
     error: ErrorBody | None = None
 
 
+class PromptReady(Internal):
+    """Push: the scheduler passes prefill's ``PromptReport`` on to the decode of the same
+    attempt, which has been generating since before prefill finished. Decode puts it in the
+    final (``cached_tokens``) and on the first chunk (``prompt_logprobs``), and waits for it
+    only where it needs it."""
+
+    request_id: str
+    transfer_id: str
+    prompt: PromptReport
+
+
 PrefillMessage = PrefillJob | CancelJob
-DecodeMessage = DecodeJob | CancelJob
+DecodeMessage = DecodeJob | CancelJob | PromptReady
 
 ProgressStage = Literal["streaming", "ended"]
 
@@ -646,6 +679,7 @@ class Handoff(Internal):
     prefill_finished_at: float
     error: ErrorBody | None = None
     kv_transfer_params: dict[str, Any] | None = None  # what the prefill engine returned
+    prompt: PromptReport | None = None  # its prefix-cache hits and, if asked, prompt logprobs
 
 
 RendezvousOrder = Literal["registration_first", "prefill_first"]

@@ -46,8 +46,7 @@ def _neutral(*values) -> Callable[[Any], bool]:
 # Fields that would change the output: served only at these values.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "best_of": _neutral(None, 1),
-    "prompt_logprobs": _neutral(None),
-    "echo": _neutral(None, False),
+    "echo": _neutral(None, False),  # chats: continuing the last message is not served
     "suffix": _neutral(None, ""),
     "tools": lambda v: not v,
     "tool_choice": _neutral(None, "none", "auto"),
@@ -64,8 +63,12 @@ SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire.StructuredOutput's
 COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
           "return_token_ids", "response_format", "structured_outputs", "n", *SAMPLING}
-COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs"}
-CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs", "prompt_logprobs", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs"}
+# vLLM 0.32 has no best_of: its V1 engine dropped it, and its server ignores the field as
+# unknown. kvpush refuses it instead of ignoring a field that asks for other answers.
+BEST_OF_REFUSED = ("'best_of' is not served: vLLM's V1 engine has no best_of (its server ignores the field, and "
+                   "answers as if it were absent); leave it out, or ask for n answers with logprobs and pick")
 
 
 @dataclass
@@ -79,6 +82,8 @@ class OpenAiRequest:
     return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
     logprobs: int | None = None  # each token's logprob, with this many of the most likely ones
     n: int = 1  # answers (choices) sampled from the prompt
+    prompt_logprobs: int | None = None  # as asked: each prompt position's, in the response
+    echo: bool = False  # completions: the prompt before each choice's text (and logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -100,6 +105,8 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
         if name in allowed or name in IGNORED:
             continue
         if name in NEUTRAL:
+            if name == "best_of" and not NEUTRAL[name](value):
+                raise InvalidField(BEST_OF_REFUSED)
             if not NEUTRAL[name](value):
                 raise InvalidField(f"'{name}': {value!r} is not supported by kvpush (it would change the output); "
                                    "leave it out or send its neutral value")
@@ -142,6 +149,7 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
     request.logprobs = _logprobs(kind, body)
     if request.logprobs is not None:
         generate["logprobs"] = request.logprobs
+    _prompt_logprobs(kind, body, request)
     if kind == "completion":
         _completion_prompt(body.get("prompt"), generate)
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -200,6 +208,23 @@ def _logprobs(kind: Kind, body: dict) -> int | None:
         return None
     _bool(body, "logprobs")
     return top or 0
+
+
+def _prompt_logprobs(kind: Kind, body: dict, request: OpenAiRequest) -> None:
+    """``prompt_logprobs`` (computed where the prompt is; bounds: the scheduler's) and a
+    completion's ``echo``, which with ``logprobs`` asks for the prompt's too, as vLLM reads them."""
+    if kind == "completion" and body.get("echo") is not None:
+        request.echo = _bool(body, "echo")
+    value = body.get("prompt_logprobs")
+    if value is not None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidField(f"'prompt_logprobs' must be an integer, got {value!r}")
+        if request.stream and value != 0:
+            raise InvalidField("'prompt_logprobs' are not available when 'stream' is true")
+        request.prompt_logprobs = value
+    wanted = value if value is not None else (request.logprobs if request.echo else None)
+    if wanted is not None:
+        request.generate["prompt_logprobs"] = wanted
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -340,29 +365,59 @@ def response_id(kind: Kind, request_id: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + request_id
 
 
-def usage(final: wire.FinalReply) -> dict:
-    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 LOWEST_LOGPROB = -9999.0  # vLLM's server's stand-in for -inf
 
 
-def logprobs_object(request: OpenAiRequest, token_ids: list[int], positions: list[list[wire.TokenLogprob]] | None,
-                    text_offset: int = 0) -> dict | None:
+def usage(final: wire.FinalReply) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when the engine that computed
+    the prompt said how many of its tokens it found cached (as ``vllm serve
+    --enable-prompt-tokens-details``)."""
+    prompt, completion = final.usage.prompt_tokens, final.usage.completion_tokens
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if final.usage.cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": final.usage.cached_tokens}
+    return out
+
+
+@dataclass
+class Prompt:
+    """The prompt as the client sees it again: its text (empty when the client asked for
+    token ids: vLLM's choice), its token ids, and the first token's text (which has no
+    logprob, so no decoded form from the engine)."""
+
+    text: str
+    token_ids: list[int]
+    first_token: str
+
+
+def prompt_logprobs_object(positions: list[list[wire.TokenLogprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position ``{token id: {logprob, rank,
+    decoded_token}}``, the first None."""
+    if positions is None:
+        return None
+    return [None if position is None else
+            {str(c.token_id): {"logprob": max(c.logprob, LOWEST_LOGPROB), "rank": c.rank, "decoded_token": c.token}
+             for c in position}
+            for position in positions]
+
+
+def logprobs_object(request: OpenAiRequest, token_ids: list[int], positions: list | None,
+                    text_offset: int = 0, unscored: dict[int, str] | None = None) -> dict | None:
     """A choice's ``logprobs`` for these tokens, as vLLM's server writes them
     (``_create_completion_logprobs``, ``_create_chat_logprobs``): over each position's
     candidates in the engine's order, the sampled token first. ``text_offset``: the
-    characters of the answer before these tokens (completions)."""
+    characters of the answer before these tokens (completions). ``unscored``: the text of
+    tokens at positions without logprobs (an echoed prompt's first), by position."""
     if request.logprobs is None:
         return None
     positions = positions or []
     if request.kind == "completion":
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for i, token_id in enumerate(token_ids):
-            candidates = positions[i] if i < len(positions) else []
+            candidates = (positions[i] if i < len(positions) else None) or []
             sampled = next((c for c in candidates if c.token_id == token_id), None)
-            token = (sampled.token if sampled is not None else None) or ""
+            token = (sampled.token if sampled is not None else (unscored or {}).get(i)) or ""
             tokens.append(token)
             token_logprobs.append(sampled.logprob if sampled is not None else None)
             top_logprobs.append({(c.token or ""): max(c.logprob, LOWEST_LOGPROB)
@@ -395,10 +450,13 @@ def _bytes(token: str) -> list[int]:
 
 def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
           first: bool = False, token_ids: list[int] | None = None, logprobs: dict | None = None,
-          index: int = 0) -> dict:
-    """One server-sent event's object, for choice ``index``."""
+          index: int = 0, prompt_token_ids: list[int] | None = None) -> dict:
+    """One server-sent event's object, for choice ``index``; ``prompt_token_ids`` on a
+    completion choice's first event when the client asked for token ids."""
     if request.kind == "completion":
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if request.return_token_ids and prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
         kind = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -425,21 +483,31 @@ def finish_reasons(final: wire.FinalReply) -> list[str | None]:
     return list(final.finish_reasons) if final.finish_reasons else [final.finish_reason]
 
 
-def response(request: OpenAiRequest, request_id: str, answers: list[Answer], final: wire.FinalReply) -> dict:
-    """The whole answer, for a request without ``stream``: one choice per answer."""
+def response(request: OpenAiRequest, request_id: str, answers: list[Answer], final: wire.FinalReply,
+             prompt_logprobs: list | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """The whole answer, for a request without ``stream``: one choice per answer.
+    ``prompt_logprobs``: vLLM's object (``prompt_logprobs_object``), on each completion
+    choice or on the chat response, when the client asked for them."""
     choices = []
     for index, (answer, finish) in enumerate(zip(answers, finish_reasons(final))):
         if request.kind == "completion":
             choice = {"index": index, "text": answer.text, "logprobs": answer.logprobs, "finish_reason": finish}
+            if prompt_logprobs is not None:  # asked for, or by echo with logprobs (as vLLM)
+                choice["prompt_logprobs"] = prompt_logprobs
         else:
             choice = {"index": index, "message": {"role": "assistant", "content": answer.text},
                       "logprobs": answer.logprobs, "finish_reason": finish}
         if request.return_token_ids:
             choice["token_ids"] = answer.token_ids
+            if request.kind == "completion" and prompt_token_ids is not None:
+                choice["prompt_token_ids"] = prompt_token_ids
         choices.append(choice)
     kind = "text_completion" if request.kind == "completion" else "chat.completion"
-    return {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
+    body = {"id": response_id(request.kind, request_id), "object": kind, "created": request.created,
             "model": request.model, "choices": choices, "usage": usage(final)}
+    if request.kind == "chat" and request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",

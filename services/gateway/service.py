@@ -171,6 +171,20 @@ class Gateway(Service):
         request.generate["prompt_token_ids"] = await asyncio.get_running_loop().run_in_executor(
             self._templating, chat_prompt, self.tokenizer, request.messages)
 
+    async def prompt_seen(self, request: openai_api.OpenAiRequest) -> openai_api.Prompt | None:
+        """A completion's prompt as the client gets it back (``echo``, token ids), tokenized
+        as the scheduler tokenizes it; None when the response shows no prompt."""
+        if request.kind != "completion" or not (request.echo or request.return_token_ids):
+            return None
+        text = request.generate.get("prompt")
+
+        def run() -> openai_api.Prompt:
+            ids = list(self.tokenizer.encode(text)) if text is not None else list(request.generate["prompt_token_ids"])
+            shown = "" if request.return_token_ids else (text if text is not None else self.tokenizer.decode(ids))
+            return openai_api.Prompt(shown, ids, self.tokenizer.decode(ids[:1]))
+
+        return await asyncio.get_running_loop().run_in_executor(self._templating, run)
+
     async def tokenize(self, request: openai_api.TokenizeRequest) -> list[int]:
         """``/tokenize``, as the engines tokenize: the model's own tokenizer (and chat template)."""
         if request.messages is not None and not getattr(self.tokenizer, "chat_template", None):
@@ -405,6 +419,7 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
             request = openai_api.parse(kind, body, gateway.served_model_name)
             gateway.check_prompt_size(request)
             await gateway.prompt_of(request)
+            prompt = await gateway.prompt_seen(request)
         except KvpushError as exc:
             return _error_of(exc, request_id)
         generate_body = {**request.generate, "request_id": kvpush_id}
@@ -423,16 +438,32 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
                 await replies.aclose()
                 return _error(error.code, error.message, request_id)
         if request.stream:
-            return StreamingResponse(_events(request, request_id, first, replies), media_type="text/event-stream",
+            return StreamingResponse(_events(request, request_id, first, replies, prompt),
+                                     media_type="text/event-stream",
                                      headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
-        return await _whole(request, request_id, first, replies)
+        return await _whole(request, request_id, first, replies, prompt)
 
 
-async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONResponse:
+def _with_prompt(request, prompt: openai_api.Prompt | None, prompt_positions: list | None, text: str,
+                 token_ids: list[int], positions: list | None, text_offset: int = 0) -> tuple[str, dict | None]:
+    """A choice's first text and ``logprobs``: with ``echo``, the prompt before its tokens
+    (the prompt's positions scored by prefill's prompt logprobs, its first by nobody), as
+    vLLM's completion server echoes."""
+    if not request.echo or prompt is None:
+        return text, openai_api.logprobs_object(request, token_ids, positions, text_offset)
+    prompt_positions = prompt_positions or [None] * len(prompt.token_ids)
+    return prompt.text + text, openai_api.logprobs_object(
+        request, [*prompt.token_ids, *token_ids], [*prompt_positions, *(positions or [])], text_offset,
+        unscored={0: prompt.first_token})
+
+
+async def _whole(request, request_id: str, first: wire.Reply, replies,
+                 prompt: openai_api.Prompt | None = None) -> JSONResponse:
     # each answer's (by index): text pieces, token ids, logprobs per position
     text: list[list[str]] = [[] for _ in range(request.n)]
     token_ids: list[list[int]] = [[] for _ in range(request.n)]
     positions: list[list[list[wire.TokenLogprob]]] = [[] for _ in range(request.n)]
+    prompt_positions = None  # the prompt's logprobs, on answer 0's first chunk
     reply = first
     try:
         while isinstance(reply, wire.TokenChunk):
@@ -440,6 +471,8 @@ async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONRe
                 text[reply.index].append(reply.text)
                 token_ids[reply.index].extend(reply.token_ids)
                 positions[reply.index].extend(reply.logprobs or [])
+            if reply.prompt_logprobs is not None:
+                prompt_positions = reply.prompt_logprobs
             reply = await replies.__anext__()
     except (KvpushError, TimeoutError, StopAsyncIteration) as exc:
         await replies.aclose()
@@ -449,10 +482,14 @@ async def _whole(request, request_id: str, first: wire.Reply, replies) -> JSONRe
         case wire.ErrorReply(error=error):
             return _error(error.code, error.message, request_id)
         case wire.FinalReply():
-            answers = [openai_api.Answer("".join(text[i]), token_ids[i],
-                                         openai_api.logprobs_object(request, token_ids[i], positions[i]))
-                       for i in range(request.n)]
-            return JSONResponse(openai_api.response(request, request_id, answers, reply),
+            answers = []
+            for i in range(request.n):
+                shown, logprobs = _with_prompt(request, prompt, prompt_positions, "".join(text[i]), token_ids[i],
+                                               positions[i])
+                answers.append(openai_api.Answer(shown, token_ids[i], logprobs))
+            return JSONResponse(openai_api.response(request, request_id, answers, reply,
+                                                    openai_api.prompt_logprobs_object(prompt_positions),
+                                                    prompt.token_ids if prompt is not None else None),
                                 headers={REQUEST_ID_HEADER: request_id})
 
 
@@ -460,19 +497,30 @@ def _sse(event: dict | str) -> bytes:
     return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
 
 
-async def _events(request, request_id: str, first: wire.Reply, replies) -> AsyncIterator[bytes]:
+async def _events(request, request_id: str, first: wire.Reply, replies,
+                  prompt: openai_api.Prompt | None = None) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
     closed, and the client's generate() cancels what did not finish)."""
     reply = first
     sent_first: set[int] = set()  # the answers whose first event went (a chat's role comes in it)
     text_offset = [0] * request.n  # each answer's characters so far
+    prompt_positions = None  # the prompt's logprobs (echo with logprobs), on answer 0's first chunk
     try:
         while isinstance(reply, wire.TokenChunk):
             index = reply.index if 0 <= reply.index < request.n else 0
-            logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset[index])
-            yield _sse(openai_api.chunk(request, request_id, reply.text, first=index not in sent_first,
-                                        token_ids=reply.token_ids, logprobs=logprobs, index=index))
-            text_offset[index] += len(reply.text)
+            if reply.prompt_logprobs is not None:
+                prompt_positions = reply.prompt_logprobs
+            first_event = index not in sent_first
+            if first_event:  # an echo goes before the answer's first tokens
+                text, logprobs = _with_prompt(request, prompt, prompt_positions, reply.text, reply.token_ids,
+                                              reply.logprobs)
+            else:
+                text = reply.text
+                logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset[index])
+            yield _sse(openai_api.chunk(request, request_id, text, first=first_event, token_ids=reply.token_ids,
+                                        logprobs=logprobs, index=index,
+                                        prompt_token_ids=prompt.token_ids if first_event and prompt else None))
+            text_offset[index] += len(text)
             sent_first.add(index)
             reply = await replies.__anext__()
         match reply:

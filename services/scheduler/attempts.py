@@ -150,4 +150,4 @@ class Attempts:
         span.set_attribute(A.DECODE_WORKER, decode.worker_id)
         await self.journal.write_down(flight)
         # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
-        await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, handoff.kv_transfer_params))
+        await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, handoff.kv_transfer_params, handoff.prompt))

@@ -26,13 +26,16 @@ def prefill_job(flight: Flight) -> wire.PrefillJob:
         mode=flight.mode,
         decode_engine_id=flight.decode_id if flight.mode == "push" else "",
         transfer_key=flight.transfer_key,
+        prompt_logprobs=flight.request.sampling.prompt_logprobs,
     )
 
 
-def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None) -> wire.DecodeJob:
+def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None,
+               prompt: wire.PromptReport | None = None) -> wire.DecodeJob:
     """``prefill_kv``: push, the prefill's heartbeat ``kv_params`` (how to reach it); pull,
     what its engine returned in the handoff (where the prompt's blocks are); local, None
-    (no prefill: the decode computes the prompt)."""
+    (no prefill: the decode computes the prompt). ``prompt``: pull, what prefill said of
+    the prompt (push passes it on later: ``prompt_ready``)."""
     request = flight.request
     return wire.DecodeJob(
         request_id=request.request_id,
@@ -46,4 +49,13 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None) -> wire.Decode
         kv_transfer_params=dict(prefill_kv or {}),
         transfer_key=flight.transfer_key,
         prefill_incarnation=flight.prefill_incarnation,
+        prompt=prompt,
     )
+
+
+def prompt_ready(flight: Flight, handoff: wire.Handoff) -> wire.PromptReady | None:
+    """Push: what prefill said of the prompt, for the decode already generating; None
+    when prefill said nothing (it failed, or is a connector of vLLM's own)."""
+    if flight.mode != "push" or handoff.prompt is None or not flight.decode_id:
+        return None
+    return wire.PromptReady(request_id=flight.request_id, transfer_id=flight.transfer_id, prompt=handoff.prompt)

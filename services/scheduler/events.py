@@ -13,6 +13,7 @@ import structlog
 from kvpush.services.bus import Bus
 from kvpush.services.ledger import Ledger
 from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.attempts import Attempts
 from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from kvpush.services.scheduler.journal import Journal
@@ -66,8 +67,11 @@ class Events:
             await self.bus.wrong_party(msg, f"a Handoff from {handoff.prefill_engine_id} for {handoff.transfer_id}, "
                                             f"whose prefill is {flight.prefill_id or 'not chosen'}")
             return
-        if not self.attempts.handoff_arrived(handoff) and handoff.error is not None:
-            await self.recovery.end(flight, EngineFailed(handoff.error.message))  # push: decode would wait in vain
+        if not self.attempts.handoff_arrived(handoff):  # push: decode generates already
+            if handoff.error is not None:
+                await self.recovery.end(flight, EngineFailed(handoff.error.message))  # decode would wait in vain
+            elif (ready := dispatch.prompt_ready(flight, handoff)) is not None:
+                await self.outbox.prompt_ready(flight, ready)
         log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
                   prefill_ms=round((handoff.prefill_finished_at - handoff.prefill_started_at) * 1000, 1))
 

@@ -46,6 +46,15 @@ class Outbox:
             reason = ack.error.message if ack.error is not None else "it gave no reason"
             raise DispatchFailed(f"worker {worker_id} refused the job: {reason}", worker_id)
 
+    async def prompt_ready(self, flight: Flight, ready: wire.PromptReady) -> None:
+        """Push: prefill's word on the prompt, to the attempt's decode (no ack: a decode that
+        ended no longer needs it, and one that waits for it is bounded by its own wait)."""
+        body = wire.encode(ready)
+        if len(body) > self.bus.max_payload:  # prompt logprobs are bounded well below it (validation)
+            log.warning("prompt report too large to pass on", transfer_id=flight.transfer_id, size=len(body))
+            return
+        await self.bus.publish(wire.decode_job_subject(flight.decode_id), body)
+
     async def cancel_jobs(self, flight: Flight, reason: str, error: wire.ErrorBody | None = None) -> None:
         """Tell the flight's current workers to drop the request (queued or running).
         ``error``: what the decode tells the client, if it holds the answer's claim."""

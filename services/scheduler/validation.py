@@ -26,6 +26,9 @@ MAX_BAD_WORDS = 64
 MAX_TEMPERATURE = 2.0  # vLLM's bound
 MAX_LOGIT_BIAS = 100.0  # a bias beyond it is clamped to it, as vLLM's SamplingParams.from_optional does
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, which kvpush's engines keep
+# prompt tokens x (prompt_logprobs + 1): what one chunk carries back (about 30 bytes of JSON
+# each), well inside a NATS message.
+MAX_PROMPT_LOGPROB_ENTRIES = 16384
 # Answers from one prompt (n): each is a sequence on the decode engine, which runs at most
 # 16 at once (kvpush's max_num_seqs), so more could never run together.
 MAX_N = 16
@@ -103,12 +106,12 @@ class RequestValidator:
         return ValidRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
-            sampling=sampling_of(body, max_tokens, self.vocab_size),
+            sampling=sampling_of(body, max_tokens, self.vocab_size, len(token_ids)),
             transfer_mode=body.transfer_mode,
         )
 
 
-def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) -> wire.SamplingSpec:
+def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int, prompt_tokens: int) -> wire.SamplingSpec:
     """The request's sampling, within the bounds vLLM's SamplingParams (and its input
     processor) set, checked here so that a request is refused with a sentence before any
     engine sees it, never failed by the engine halfway through the split."""
@@ -165,6 +168,14 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) ->
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise InvalidField(f"logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens to report), "
                            f"got {body.logprobs}")
+    if body.prompt_logprobs is not None:
+        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidField(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens to report "
+                               f"at each prompt position), got {body.prompt_logprobs}")
+        entries = prompt_tokens * (body.prompt_logprobs + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise InvalidField(f"prompt_logprobs {body.prompt_logprobs} over {prompt_tokens} prompt tokens "
+                               f"makes {entries} entries, over kvpush's {MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer")
     return wire.SamplingSpec(
         max_tokens, body.temperature, body.ignore_eos, stop=list(stop), top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
@@ -173,7 +184,7 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int) ->
         allowed_token_ids=list(body.allowed_token_ids or []),
         bad_words=list(bad_words), stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured,
-        logprobs=body.logprobs, n=body.n)
+        logprobs=body.logprobs, n=body.n, prompt_logprobs=body.prompt_logprobs)
 
 
 def _structured(structured: wire.StructuredOutput | None) -> wire.StructuredOutput | None:

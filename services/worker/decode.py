@@ -33,11 +33,16 @@ from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
-from kvpush.services.worker.sampling import answer_sampling, sampling_params_kwargs, token_logprobs
+from kvpush.services.worker.sampling import answer_sampling, prompt_report, sampling_params_kwargs, token_logprobs
 from kvpush.shared import wire
 from kvpush.shared.errors import EngineFailed, InvalidField, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
+# Push: prefill's report on the prompt comes through the scheduler, after the handoff; decode
+# may be done first. The first chunk of a request with prompt logprobs waits for it;
+# the final waits a little for its cached-token count, then says it is unknown.
+PROMPT_LOGPROBS_WAIT_S = 30.0
+PROMPT_REPORT_WAIT_S = 2.0
 _tracer = trace.get_tracer("kvpush.worker")
 
 
@@ -52,6 +57,7 @@ class _Stream:
     finish_reason: str | None = None  # the first answer's
     finish_reasons: dict[int, str] = field(default_factory=dict)  # each answer's, by index (n > 1)
     last: object = None  # vLLM's last RequestOutput of the first answer (the one the KV came for)
+    local_prompt: wire.PromptReport | None = None  # local: what our own engine said of the prompt
 
 
 class _Fenced(Exception):
@@ -150,7 +156,7 @@ class DecodeRole:
             return "error", await self._fail(running, span, exc)
         if not await self._claim(running):
             return _not_ours(running), b""
-        return "ok", await self._finish(job, received_ns, span, stream)
+        return "ok", await self._finish(running, received_ns, span, stream)
 
     async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
         """Generate and send each chunk as it comes."""
@@ -165,8 +171,12 @@ class DecodeRole:
             from vllm.sampling_params import StructuredOutputsParams
 
             kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        computing = job.mode == "local"  # the prompt is ours to compute, until the first token
+        # Prompt logprobs come from the engine that computes the prompt: ours only when local.
+        prompt_logprobs = job.sampling.prompt_logprobs if computing else None
         params = SamplingParams(
             **kwargs,
+            prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_params},
         )
@@ -177,7 +187,6 @@ class DecodeRole:
                                   extra_args={"kv_transfer_params": {}}))
                   for index in range(1, job.sampling.n)]
         prompt_tokens = len(job.prompt_token_ids)
-        computing = job.mode == "local"  # the prompt is ours to compute, until the first token
         if computing:
             self.meter.started(prompt_tokens, time.monotonic())
         try:
@@ -189,6 +198,8 @@ class DecodeRole:
                 if index == 0:
                     stream.last = output
                     stream.finish_reason = stream.finish_reasons.get(0)
+                    if job.mode == "local" and stream.local_prompt is None:
+                        stream.local_prompt = prompt_report(output)
                 if completion.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
                     raise KvTransferFailed(
                         "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
@@ -213,6 +224,9 @@ class DecodeRole:
                                         seq=stream.chunks,
                                         logprobs=None if completion.logprobs is None
                                         else token_logprobs(completion.logprobs), index=index)
+                if index == 0 and stream.first_answer_tokens == len(completion.token_ids) \
+                        and job.sampling.prompt_logprobs is not None:  # the first answer's first chunk
+                    chunk.prompt_logprobs = await self._prompt_logprobs(running, stream)
                 stream.chunks += 1
                 # Token chunks are not traced one by one; the final reply is. The reply
                 # subject hears "no responders" if the client has gone.
@@ -224,6 +238,16 @@ class DecodeRole:
         finally:
             if computing:
                 self.meter.finished(prompt_tokens, time.monotonic(), computed=False)
+
+    async def _prompt_logprobs(self, running: RunningJob, stream: _Stream) -> list:
+        """The prompt's logprobs, for the first chunk: our engine's when local, else
+        prefill's (in the job in pull; passed on by the scheduler in push, waited for)."""
+        report = stream.local_prompt if running.job.mode == "local" else \
+            await running.prompt_report(PROMPT_LOGPROBS_WAIT_S)
+        if report is None or report.logprobs is None:
+            raise EngineFailed(f"the prompt logprobs computed with the prompt did not reach decode within "
+                               f"{PROMPT_LOGPROBS_WAIT_S:g} s")
+        return report.logprobs
 
     async def _answers(self, job: wire.DecodeJob, engine_request_id: str, params, others: list
                        ) -> AsyncIterator[tuple[int, Any]]:
@@ -289,7 +313,17 @@ class DecodeRole:
             return b""
         return await self._send_final(job, wire.ErrorReply(job.request_id, error))
 
-    async def _finish(self, job: wire.DecodeJob, received_ns: int, span, stream: _Stream) -> bytes:
+    async def _cached_tokens(self, running: RunningJob, stream: _Stream) -> int | None:
+        """The prompt tokens its computing engine found cached: ours when local, else
+        prefill's, which in push may still be on its way (a short wait; None if it does not
+        come: unknown is not reported as a number)."""
+        if running.job.mode == "local":
+            return stream.local_prompt.cached_tokens if stream.local_prompt is not None else None
+        report = await running.prompt_report(PROMPT_REPORT_WAIT_S)
+        return report.cached_tokens if report is not None else None
+
+    async def _finish(self, running: RunningJob, received_ns: int, span, stream: _Stream) -> bytes:
+        job: wire.DecodeJob = running.job
         done = time.time()
         first_at = stream.first_at or done
         tokens = stream.completion_tokens
@@ -322,7 +356,7 @@ class DecodeRole:
         final = wire.FinalReply(
             request_id=job.request_id,
             finish_reason=stream.finish_reason,
-            usage=wire.Usage(len(job.prompt_token_ids), tokens),
+            usage=wire.Usage(len(job.prompt_token_ids), tokens, cached_tokens=await self._cached_tokens(running, stream)),
             timings=timings,
             chunks=stream.chunks,
             finish_reasons=[stream.finish_reasons.get(i) for i in range(job.sampling.n)] if job.sampling.n > 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
 
 from kvpush.services.bus import Bus
@@ -19,6 +19,24 @@ class RunningJob:
     ended_by: str | None = None  # "cancelled" | "client_gone": why we stopped it
     cancel_error: "wire.ErrorBody | None" = None  # what the client is told, if this job holds the answer
     claim: Any = None  # decode: its answer's claim (kvpush.services.ledger.Claim), once tried
+    # Decode: what the engine that computed the prompt said of it (prefill's, passed on by
+    # the scheduler in push, in the job in pull), once here.
+    prompt: "wire.PromptReport | None" = None
+    prompt_here: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def prompt_arrived(self, report: "wire.PromptReport") -> None:
+        if self.prompt is None:
+            self.prompt = report
+            self.prompt_here.set()
+
+    async def prompt_report(self, wait_s: float) -> "wire.PromptReport | None":
+        """The prompt's report, waiting at most ``wait_s`` for it; None if it did not come."""
+        if self.prompt is None and wait_s > 0:
+            try:
+                await asyncio.wait_for(self.prompt_here.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.prompt
 
     @property
     def claimed(self) -> bool:

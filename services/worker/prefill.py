@@ -16,6 +16,7 @@ from kvpush.otel.metrics import instruments
 from kvpush.services.worker.engine import EngineStages, prefill_request, wake_engine
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
+from kvpush.services.worker.sampling import prompt_report
 from kvpush.shared import wire
 from kvpush.shared.errors import EngineFailed, to_error_body
 
@@ -56,7 +57,8 @@ class PrefillRole:
         from vllm import SamplingParams
 
         engine_request_id, kv_params = prefill_request(self.worker.connector, job, current_traceparent())
-        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": kv_params})
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=job.prompt_logprobs,
+                                extra_args={"kv_transfer_params": kv_params})
         first_token = None
         error = None
         last = None
@@ -89,6 +91,7 @@ class PrefillRole:
             prefill_finished_at=time.time(),
             error=error,
             kv_transfer_params=getattr(last, "kv_transfer_params", None),
+            prompt=prompt_report(last) if error is None and last is not None else None,
         )
         await self.worker.bus.publish(wire.HANDOFFS(sender=self.worker.worker_id), wire.encode(handoff))
         log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))

@@ -59,3 +59,14 @@ def token_logprobs(positions) -> list[list[wire.TokenLogprob]]:
     as the wire's."""
     return [[wire.TokenLogprob(token_id, max(lp.logprob, LOWEST_LOGPROB), lp.rank, lp.decoded_token)
              for token_id, lp in (position or {}).items()] for position in positions]
+
+
+def prompt_report(output) -> wire.PromptReport:
+    """What vLLM's output for a computed prompt (a ``RequestOutput``) says of it: its
+    prefix-cache hits, and its prompt logprobs if they were asked for (the first position
+    None, as vLLM gives it)."""
+    positions = getattr(output, "prompt_logprobs", None)
+    return wire.PromptReport(
+        cached_tokens=getattr(output, "num_cached_tokens", None) or 0,
+        logprobs=None if positions is None else [token_logprobs([position])[0] if position else None
+                                                 for position in positions])

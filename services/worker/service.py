@@ -41,6 +41,7 @@ _tracer = trace.get_tracer("kvpush.worker")
 
 SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
 CANCEL_MEMORY = 10_000  # cancellations remembered, for jobs that arrive after their cancel
+EARLY_PROMPT_MEMORY = 1_000  # prompt reports kept for decode jobs not here yet
 ROLES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 
@@ -99,6 +100,7 @@ class Worker(Service):
         # Keyed by transfer id: one attempt at a request (a retry is a new one).
         self._jobs: dict[str, RunningJob] = {}  # the jobs under way
         self._cancelled: dict[str, None] = {}  # cancelled, insertion-ordered
+        self._early_prompts: dict[str, wire.PromptReport] = {}  # transfer id -> report before its job
         self._job_sub = None
         self._closed = False
         self.engine = None
@@ -178,6 +180,9 @@ class Worker(Service):
         if isinstance(job, wire.CancelJob):
             self.cancel(job.transfer_id, "cancelled", job.reason, job.error)
             return
+        if isinstance(job, wire.PromptReady):
+            self._prompt_ready(job)
+            return
         if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
         if job.transfer_id in self._cancelled:
@@ -185,6 +190,11 @@ class Worker(Service):
                      transfer_id=job.transfer_id)
             return
         running = self._jobs[job.transfer_id] = RunningJob(job)
+        early = self._early_prompts.pop(job.transfer_id, None)
+        if early is not None:
+            running.prompt_arrived(early)
+        elif getattr(job, "prompt", None) is not None:  # pull: in the job itself
+            running.prompt_arrived(job.prompt)
         running.task = self._requests.spawn(self._serve(running, time.time_ns()))
 
     async def _serve(self, running: RunningJob, received_ns: int) -> None:
@@ -198,6 +208,19 @@ class Worker(Service):
             await self.role.serve(running, received_ns)
         finally:
             self._jobs.pop(running.job.transfer_id, None)
+
+    def _prompt_ready(self, ready: wire.PromptReady) -> None:
+        """Push: prefill's word on a prompt, for the job of that transfer (kept a while if
+        the job is not here yet: the report and the job travel separately)."""
+        running = self._jobs.get(ready.transfer_id)
+        if running is not None:
+            running.prompt_arrived(ready.prompt)
+            return
+        if ready.transfer_id in self._cancelled:
+            return
+        self._early_prompts[ready.transfer_id] = ready.prompt
+        while len(self._early_prompts) > EARLY_PROMPT_MEMORY:
+            del self._early_prompts[next(iter(self._early_prompts))]
 
     def cancel(self, transfer_id: str, why: str, detail: str = "", error: wire.ErrorBody | None = None) -> None:
         self._cancelled[transfer_id] = None

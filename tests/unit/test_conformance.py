@@ -51,6 +51,19 @@ def test_cached_tokens_count_only_where_the_row_asks():
     assert diff(completion(cached=48), completion(cached=48), compare_cached=True) == []
 
 
+def test_prompt_logprobs_and_prompt_token_ids_are_compared_as_logprobs_are():
+    def with_prompt(logprob: float, ids=(9, 5)) -> dict:
+        body = completion()
+        body["choices"][0]["prompt_token_ids"] = list(ids)
+        body["choices"][0]["prompt_logprobs"] = [None, {"5": {"logprob": logprob, "rank": 1, "decoded_token": "b"}}]
+        return body
+
+    assert diff(with_prompt(-1.0), with_prompt(-1.0 + 5e-5)) == []
+    assert diff(with_prompt(-1.0), with_prompt(-1.1)) == ["prompt logprobs 1: values differ by more than 0.0001"]
+    assert diff(with_prompt(-1.0), with_prompt(-1.0, ids=(9, 6))) == ["prompt token ids [9, 6], not [9, 5]"]
+    assert diff(with_prompt(-1.0), completion()) == ["prompt token ids None, not [9, 5]", "prompt logprobs missing"]
+
+
 def test_a_streamed_chat_answer_gathers_into_the_whole_one():
     events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "he"}, "token_ids": [1],
                             "finish_reason": None, "logprobs": {"content": [{"token": "he", "logprob": -1.0,
@@ -96,7 +109,8 @@ def test_every_row_asks_for_its_token_ids_under_a_prompt_of_its_own():
     assert len(names) == len(set(names))
     for row in ROWS:
         body = request_body(row, "m", "salt-1")
-        assert body["return_token_ids"] is True and body["model"] == "m"
+        assert body["return_token_ids"] is (row.field != "echo: text"), row.field  # the one that compares text
+        assert body["model"] == "m"
         prompt = body.get("prompt") or body["messages"][0]["content"]
         assert prompt.startswith("salt-1 ")
         assert None not in body.values()

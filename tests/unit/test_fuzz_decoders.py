@@ -30,13 +30,13 @@ from kvpush.shared import wire
 from kvpush.shared.errors import RequestError
 
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 20 kinds, so ~1200 per property
+PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 22 kinds, so ~1200 per property
 
 STRUCTS = [
     wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
     wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.IntakeSettled, wire.FlightRecord, wire.StoredFinal,
-    wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents,
+    wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents, wire.PromptReady,
 ]
 UNIONS = [wire.PrefillMessage, wire.DecodeMessage, wire.KvControl, wire.Completion]
 KINDS = STRUCTS + UNIONS
@@ -312,6 +312,7 @@ def test_replies_round_trip_carrying_their_tag_and_every_field(data):
         assume(all(math.isfinite(t) for t in msgspec.structs.astuple(reply.timings)))
     if isinstance(reply, wire.TokenChunk):  # nor does a logprob on the wire (-inf is sent as -9999.0)
         assume(all(math.isfinite(c.logprob) for position in reply.logprobs or [] for c in position))
+        assume(all(math.isfinite(c.logprob) for position in reply.prompt_logprobs or [] for c in position or []))
     encoded = wire.encode_json(reply)
     assert wire.decode_reply(encoded) == reply
     fields = msgspec.json.decode(encoded)

@@ -51,7 +51,9 @@ def test_a_chat_keeps_its_messages_for_the_template_and_prefers_max_completion_t
     ({"prompt": "x", "n": "2"}, InvalidField, "'n'"),
     ({"prompt": "x", "best_of": 3}, InvalidField, "'best_of'"),
     ({"prompt": "x", "logprobs": "5"}, InvalidField, "'logprobs'"),
-    ({"prompt": "x", "echo": True}, InvalidField, "'echo'"),
+    ({"prompt": "x", "echo": "yes"}, InvalidField, "'echo'"),
+    ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, InvalidField, "not available when 'stream'"),
+    ({"prompt": "x", "prompt_logprobs": "2"}, InvalidField, "'prompt_logprobs'"),
     ({"prompt": "x", "wibble": 1}, InvalidField, "unknown field 'wibble'"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, InvalidField, "'tools'"),
     ({"prompt": ["a", "b"]}, InvalidField, "2 prompts"),
@@ -180,6 +182,44 @@ def test_n_answers_are_n_choices_each_with_its_own_finish_reason():
     assert whole["usage"]["completion_tokens"] == 5  # all answers' tokens, as vLLM counts them
     assert openai_api.chunk(request, "r1", "c", index=2)["choices"][0]["index"] == 2
     assert openai_api.finish_reasons(wire.FinalReply("r2", "stop", final.usage, final.timings)) == ["stop"]
+
+
+def test_prompt_logprobs_are_asked_of_the_engine_echo_with_logprobs_asks_for_them_too():
+    asked = openai_api.parse("completion", {"prompt": "x", "prompt_logprobs": 2}, MODEL)
+    assert asked.prompt_logprobs == 2 and asked.generate["prompt_logprobs"] == 2
+    echo = openai_api.parse("completion", {"prompt": "x", "echo": True, "logprobs": 3}, MODEL)
+    assert echo.echo and echo.prompt_logprobs is None and echo.generate["prompt_logprobs"] == 3  # as vLLM reads it
+    assert "prompt_logprobs" not in openai_api.parse("completion", {"prompt": "x", "echo": True}, MODEL).generate
+    chat = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}, MODEL)
+    assert chat.generate["prompt_logprobs"] == 0
+    with pytest.raises(InvalidField, match="'echo'"):  # a chat's echo continues the last message: not served
+        openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, MODEL)
+
+
+def test_prompt_logprobs_are_written_as_vllms_server_writes_them_and_cached_tokens_go_in_usage():
+    request = openai_api.parse("completion", {"prompt": "ab", "prompt_logprobs": 1}, MODEL)
+    positions = [None, [wire.TokenLogprob(7, -0.5, 3, "b"), wire.TokenLogprob(9, float("-inf"), 1, "z")]]
+    shown = openai_api.prompt_logprobs_object(positions)
+    assert shown == [None, {"7": {"logprob": -0.5, "rank": 3, "decoded_token": "b"},
+                            "9": {"logprob": -9999.0, "rank": 1, "decoded_token": "z"}}]
+    final = wire.FinalReply("r1", "stop", wire.Usage(2, 1, cached_tokens=0), wire.Timings(1.0, 1.0, 2.0))
+    whole = openai_api.response(request, "r1", [openai_api.Answer("c", [5])], final, shown)
+    assert whole["choices"][0]["prompt_logprobs"] == shown
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # zero is a count, not absent
+    unknown = wire.FinalReply("r1", "stop", wire.Usage(2, 1), wire.Timings(1.0, 1.0, 2.0))
+    assert "prompt_tokens_details" not in openai_api.usage(unknown)  # unknown is not reported as a number
+    chat = openai_api.parse("chat", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, MODEL)
+    assert openai_api.response(chat, "r1", [openai_api.Answer("c")], final, shown)["prompt_logprobs"] == shown
+
+
+def test_an_echoed_prompts_first_token_is_scored_by_nobody():
+    request = openai_api.parse("completion", {"prompt": "ab", "echo": True, "logprobs": 0}, MODEL)
+    positions = [None, [wire.TokenLogprob(8, -1.0, 2, "b"), wire.TokenLogprob(3, -0.1, 1, "q")],
+                 [wire.TokenLogprob(5, -0.2, 1, "c")]]
+    logprobs = openai_api.logprobs_object(request, [7, 8, 5], positions, unscored={0: "a"})
+    assert logprobs["tokens"] == ["a", "b", "c"] and logprobs["token_logprobs"] == [None, -1.0, -0.2]
+    assert logprobs["top_logprobs"] == [None, {"b": -1.0}, {"c": -0.2}]  # the sampled (or prompt) token at 0
+    assert logprobs["text_offset"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("code, status", [

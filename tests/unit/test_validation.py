@@ -203,6 +203,8 @@ def test_sampling_fields_are_taken_with_vllms_meaning_a_bias_clamped_as_vllm_cla
     ("top_p", "0.9", "invalid request"),
     ("logprobs", 21, "logprobs must be in [0, 20]"),
     ("logprobs", -1, "logprobs must be in [0, 20]"),
+    ("prompt_logprobs", -1, "prompt_logprobs must be in [0, 20]"),
+    ("prompt_logprobs", 21, "prompt_logprobs must be in [0, 20]"),
 ], ids=lambda v: str(v)[:24])
 def test_sampling_out_of_vllms_bounds_is_refused_before_any_engine(field, value, says):
     with pytest.raises(InvalidField) as refused:
@@ -237,3 +239,12 @@ def test_n_answers_are_bounded_by_what_the_decode_engine_runs_at_once():
             _validator().validate(_body(prompt="hi", max_tokens=4, n=n))
     with pytest.raises(InvalidField, match="seed \\+ n - 1"):  # answer i is seeded seed + i
         _validator().validate(_body(prompt="hi", max_tokens=4, n=2, seed=2**63 - 1))
+
+
+def test_prompt_logprobs_are_bounded_by_what_one_chunk_carries_back():
+    assert _validator().validate(_body(prompt="hi", max_tokens=4, prompt_logprobs=3)).sampling.prompt_logprobs == 3
+    validator = RequestValidator(lambda s: [ord(c) % VOCAB for c in s], VOCAB, 8192)
+    long_prompt = [1, 2, 3] * 1200  # 3600 tokens x (4 + 1) entries: over the bound
+    with pytest.raises(InvalidField, match="makes 18000 entries, over kvpush's 16384; ask for fewer"):
+        validator.validate(_body(prompt_token_ids=long_prompt, max_tokens=4, prompt_logprobs=4))
+    assert validator.validate(_body(prompt_token_ids=long_prompt, max_tokens=4, prompt_logprobs=3)).sampling

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvpush.services.scheduler.validation import RequestValidator
-from kvpush.services.worker.sampling import LOWEST_LOGPROB, sampling_params_kwargs, token_logprobs
+from kvpush.services.worker.sampling import LOWEST_LOGPROB, prompt_report, sampling_params_kwargs, token_logprobs
 from kvpush.shared import wire
 
 VOCAB = 100
@@ -106,3 +106,18 @@ def test_answer_i_of_n_is_sampled_as_vllms_own_fan_out_samples_its_child_i():
             _, child = parent.get_child_info(index)
             ours = SamplingParams(**answer_sampling(kwargs, index))
             assert (ours.seed, ours.temperature, ours.top_p, ours.n) == (child.seed, child.temperature, child.top_p, 1)
+
+
+def test_what_vllm_says_of_a_computed_prompt_becomes_its_report_for_decode():
+    """Prefill's (or a local decode's) RequestOutput: its prefix-cache hits, and its prompt
+    logprobs with the first position empty (nothing precedes it), as vLLM gives them."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import RequestOutput
+
+    positions = [None, {5: Logprob(-1.5, rank=4, decoded_token="b"), 2: Logprob(-0.1, rank=1, decoded_token="z")}]
+    output = RequestOutput("r", None, [9, 5], positions, [], True, num_cached_tokens=16)
+    report = prompt_report(output)
+    assert report == wire.PromptReport(16, [None, [wire.TokenLogprob(5, -1.5, 4, "b"), wire.TokenLogprob(2, -0.1, 1, "z")]])
+    plain = prompt_report(RequestOutput("r", None, [9, 5], None, [], True, num_cached_tokens=None))
+    assert plain == wire.PromptReport(0, None)  # no logprobs asked; vLLM's None count is none cached
+    assert "prompt_logprobs" not in sampling_params_kwargs(_spec(prompt_logprobs=2))  # decode adds it, when local

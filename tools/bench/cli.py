@@ -50,6 +50,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure each point this many times in a row, fresh prompts each time: its noise")
     bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--sampling-flags", default="",
+                       help="vllm bench serve's sampling flags for every point, e.g. \"--temperature 0.7 --top-p 0.9\" "
+                            "(default: none, its own defaults)")
     bench.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
     bench.add_argument("--model", help="a local model folder instead of a built-in profile")
     bench.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,9 @@ class Load:
     seed: int = 0
     warmups: int = 2
     burstiness: float = 1.0  # arrival gaps from a gamma distribution: 1 is Poisson, lower is burstier
+    # vLLM bench serve's own sampling flags (--temperature, --top-p, ...) as given; none:
+    # its defaults, which send no sampling field (the server's defaults apply)
+    sampling_flags: tuple[str, ...] = ()
 
 
 def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
@@ -44,7 +47,7 @@ def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_f
             "--request-id-prefix", request_id_prefix, "--disable-tqdm"]
     if extra_body:
         args += ["--extra-body", json.dumps(extra_body)]
-    return args
+    return args + list(load.sampling_flags)
 
 
 def run(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,

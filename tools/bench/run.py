@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import sys
 import time
 import uuid
@@ -96,6 +97,7 @@ class BenchConfig:
     output_len: int = 128
     seed: int = 0
     warmups: int = 2
+    sampling_flags: tuple[str, ...] = ()  # vllm bench serve's (--temperature, --top-p, ...); none: its defaults
     out: Path = Path("bench-results")
     bindings: dict[str, str] = field(default_factory=dict)  # system -> binding; missing ones are measured
     probe: Workload = BINDING_PROBE
@@ -304,7 +306,8 @@ class Bench:
         if first and c.first_attempt_timeout and c.first_attempt_timeout[0] == SYSTEM_OF[variant]:
             timeout = c.first_attempt_timeout[1]
         load = client.Load(workload.input_len, c.output_len, client_rate, workload.requests, workload.range_ratio,
-                           seed=c.seed + repeat, warmups=c.warmups, burstiness=workload.burstiness)
+                           seed=c.seed + repeat, warmups=c.warmups, burstiness=workload.burstiness,
+                           sampling_flags=c.sampling_flags)
         again = f"-repeat{repeat}" if repeat else ""
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}{again}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
@@ -564,7 +567,7 @@ def cmd(args) -> int:
         Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
     config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
                          workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
-                         out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
+                         sampling_flags=tuple(shlex.split(args.sampling_flags)), out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
                          try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated,
                          resume=getattr(args, "resume", False), repeats=args.repeats,
                          point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout(),

@@ -23,6 +23,9 @@ class Choice:
     # each token: (token, logprob, {candidate: logprob})
     logprobs: list[tuple[str, float | None, dict[str, float]]] | None = None
     tool_calls: list[tuple[str, Any]] = field(default_factory=list)  # (function name, parsed arguments)
+    prompt_token_ids: list[int] | None = None  # completions, with return_token_ids
+    # each prompt position: {token id: logprob}, the first None (completions: per choice)
+    prompt_logprobs: list[dict[str, float] | None] | None = None
 
 
 @dataclass
@@ -46,6 +49,8 @@ def gather(endpoint: str, events: list[dict]) -> dict:
             text = piece.get("text") if endpoint == "completions" else (piece.get("delta") or {}).get("content")
             choice["text"] += text or ""
             choice["token_ids"] += piece.get("token_ids") or []
+            if piece.get("prompt_token_ids") is not None:  # on a choice's first event
+                choice["prompt_token_ids"] = piece["prompt_token_ids"]
             choice["tool_calls"] += (piece.get("delta") or {}).get("tool_calls") or []
             if piece.get("finish_reason") is not None:
                 choice["finish_reason"] = piece["finish_reason"]
@@ -77,10 +82,13 @@ def answer(endpoint: str, body: dict) -> Answer:
         if endpoint == "completions":
             choice.text = raw.get("text") or ""
             choice.logprobs = _completion_logprobs(raw.get("logprobs"))
+            choice.prompt_token_ids = raw.get("prompt_token_ids")
+            choice.prompt_logprobs = _prompt_logprobs(raw.get("prompt_logprobs"))
         else:
             message = raw.get("message") or {}
             choice.text = message.get("content") or ""
             choice.logprobs = _chat_logprobs(raw.get("logprobs"))
+            choice.prompt_logprobs = _prompt_logprobs(body.get("prompt_logprobs"))  # the response's
             for call in message.get("tool_calls") or []:
                 function = call.get("function") or {}
                 try:
@@ -95,6 +103,13 @@ def answer(endpoint: str, body: dict) -> Answer:
                             "completion_tokens": usage.get("completion_tokens"),
                             "total_tokens": usage.get("total_tokens"),
                             "cached_tokens": details.get("cached_tokens")})
+
+
+def _prompt_logprobs(positions: list | None):
+    if positions is None:
+        return None
+    return [None if position is None else {token: (entry or {}).get("logprob") for token, entry in position.items()}
+            for position in positions]
 
 
 def _completion_logprobs(logprobs: dict | None):
@@ -129,6 +144,10 @@ def differences(expected: Answer, got: Answer, compare_cached: bool = False,
         if want.tool_calls != have.tool_calls:
             found.append(f"{where}tool calls {have.tool_calls}, not {want.tool_calls}")
         found += [where + d for d in _logprob_differences(want.logprobs, have.logprobs, tolerance)]
+        if want.prompt_token_ids != have.prompt_token_ids:
+            found.append(f"{where}prompt token ids {have.prompt_token_ids}, not {want.prompt_token_ids}")
+        found += [where + d for d in _prompt_logprob_differences(want.prompt_logprobs, have.prompt_logprobs,
+                                                                   tolerance)]
     names = ["prompt_tokens", "completion_tokens", "total_tokens"] + (["cached_tokens"] if compare_cached else [])
     for name in names:
         if expected.usage.get(name) != got.usage.get(name):
@@ -153,6 +172,24 @@ def _logprob_differences(want, have, tolerance: float) -> list[str]:
             found.append(f"top logprobs {position}: {sorted(h_top)}, not {sorted(top)}")
         elif not all(_close(top[k], h_top[k], tolerance) for k in top):
             found.append(f"top logprobs {position}: values differ by more than {tolerance:g}")
+    return found
+
+
+def _prompt_logprob_differences(want, have, tolerance: float) -> list[str]:
+    if (want is None) != (have is None):
+        return [f"prompt logprobs {'missing' if have is None else 'not asked for'}"]
+    if want is None:
+        return []
+    if len(want) != len(have):
+        return [f"prompt logprobs for {len(have)} positions, not {len(want)}"]
+    found = []
+    for position, (expected, got) in enumerate(zip(want, have)):
+        if expected is None and got is None:
+            continue
+        if (expected is None) != (got is None) or set(expected or {}) != set(got or {}):
+            found.append(f"prompt logprobs {position}: tokens {sorted(got or {})}, not {sorted(expected or {})}")
+        elif not all(_close(expected[k], got[k], tolerance) for k in expected):
+            found.append(f"prompt logprobs {position}: values differ by more than {tolerance:g}")
     return found
 
 

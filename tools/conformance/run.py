@@ -35,7 +35,8 @@ class Reply:
 
 
 def request_body(row: Row, model: str, salt: str) -> dict:
-    body = {"model": model, **{k: v for k, v in row.body.items() if v is not None}, "return_token_ids": True}
+    # Token ids unless the row says otherwise (an echo's text: vLLM echoes no text with them).
+    body = {"model": model, "return_token_ids": True, **{k: v for k, v in row.body.items() if v is not None}}
     text = f"{salt} {row.text}"
     if row.endpoint == "completions":
         body["prompt"] = text
