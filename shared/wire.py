@@ -298,6 +298,32 @@ class StructuredOutput(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
                 if getattr(self, name) is not None]
 
 
+ToolChoiceKind = Literal["auto", "required", "function"]
+
+
+class ToolFunction(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A function the model may call, as OpenAI's ``tools[].function``."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of its arguments
+    strict: bool | None = None  # True: the arguments are held to ``parameters`` as they are generated
+
+
+class ToolCalling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Tool calls in the model's format, which vLLM's tool parser ``parser`` reads: the
+    functions, and whether the model may call one (``auto``), must call some (``required``),
+    or must call ``function`` (``function``). Decode constrains the answer as vLLM's server
+    does for that parser (``kvpush.services.worker.tool_calling``); the gateway reads the
+    calls out of the text."""
+
+    parser: str
+    tools: list[ToolFunction]
+    choice: ToolChoiceKind = "auto"
+    function: str | None = None  # choice "function": its name
+    parallel: bool | None = None  # False: at most one call (OpenAI's parallel_tool_calls)
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of a request on ``kvpush.generate``; exactly one of the two prompts."""
 
@@ -331,6 +357,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # Each prompt position's logprob and this many of the most likely tokens there,
     # computed where the prompt is (prefill, or decode when local); on answer 0's first chunk.
     prompt_logprobs: int | None = None
+    tool_calling: ToolCalling | None = None  # the functions the model may call, and how
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -470,6 +497,7 @@ class SamplingSpec(msgspec.Struct):
     logprobs: int | None = None  # each token's logprob and this many of the most likely ones
     n: int = 1  # answers sampled from the prompt (vLLM's n)
     prompt_logprobs: int | None = None  # computed where the prompt is: prefill, or decode when local
+    tool_calling: ToolCalling | None = None
 
 
 class PromptReport(msgspec.Struct):

@@ -72,6 +72,9 @@ def add_gateway(sub) -> None:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
+    gateway.add_argument("--tool-call-parser", choices=["auto", "hermes", "none"], default="auto",
+                         help="the model's tool-call format, as vLLM's parser of that name reads it (auto: hermes if "
+                              "the chat template writes <tool_call>, as the built models' does; none: tools refused)")
     gateway.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_gateway"))
 
 

@@ -78,7 +78,7 @@ def cmd_gateway(args) -> int:
         return 2
     return _run_service("kvpush-gateway", args.log_level, lambda: Gateway(
         args.nats_url, model_path(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-        keys=keys, max_model_len=args.max_model_len),
+        keys=keys, max_model_len=args.max_model_len, tool_call_parser=args.tool_call_parser),
         prometheus=True)  # its /metrics is on its own HTTP port
 
 

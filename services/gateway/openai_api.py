@@ -26,10 +26,14 @@ Pure: no HTTP, no NATS. ``kvpush.services.gateway.service`` serves it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+import msgspec
+
+from kvpush.services.gateway import tool_calls
 from kvpush.shared import wire
 from kvpush.shared.errors import EmptyPrompt, InvalidField, NotFound, http_status
 
@@ -64,7 +68,8 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire
 COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
           "return_token_ids", "response_format", "structured_outputs", "n", *SAMPLING}
 COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs", "prompt_logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
+                        "tools", "tool_choice", "parallel_tool_calls"}
 # vLLM 0.32 has no best_of: its V1 engine dropped it, and its server ignores the field as
 # unknown. kvpush refuses it instead of ignoring a field that asks for other answers.
 BEST_OF_REFUSED = ("'best_of' is not served: vLLM's V1 engine has no best_of (its server ignores the field, and "
@@ -83,6 +88,8 @@ class OpenAiRequest:
     logprobs: int | None = None  # each token's logprob, with this many of the most likely ones
     n: int = 1  # answers (choices) sampled from the prompt
     prompt_logprobs: int | None = None  # as asked: each prompt position's, in the response
+    tools: list[dict] | None = None  # chat: the functions, for the chat template
+    tool_calling: wire.ToolCalling | None = None  # chat: calls to read out of the answer
     echo: bool = False  # completions: the prompt before each choice's text (and logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -96,8 +103,9 @@ class Answer:
     logprobs: dict | None = None
 
 
-def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
-    """The request, or a ``RequestError`` that says what is wrong with it."""
+def parse(kind: Kind, body: Any, served_model: str, tool_parser: str | None = None) -> OpenAiRequest:
+    """The request, or a ``RequestError`` that says what is wrong with it. ``tool_parser``:
+    the model's tool-call format (``tool_calls.PARSERS``), None if it has none."""
     if not isinstance(body, dict):
         raise InvalidField("the request body must be a JSON object")
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
@@ -156,6 +164,11 @@ def parse(kind: Kind, body: Any, served_model: str) -> OpenAiRequest:
     else:
         request.messages = _messages(body.get("messages"))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        request.tool_calling = tool_calls.tool_calling(body, tool_parser)
+        if body.get("tools"):
+            request.tools = tool_calls.template_tools(body)
+        if request.tool_calling is not None:
+            generate["tool_calling"] = msgspec.to_builtins(request.tool_calling)
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
             raise InvalidField(f"'max_tokens' must be an integer, got {max_tokens!r}")
@@ -269,25 +282,62 @@ def _completion_prompt(prompt: Any, generate: dict) -> None:
 
 
 def _messages(messages: Any) -> list[dict]:
+    """The chat as its template reads it: text content; an assistant's earlier tool calls
+    (arguments as objects, as vLLM hands them to templates) and a tool's answers."""
     if not isinstance(messages, list) or not messages:
         raise EmptyPrompt("'messages' must be a non-empty list")
     out = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidField("each message must be an object with a 'role'")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidField("message content parts must be {\"type\": \"text\", \"text\": ...}; "
-                                       "kvpush serves text only")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise InvalidField("a message's 'content' must be a string or a list of text parts")
-        out.append({"role": message["role"], "content": content})
+        calls = message.get("tool_calls")
+        if message["role"] == "assistant" and calls:
+            out.append({"role": "assistant", "content": _text(message.get("content") or ""),
+                        "tool_calls": _earlier_calls(calls)})
+            continue
+        if message["role"] == "tool":
+            shown = {"role": "tool", "content": _text(message.get("content"))}
+            if isinstance(message.get("tool_call_id"), str):
+                shown["tool_call_id"] = message["tool_call_id"]
+            out.append(shown)
+            continue
+        out.append({"role": message["role"], "content": _text(message.get("content"))})
     return out
+
+
+def _earlier_calls(calls: Any) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidField("an assistant message's 'tool_calls' must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidField("each earlier tool call must be {\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"arguments\": ...}}")
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise InvalidField(f"the arguments of an earlier call to {function['name']!r} are not JSON") from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or a list of text parts."""
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidField("message content parts must be {\"type\": \"text\", \"text\": ...}; "
+                                   "kvpush serves text only")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise InvalidField("a message's 'content' must be a string or a list of text parts")
+    return content
 
 
 def prompt_bytes(request: OpenAiRequest) -> int:
@@ -450,9 +500,10 @@ def _bytes(token: str) -> list[int]:
 
 def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str | None = None,
           first: bool = False, token_ids: list[int] | None = None, logprobs: dict | None = None,
-          index: int = 0, prompt_token_ids: list[int] | None = None) -> dict:
+          index: int = 0, prompt_token_ids: list[int] | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One server-sent event's object, for choice ``index``; ``prompt_token_ids`` on a
-    completion choice's first event when the client asked for token ids."""
+    completion choice's first event when the client asked for token ids; a chat's
+    ``tool_calls`` deltas (each whole) in its delta."""
     if request.kind == "completion":
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if request.return_token_ids and prompt_token_ids is not None:
@@ -462,6 +513,8 @@ def chunk(request: OpenAiRequest, request_id: str, text: str, finish_reason: str
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text:
             delta = {}
+        if tool_calls:
+            delta = {"role": "assistant", "tool_calls": tool_calls} if first else {"tool_calls": tool_calls}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     if request.return_token_ids:
@@ -495,8 +548,10 @@ def response(request: OpenAiRequest, request_id: str, answers: list[Answer], fin
             if prompt_logprobs is not None:  # asked for, or by echo with logprobs (as vLLM)
                 choice["prompt_logprobs"] = prompt_logprobs
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": answer.text},
-                      "logprobs": answer.logprobs, "finish_reason": finish}
+            shown = {"role": "assistant", "content": answer.text}
+            if request.tool_calling is not None:  # the calls read out of the text, as vLLM's parser reads them
+                shown, finish = tool_calls.message(request.tool_calling, answer.text, finish)
+            choice = {"index": index, "message": shown, "logprobs": answer.logprobs, "finish_reason": finish}
         if request.return_token_ids:
             choice["token_ids"] = answer.token_ids
             if request.kind == "completion" and prompt_token_ids is not None:

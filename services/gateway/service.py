@@ -45,7 +45,7 @@ from starlette.datastructures import Headers
 from kvpush.otel import endpoint
 from kvpush.otel.metrics import instruments
 from kvpush.client import generate, scheduler_status
-from kvpush.services.gateway import openai_api
+from kvpush.services.gateway import openai_api, tool_calls
 from kvpush.services.gateway.body import BodyTooLarge, read_body
 from kvpush.services.gateway.errors import RateLimited
 from kvpush.services.gateway.keys import KeyRing, Tenant
@@ -80,7 +80,8 @@ class Gateway(Service):
 
     def __init__(self, nats_url: str, model: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  served_model_name: str | None = None, timeout_s: float = settings.DEADLINE_S + 30,
-                 keys: KeyRing | None = None, max_model_len: int = settings.MAX_MODEL_LEN):
+                 keys: KeyRing | None = None, max_model_len: int = settings.MAX_MODEL_LEN,
+                 tool_call_parser: str = "auto"):
         self.nats_url = nats_url
         self.model = model
         self.host = host
@@ -89,6 +90,8 @@ class Gateway(Service):
         self.timeout_s = timeout_s
         self.keys = keys or KeyRing.open()
         self.max_model_len = max_model_len
+        self.tool_call_parser_setting = tool_call_parser
+        self.tool_call_parser: str | None = None  # set at start: the model's format, or None (tools refused)
         self.max_prompt_bytes = 0  # set at start, from the tokenizer
         self.nc = None  # the gateway's own NATS identity: /ready, and tenants without a NATS user
         self._tenant_connections: dict[str, nats.NATS] = {}  # tenant name -> its own NATS identity
@@ -108,6 +111,8 @@ class Gateway(Service):
 
         loop = asyncio.get_running_loop()
         self.tokenizer = await loop.run_in_executor(self._templating, AutoTokenizer.from_pretrained, self.model)
+        self.tool_call_parser = tool_call_parser_of(self.tool_call_parser_setting,
+                                                    getattr(self.tokenizer, "chat_template", None))
         self.max_prompt_bytes = await loop.run_in_executor(self._templating, prompt_byte_limit, self.tokenizer,
                                                            self.max_model_len)
         self.nc = await nats.connect(server_urls(self.nats_url), name="kvpush-gateway", max_reconnect_attempts=-1,
@@ -169,7 +174,7 @@ class Gateway(Service):
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidField(f"the model '{self.served_model_name}' has no chat template; use /v1/completions")
         request.generate["prompt_token_ids"] = await asyncio.get_running_loop().run_in_executor(
-            self._templating, chat_prompt, self.tokenizer, request.messages)
+            self._templating, chat_prompt, self.tokenizer, request.messages, request.tools)
 
     async def prompt_seen(self, request: openai_api.OpenAiRequest) -> openai_api.Prompt | None:
         """A completion's prompt as the client gets it back (``echo``, token ids), tokenized
@@ -236,10 +241,21 @@ def prompt_byte_limit(tokenizer, max_model_len: int) -> int:
     return max_model_len * longest * (4 if shrinks else 1)
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The conversation's token ids, as vLLM's chat endpoint makes them: the model's chat
-    template with the generation prompt."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    template with the generation prompt (and the tools, which it shows the model)."""
+    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
+
+
+def tool_call_parser_of(setting: str, chat_template: str | None) -> str | None:
+    """The tool-call format the gateway reads: the one named, none, or (``auto``) hermes
+    when the model's chat template writes Hermes-style ``<tool_call>`` calls."""
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    return "hermes" if chat_template and tool_calls.START in chat_template else None
 
 
 class _Guard:
@@ -416,7 +432,7 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
                 body = json.loads(data)
             except (ValueError, RecursionError):
                 return _error(BadJson.code, "the body is not valid JSON", request_id)
-            request = openai_api.parse(kind, body, gateway.served_model_name)
+            request = openai_api.parse(kind, body, gateway.served_model_name, gateway.tool_call_parser)
             gateway.check_prompt_size(request)
             await gateway.prompt_of(request)
             prompt = await gateway.prompt_seen(request)
@@ -505,6 +521,8 @@ async def _events(request, request_id: str, first: wire.Reply, replies,
     sent_first: set[int] = set()  # the answers whose first event went (a chat's role comes in it)
     text_offset = [0] * request.n  # each answer's characters so far
     prompt_positions = None  # the prompt's logprobs (echo with logprobs), on answer 0's first chunk
+    calls = [tool_calls.StreamedCalls(request.tool_calling) for _ in range(request.n)] \
+        if request.tool_calling is not None else None  # each answer's text, read for calls
     try:
         while isinstance(reply, wire.TokenChunk):
             index = reply.index if 0 <= reply.index < request.n else 0
@@ -517,6 +535,8 @@ async def _events(request, request_id: str, first: wire.Reply, replies,
             else:
                 text = reply.text
                 logprobs = openai_api.logprobs_object(request, reply.token_ids, reply.logprobs, text_offset[index])
+            if calls is not None:
+                text = calls[index].feed(text)  # content only until a call starts
             yield _sse(openai_api.chunk(request, request_id, text, first=first_event, token_ids=reply.token_ids,
                                         logprobs=logprobs, index=index,
                                         prompt_token_ids=prompt.token_ids if first_event and prompt else None))
@@ -528,6 +548,12 @@ async def _events(request, request_id: str, first: wire.Reply, replies,
                 yield _sse(openai_api.error(error.code, error.message)[1])
             case wire.FinalReply():
                 for index, finish in enumerate(openai_api.finish_reasons(reply)):
+                    if calls is not None and index < len(calls):
+                        rest, deltas, finish = calls[index].finish(finish)
+                        if rest or deltas:
+                            yield _sse(openai_api.chunk(request, request_id, rest, first=index not in sent_first,
+                                                        index=index, tool_calls=deltas))
+                            sent_first.add(index)
                     yield _sse(openai_api.chunk(request, request_id, "", finish, first=index not in sent_first,
                                                 index=index))
                 if request.include_usage:

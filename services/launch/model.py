@@ -33,7 +33,9 @@ __all__ = [
 
 #: Bump when the recipe changes in a way that changes the produced files; a
 #: folder built by another recipe version is rebuilt.
-BUILD_VERSION = 3  # 2: the tokenizer has a chat template; 3: config.json names the profile's architecture
+#: 2: the tokenizer has a chat template; 3: config.json names the profile's architecture;
+#: 4: the chat template has a tool-call format (Hermes-style, vLLM's ``hermes`` parser).
+BUILD_VERSION = 4
 
 MARKER_NAME = "kvpush_model.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -271,8 +273,25 @@ def _train_tokenizer(prof: ModelProfile):
 
 # Plain text: the vocabulary has no special tokens but EOS. Enough for /v1/chat/completions
 # to render a conversation the way any chat model's template does.
+#: ``role: content`` lines. With ``tools``: a system line that lists them and says how to call
+#: one, Hermes-style (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what vLLM's
+#: ``hermes`` tool parser reads); an assistant turn's calls and a tool's answer in that format.
+#: A chat without tools renders exactly as build version 3 rendered it.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}system: You may call these functions. To call one, reply with "
+    "<tool_call>{\"name\": <its name>, \"arguments\": <an object of its parameters>}</tool_call>.\n<tools>"
+    "{% for tool in tools %}{% set function = tool['function'] if tool['function'] is defined else tool %}"
+    "{\"name\": {{ function['name'] | tojson }}, \"description\": {{ (function['description'] or '') | tojson }}, "
+    "\"parameters\": {{ (function['parameters'] or {}) | tojson }}}\n{% endfor %}</tools>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}assistant: {{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] %}{% set function = call['function'] %}"
+    "<tool_call>{\"name\": {{ function['name'] | tojson }}, \"arguments\": "
+    "{{ function['arguments'] if function['arguments'] is string else function['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{{ '\\n' }}"  # a literal newline right after a tag would be trimmed (trim_blocks)
+    "{% elif message['role'] == 'tool' %}tool: <tool_response>{{ message['content'] }}</tool_response>\n"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

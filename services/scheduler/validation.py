@@ -184,7 +184,8 @@ def sampling_of(body: wire.GenerateRequest, max_tokens: int, vocab_size: int, pr
         allowed_token_ids=list(body.allowed_token_ids or []),
         bad_words=list(bad_words), stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=structured,
-        logprobs=body.logprobs, n=body.n, prompt_logprobs=body.prompt_logprobs)
+        logprobs=body.logprobs, n=body.n, prompt_logprobs=body.prompt_logprobs,
+        tool_calling=_tool_calling(body.tool_calling))
 
 
 def _structured(structured: wire.StructuredOutput | None) -> wire.StructuredOutput | None:
@@ -214,6 +215,32 @@ def _structured(structured: wire.StructuredOutput | None) -> wire.StructuredOutp
         if getattr(structured, name) == "":
             raise InvalidField(f"structured_outputs.{name} must not be empty")
     return structured
+
+
+TOOL_PARSERS = ("hermes",)  # the tool-call formats decode constrains and the gateway reads
+MAX_TOOLS = 128
+
+
+def _tool_calling(calling: wire.ToolCalling | None) -> wire.ToolCalling | None:
+    """Its shape (the schemas themselves are the decode engine's grammar compiler's to judge)."""
+    if calling is None:
+        return None
+    if calling.parser not in TOOL_PARSERS:
+        raise InvalidField(f"tool_calling.parser {calling.parser!r} is not one kvpush reads "
+                           f"({', '.join(TOOL_PARSERS)})")
+    if not 1 <= len(calling.tools) <= MAX_TOOLS:
+        raise InvalidField(f"tool_calling.tools must hold 1 to {MAX_TOOLS} functions, got {len(calling.tools)}")
+    names = [tool.name for tool in calling.tools]
+    if not all(names) or len(set(names)) != len(names):
+        raise InvalidField("each tool needs a name of its own")
+    size = len(msgspec.json.encode(calling))
+    if size > MAX_STRUCTURED_BYTES:
+        raise InvalidField(f"the tools are {size} bytes; at most {MAX_STRUCTURED_BYTES}")
+    if (calling.choice == "function") != (calling.function is not None):
+        raise InvalidField("tool_calling.function names the function exactly when the choice is \"function\"")
+    if calling.function is not None and calling.function not in names:
+        raise InvalidField(f"the tool choice names {calling.function!r}, which is not among the tools")
+    return calling
 
 
 def request_id_of(data: bytes) -> str:

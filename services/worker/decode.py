@@ -31,6 +31,7 @@ from kvpush.otel.messaging import TEMPORARY, current_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
+from kvpush.services.worker import tool_calling
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import answer_sampling, prompt_report, sampling_params_kwargs, token_logprobs
@@ -167,10 +168,14 @@ class DecodeRole:
         job: wire.DecodeJob = running.job
         engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
         kwargs = sampling_params_kwargs(job.sampling)
-        if "structured_outputs" in kwargs:
+        structured = kwargs.pop("structured_outputs", None)
+        if job.sampling.tool_calling is not None:  # as vLLM's server constrains a request with tools
+            structured = tool_calling.structured_outputs(job.sampling.tool_calling, structured)
+            kwargs["skip_special_tokens"] = False  # its hermes parser's adjustment: the call tags stay in the text
+        if structured is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
-            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
         computing = job.mode == "local"  # the prompt is ours to compute, until the first token
         # Prompt logprobs come from the engine that computes the prompt: ours only when local.
         prompt_logprobs = job.sampling.prompt_logprobs if computing else None

@@ -119,6 +119,68 @@ async def test_a_json_schema_answer_parses_and_validates_in_every_mode(stack, mo
         jsonschema.validate(json.loads(choice.message.content), PICK)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER, "strict": True}},
+         {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+def _no_whitespace(model: str) -> dict[str, int]:
+    """A bias against every all-whitespace token: vLLM lets JSON inside a tool call's
+    arguments have any whitespace (its --json-whitespace does not reach tool grammars), and
+    a random-weight model would spin in it until max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return {str(i): -100 for i in range(len(tokenizer)) if tokenizer.decode([i]).isspace()}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull", "local"])
+async def test_tool_calls_parse_to_the_named_function_with_valid_arguments(stack, mode):
+    """A strict tool: the call names the function asked for (or one of the tools, when
+    some call is required) and its arguments validate against its schema, whole and
+    streamed (the real openai client gathers the streamed call)."""
+    oai = _openai(stack)
+    bias = _no_whitespace(stack.model)
+
+    async def call(i: int, choice, stream: bool = False, **more):
+        request = dict(model=Path(stack.model).name, messages=[{"role": "user", "content": f"weather {i}, please"}],
+                       tools=TOOLS, tool_choice=choice, max_tokens=160, temperature=0.8, seed=i, logit_bias=bias,
+                       extra_body={"transfer_mode": mode}, **more)
+        if not stream:
+            reply = await oai.chat.completions.create(**request)
+            return reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+        calls: dict[int, dict] = {}
+        finish = None
+        async for event in await oai.chat.completions.create(**request, stream=True):
+            for piece in event.choices:
+                finish = piece.finish_reason or finish
+                for delta in piece.delta.tool_calls or []:
+                    entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    entry["name"] += delta.function.name or ""
+                    entry["arguments"] += delta.function.arguments or ""
+        return [openai.types.chat.ChatCompletionMessageToolCall(
+            id=f"s{i}", type="function", function={"name": c["name"], "arguments": c["arguments"]})
+            for _, c in sorted(calls.items())], finish
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # parallel_tool_calls false: one call, then the end (else the grammar allows more calls)
+    results = await asyncio.gather(*(call(i, named, parallel_tool_calls=False) for i in range(3)),
+                                   call(3, named, stream=True, parallel_tool_calls=False))
+    for calls, finish in results:
+        assert finish == "stop" and len(calls) == 1, (calls, finish)  # a named call keeps the engine's reason
+        assert calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    calls, finish = await call(4, "required", parallel_tool_calls=False)  # one call, then the end
+    assert finish == "tool_calls" and len(calls) == 1 and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        if c.function.name == "get_weather":
+            jsonschema.validate(json.loads(c.function.arguments), WEATHER)
+
+
 async def test_a_choice_constrains_the_answer_and_a_grammar_the_engine_refuses_is_a_400(stack):
     oai = _openai(stack)
     reply = await oai.completions.create(model=Path(stack.model).name, prompt="yes or no?", max_tokens=8,

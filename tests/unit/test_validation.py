@@ -248,3 +248,18 @@ def test_prompt_logprobs_are_bounded_by_what_one_chunk_carries_back():
     with pytest.raises(InvalidField, match="makes 18000 entries, over kvpush's 16384; ask for fewer"):
         validator.validate(_body(prompt_token_ids=long_prompt, max_tokens=4, prompt_logprobs=4))
     assert validator.validate(_body(prompt_token_ids=long_prompt, max_tokens=4, prompt_logprobs=3)).sampling
+
+
+@pytest.mark.parametrize("calling, says", [
+    ({"parser": "mistral", "tools": [{"name": "a"}]}, "not one kvpush reads"),
+    ({"parser": "hermes", "tools": []}, "must hold 1 to 128 functions"),
+    ({"parser": "hermes", "tools": [{"name": "a"}, {"name": "a"}]}, "a name of its own"),
+    ({"parser": "hermes", "tools": [{"name": "a"}], "choice": "function"}, "exactly when the choice"),
+    ({"parser": "hermes", "tools": [{"name": "a"}], "choice": "function", "function": "b"}, "not among the tools"),
+    ({"parser": "hermes", "tools": [{"name": "a", "description": "x" * 70000}]}, "at most 65536"),
+], ids=lambda v: str(v)[:30])
+def test_tool_calling_of_the_wrong_shape_is_refused_before_any_engine(calling, says):
+    with pytest.raises(InvalidField, match=says):
+        _validator().validate(_body(prompt="hi", max_tokens=4, tool_calling=calling))
+    good = {"parser": "hermes", "tools": [{"name": "a"}], "choice": "function", "function": "a"}
+    assert _validator().validate(_body(prompt="hi", max_tokens=4, tool_calling=good)).sampling.tool_calling.function == "a"

@@ -121,3 +121,25 @@ def test_what_vllm_says_of_a_computed_prompt_becomes_its_report_for_decode():
     plain = prompt_report(RequestOutput("r", None, [9, 5], None, [], True, num_cached_tokens=None))
     assert plain == wire.PromptReport(0, None)  # no logprobs asked; vLLM's None count is none cached
     assert "prompt_logprobs" not in sampling_params_kwargs(_spec(prompt_logprobs=2))  # decode adds it, when local
+
+
+def test_tools_constrain_the_answer_as_vllms_server_constrains_it_for_the_hermes_parser():
+    """vLLM's own builders: no constraint for ``auto`` with free arguments (the model may
+    answer in text); the hermes call envelope for ``required`` and a named function; the
+    arguments' schema only for a strict tool."""
+    from kvpush.services.worker.tool_calling import structured_outputs
+
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+    tools = [wire.ToolFunction("get_weather", "The weather", city), wire.ToolFunction("get_time")]
+    assert structured_outputs(wire.ToolCalling("hermes", tools), None) is None
+    assert structured_outputs(wire.ToolCalling("hermes", tools), {"json_object": True}) == {"json_object": True}
+    required = json.loads(structured_outputs(wire.ToolCalling("hermes", tools, "required"), None)["structural_tag"])
+    text = json.dumps(required)
+    assert "<tool_call>" in text and "get_weather" in text and "get_time" in text
+    assert '"Oslo"' not in text  # not strict: free arguments
+    named = structured_outputs(wire.ToolCalling("hermes", tools, "function", "get_weather"), None)["structural_tag"]
+    assert "get_weather" in named and "get_time" not in named
+    strict = [wire.ToolFunction("get_weather", "The weather", city, strict=True)]
+    held = structured_outputs(wire.ToolCalling("hermes", strict, "function", "get_weather"), None)["structural_tag"]
+    assert "Oslo" in held  # the arguments' schema is in the grammar
+    assert "Oslo" in structured_outputs(wire.ToolCalling("hermes", strict), None)["structural_tag"]  # auto, strict

@@ -41,7 +41,7 @@ def request_body(row: Row, model: str, salt: str) -> dict:
     if row.endpoint == "completions":
         body["prompt"] = text
     else:
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = [{"role": "user", "content": text}, *row.after]
     return body
 
 

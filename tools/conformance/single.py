@@ -16,9 +16,9 @@ from kvpush.services.launch.stack import answers
 from kvpush.services.worker.engine import engine_kwargs
 from kvpush.services.worker.engine_settings import EngineSettings
 
-# What ``vllm serve`` needs beyond the engine's arguments: usage's cached_tokens. (No tool
-# parser: the built models' chat template has no tool-call format yet, issue 28.)
-SERVE_ONLY = ["--enable-prompt-tokens-details"]
+# What ``vllm serve`` needs beyond the engine's arguments: usage's cached_tokens, and tool
+# calls in the built models' chat template's format (Hermes-style: vLLM's hermes parser).
+SERVE_ONLY = ["--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def serve_flags(kwargs: dict) -> list[str]:

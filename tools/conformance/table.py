@@ -28,6 +28,12 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
                    "additionalProperties": False}}}
+STRICT_WEATHER_TOOL = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+# An earlier turn that called a tool, and the tool's answer: the template shows both.
+CALLED_BEFORE = [{"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "cold and clear"}]
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Row:
     body: dict = field(default_factory=dict)  # the request, less model and prompt/messages
     text: str = "Tell me about the sea"
     repeat: bool = False  # sent twice; the second answer is compared (cached_tokens)
+    after: tuple[dict, ...] = ()  # chat: messages after the user's (an earlier tool call and its answer)
     compare_cached: bool = False  # compare usage.prompt_tokens_details.cached_tokens too
 
 
@@ -90,9 +97,16 @@ ROWS: list[Row] = [
     _c("prompt_logprobs", prompt_logprobs=2),
     _chat("chat: prompt_logprobs", prompt_logprobs=1),
     _chat("tools, tool_choice: auto", tools=[WEATHER_TOOL], tool_choice="auto"),
-    _chat("tool_choice: required", tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48),
+    _chat("tool_choice: none", tools=[WEATHER_TOOL], tool_choice="none"),
+    _chat("tool_choice: required", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=48),
+    _chat("tool_choice: required, parallel_tool_calls: false", tools=[WEATHER_TOOL, TIME_TOOL],
+          tool_choice="required", parallel_tool_calls=False, max_tokens=48),
     _chat("tool_choice: named", tools=[WEATHER_TOOL], max_tokens=48,
           tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    _chat("tools: strict", tools=[STRICT_WEATHER_TOOL], max_tokens=24,
+          tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    Row("messages: an earlier tool call and its answer", "chat", {"max_tokens": 8, "temperature": 0.0,
+                                                                 "tools": [WEATHER_TOOL]}, after=tuple(CALLED_BEFORE)),
 ]
 
 MODES = ("push", "pull", "local")
