@@ -98,6 +98,10 @@ Protocol history:
         are unchanged. A version-6 client still reads version-7 replies (one more JSON
         field, which it ignores); a version-7 client refuses an untagged version-6 reply,
         a kept final of a version-6 service too: upgrade services before clients.
+        Later, with defaulted fields only: prompt reports (Handoff.prompt, DecodeJob.prompt,
+        PromptReady on decode's job subject), prompt logprobs (TokenChunk.prompt_logprobs),
+        Usage.cached_tokens, tool calling. A decode that predates PromptReady refuses it as
+        an unknown message and answers without cached_tokens.
 """
 
 from __future__ import annotations

@@ -2,14 +2,17 @@
 
 What a body may hold: the fields kvpush serves (``prompt``/``messages``, ``max_tokens``,
 ``max_completion_tokens``, ``n``, ``stream``, ``stream_options``, kvpush's own
-``transfer_mode``, ``logprobs``/``top_logprobs``, and the sampling fields of ``SAMPLING``,
-which go on the wire with vLLM's names and meaning and are checked by the scheduler,
+``transfer_mode``, ``logprobs``/``top_logprobs``, ``prompt_logprobs``, a completion's
+``echo``, a chat's ``tools``/``tool_choice``/``parallel_tool_calls``
+(``kvpush.services.gateway.tool_calls``), and the sampling fields of ``SAMPLING``, which go
+on the wire with vLLM's names and meaning and are checked by the scheduler,
 ``kvpush.services.scheduler.validation``); fields that never change the output, ignored
-(``user``, ``metadata``, ...); and fields not served yet that would change it, accepted
-only at their neutral value (``echo: false``, ``tools: []``: what clients send by
-default). ``response_format`` (``json_object``, ``json_schema``) and vLLM's
-``structured_outputs`` constrain the answer on decode, which samples all of it. Anything
-else is refused with a sentence that names it, as is a neutral-only field at another value.
+(``user``, ``metadata``, ...); and fields that would change it but are not served,
+accepted only at their neutral value (``best_of``, which vLLM's V1 engine dropped; a
+chat's ``echo``; ``tools`` on completions). ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` constrain the answer on decode, which
+samples all of it. Anything else is refused with a sentence that names it, as is a
+neutral-only field at another value.
 
 Why a mapping of our own, not vLLM's OpenAI serving layer over an engine client that
 speaks kvpush's protocol (issue 28): that layer (``OpenAIServingChat`` and its kin) is
@@ -19,7 +22,11 @@ gateway to each release's internals and bring vLLM and torch into a process that
 needs only a tokenizer. What this mapping costs instead is keeping
 up with the API's fields, and ``kvpush conformance`` (tools/conformance) measures exactly
 that against a single ``vllm serve`` of the same release, field by field, in CI. Chat
-templates are the tokenizer's own (``transformers``), as vLLM renders them.
+templates are the tokenizer's own (``transformers``), as vLLM renders them. Tools are
+the one place that follows vLLM's internals, and only on decode, which runs vLLM anyway:
+the grammar of a required or named call is built there by vLLM's own structural-tag
+builders (``kvpush.services.worker.tool_calling``); the gateway reads the calls with the
+hermes parser's few rules, and conformance compares them with vLLM's own reading.
 
 Pure: no HTTP, no NATS. ``kvpush.services.gateway.service`` serves it.
 """
@@ -68,8 +75,8 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire
 COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
           "return_token_ids", "response_format", "structured_outputs", "n", *SAMPLING}
 COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs", "prompt_logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
-                        "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                        "prompt_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 # vLLM 0.32 has no best_of: its V1 engine dropped it, and its server ignores the field as
 # unknown. kvpush refuses it instead of ignoring a field that asks for other answers.
 BEST_OF_REFUSED = ("'best_of' is not served: vLLM's V1 engine has no best_of (its server ignores the field, and "

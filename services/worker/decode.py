@@ -16,6 +16,7 @@ also when a scheduler cancels it (with the error the CancelJob carries).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -196,46 +197,51 @@ class DecodeRole:
             self.meter.started(prompt_tokens, time.monotonic())
         try:
             wake_engine(self.worker.settings)
-            async for index, output in self._answers(job, engine_request_id, params, others):
-                completion = output.outputs[0]
-                if completion.finish_reason is not None:
-                    stream.finish_reasons[index] = completion.finish_reason
-                if index == 0:
-                    stream.last = output
-                    stream.finish_reason = stream.finish_reasons.get(0)
-                    if job.mode == "local" and stream.local_prompt is None:
-                        stream.local_prompt = prompt_report(output)
-                if completion.finish_reason == "error":  # vLLM failed it: the pushed KV did not come (policy "fail")
-                    raise KvTransferFailed(
-                        "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
-                        "requests (--on-kv-failure fail)")
-                if not completion.token_ids:
-                    continue
-                if computing:
-                    computing = False
-                    self.meter.finished(prompt_tokens, time.monotonic())
-                if stream.first_at is None:
-                    if not await self._claim(running):
-                        raise _Fenced(job.transfer_id)
-                    stream.first_at = time.time()
-                    running.streaming = True
-                    # Before the chunk, on the same connection: the schedulers learn that
-                    # a retry would repeat tokens no later than the client sees one.
-                    await self._progress(job, "streaming")
-                stream.completion_tokens += len(completion.token_ids)
-                if index == 0:
-                    stream.first_answer_tokens += len(completion.token_ids)
-                chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
-                                        seq=stream.chunks,
-                                        logprobs=None if completion.logprobs is None
-                                        else token_logprobs(completion.logprobs), index=index)
-                if index == 0 and stream.first_answer_tokens == len(completion.token_ids) \
-                        and job.sampling.prompt_logprobs is not None:  # the first answer's first chunk
-                    chunk.prompt_logprobs = await self._prompt_logprobs(running, stream)
-                stream.chunks += 1
-                # Token chunks are not traced one by one; the final reply is. The reply
-                # subject hears "no responders" if the client has gone.
-                await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
+            # Closed on the way out, whatever ends the loop: the other answers' engine requests are
+            # aborted at once, not whenever the generator is collected.
+            answers = self._answers(job, engine_request_id, params, others)
+            async with contextlib.aclosing(answers):
+                async for index, output in answers:
+                    completion = output.outputs[0]
+                    if completion.finish_reason is not None:
+                        stream.finish_reasons[index] = completion.finish_reason
+                    if index == 0:
+                        stream.last = output
+                        stream.finish_reason = stream.finish_reasons.get(0)
+                        if job.mode == "local" and stream.local_prompt is None:
+                            stream.local_prompt = prompt_report(output)
+                    # vLLM failed it: the pushed KV did not come (policy "fail")
+                    if completion.finish_reason == "error":
+                        raise KvTransferFailed(
+                            "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
+                            "requests (--on-kv-failure fail)")
+                    if not completion.token_ids:
+                        continue
+                    if computing:
+                        computing = False
+                        self.meter.finished(prompt_tokens, time.monotonic())
+                    if stream.first_at is None:
+                        if not await self._claim(running):
+                            raise _Fenced(job.transfer_id)
+                        stream.first_at = time.time()
+                        running.streaming = True
+                        # Before the chunk, on the same connection: the schedulers learn that
+                        # a retry would repeat tokens no later than the client sees one.
+                        await self._progress(job, "streaming")
+                    stream.completion_tokens += len(completion.token_ids)
+                    if index == 0:
+                        stream.first_answer_tokens += len(completion.token_ids)
+                    chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
+                                            seq=stream.chunks,
+                                            logprobs=None if completion.logprobs is None
+                                            else token_logprobs(completion.logprobs), index=index)
+                    if index == 0 and stream.first_answer_tokens == len(completion.token_ids) \
+                            and job.sampling.prompt_logprobs is not None:  # the first answer's first chunk
+                        chunk.prompt_logprobs = await self._prompt_logprobs(running, stream)
+                    stream.chunks += 1
+                    # Token chunks are not traced one by one; the final reply is. The reply
+                    # subject hears "no responders" if the client has gone.
+                    await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
         except (ValueError, VLLMValidationError) as exc:  # vLLM's input checks: nothing was generated
             if stream.last is not None:
                 raise
@@ -259,7 +265,8 @@ class DecodeRole:
         """(answer index, vLLM's output) as the engine makes them: the first answer, whose
         request carries the connector's KV, and with n > 1 the others, started once the
         first has produced a token (the prompt's KV is then in the engine's prefix cache;
-        a local request starts them at once, as vLLM's own fan-out does)."""
+        a local request starts them at once, as vLLM's own fan-out does, unless answer 0's
+        first chunk must carry the prompt's logprobs)."""
         prompt = {"prompt_token_ids": job.prompt_token_ids}
         if not others:
             async for output in self.worker.engine.generate(prompt, params, request_id=engine_request_id):
@@ -282,7 +289,9 @@ class DecodeRole:
                 tasks.append(asyncio.create_task(feed(index, request_id, answer_params)))
 
         tasks.append(asyncio.create_task(feed(0, engine_request_id, params)))
-        waiting_for_first = job.mode != "local"
+        # Local: at once, as vLLM's fan-out; but a request with prompt logprobs waits, so that
+        # answer 0's first chunk, which carries them, goes out before any other answer's.
+        waiting_for_first = job.mode != "local" or job.sampling.prompt_logprobs is not None
         if not waiting_for_first:
             start_others()
         running = len(tasks) if waiting_for_first else 1 + len(others)
@@ -361,7 +370,8 @@ class DecodeRole:
         final = wire.FinalReply(
             request_id=job.request_id,
             finish_reason=stream.finish_reason,
-            usage=wire.Usage(len(job.prompt_token_ids), tokens, cached_tokens=await self._cached_tokens(running, stream)),
+            usage=wire.Usage(len(job.prompt_token_ids), tokens,
+                             cached_tokens=await self._cached_tokens(running, stream)),
             timings=timings,
             chunks=stream.chunks,
             finish_reasons=[stream.finish_reasons.get(i) for i in range(job.sampling.n)] if job.sampling.n > 1

@@ -29,7 +29,7 @@ from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
 from kvpush.services.worker.decode import DecodeRole
 from kvpush.services.worker.engine import EngineLoad, side_channel, start_engine
 from kvpush.services.worker.engine_settings import EngineSettings, layer_wise
-from kvpush.services.worker.jobs import RunningJob
+from kvpush.services.worker.jobs import JobBook, RunningJob
 from kvpush.services.worker.prefill import PrefillRole
 from kvpush.shared import settings, wire
 from kvpush.shared.errors import BadJob
@@ -40,8 +40,6 @@ log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")
 
 SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
-CANCEL_MEMORY = 10_000  # cancellations remembered, for jobs that arrive after their cancel
-EARLY_PROMPT_MEMORY = 1_000  # prompt reports kept for decode jobs not here yet
 ROLES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 
@@ -98,9 +96,7 @@ class Worker(Service):
         self._heartbeat: asyncio.Task | None = None
         self._cache_relay: CacheRelay | None = None
         # Keyed by transfer id: one attempt at a request (a retry is a new one).
-        self._jobs: dict[str, RunningJob] = {}  # the jobs under way
-        self._cancelled: dict[str, None] = {}  # cancelled, insertion-ordered
-        self._early_prompts: dict[str, wire.PromptReport] = {}  # transfer id -> report before its job
+        self._jobs = JobBook()
         self._job_sub = None
         self._closed = False
         self.engine = None
@@ -181,20 +177,15 @@ class Worker(Service):
             self.cancel(job.transfer_id, "cancelled", job.reason, job.error)
             return
         if isinstance(job, wire.PromptReady):
-            self._prompt_ready(job)
+            self._jobs.prompt_ready(job)  # push: prefill's word on the prompt, for decode's job
             return
         if msg.reply and wire.is_inbox(msg.reply):
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
-        if job.transfer_id in self._cancelled:
+        running = self._jobs.arrived(job)
+        if running is None:
             log.info("dropped a job cancelled before it arrived", request_id=job.request_id,
                      transfer_id=job.transfer_id)
             return
-        running = self._jobs[job.transfer_id] = RunningJob(job)
-        early = self._early_prompts.pop(job.transfer_id, None)
-        if early is not None:
-            running.prompt_arrived(early)
-        elif getattr(job, "prompt", None) is not None:  # pull: in the job itself
-            running.prompt_arrived(job.prompt)
         running.task = self._requests.spawn(self._serve(running, time.time_ns()))
 
     async def _serve(self, running: RunningJob, received_ns: int) -> None:
@@ -207,26 +198,10 @@ class Worker(Service):
         try:
             await self.role.serve(running, received_ns)
         finally:
-            self._jobs.pop(running.job.transfer_id, None)
-
-    def _prompt_ready(self, ready: wire.PromptReady) -> None:
-        """Push: prefill's word on a prompt, for the job of that transfer (kept a while if
-        the job is not here yet: the report and the job travel separately)."""
-        running = self._jobs.get(ready.transfer_id)
-        if running is not None:
-            running.prompt_arrived(ready.prompt)
-            return
-        if ready.transfer_id in self._cancelled:
-            return
-        self._early_prompts[ready.transfer_id] = ready.prompt
-        while len(self._early_prompts) > EARLY_PROMPT_MEMORY:
-            del self._early_prompts[next(iter(self._early_prompts))]
+            self._jobs.ended(running.job.transfer_id)
 
     def cancel(self, transfer_id: str, why: str, detail: str = "", error: wire.ErrorBody | None = None) -> None:
-        self._cancelled[transfer_id] = None
-        while len(self._cancelled) > CANCEL_MEMORY:
-            del self._cancelled[next(iter(self._cancelled))]
-        running = self._jobs.get(transfer_id)
+        running = self._jobs.cancelled(transfer_id)
         if running is None or running.task is None or running.ended_by is not None:
             return
         log.info("cancelling", request_id=running.job.request_id, transfer_id=transfer_id, why=why, detail=detail)

@@ -10,7 +10,7 @@ import asyncio
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight
 from kvpush.services.scheduler.validation import ValidRequest
-from kvpush.services.worker.jobs import RunningJob
+from kvpush.services.worker.jobs import JobBook, RunningJob
 from kvpush.shared import wire
 
 REPORT = wire.PromptReport(cached_tokens=16, logprobs=[None, [wire.TokenLogprob(5, -1.5, 1, "b")]])
@@ -52,3 +52,28 @@ async def test_decode_waits_for_the_report_only_as_long_as_it_is_told():
     assert await waiting == REPORT
     running.prompt_arrived(wire.PromptReport(cached_tokens=0))  # a later one (a duplicate) changes nothing
     assert await running.prompt_report(0) == REPORT
+
+
+def test_a_report_that_beats_its_decode_job_waits_for_it_and_a_cancelled_ones_does_not():
+    """The scheduler sends the job and, after prefill's handoff, the report: two messages,
+    which may arrive in either order (NATS orders one publisher's messages per subject,
+    but the job goes out as a request that may be retried, and a takeover's scheduler is
+    another publisher)."""
+    book = JobBook(early_memory=2)
+    flight = _flight("push")
+    book.prompt_ready(wire.PromptReady(request_id="r", transfer_id="t1", prompt=REPORT))  # first
+    running = book.arrived(dispatch.decode_job(flight, {}))
+    assert running.prompt == REPORT and running.prompt_here.is_set()
+    book.ended("t1")
+    book.cancelled("t2")
+    book.prompt_ready(wire.PromptReady(request_id="r", transfer_id="t2", prompt=REPORT))
+    late = dispatch.decode_job(flight, {})
+    late.transfer_id = "t2"
+    assert book.arrived(late) is None  # cancelled before it came: dropped, report and all
+    for i in range(3):  # bounded: the oldest early report is forgotten
+        book.prompt_ready(wire.PromptReady(request_id="r", transfer_id=f"x{i}", prompt=REPORT))
+    forgotten = dispatch.decode_job(flight, {})
+    forgotten.transfer_id = "x0"
+    assert book.arrived(forgotten).prompt is None
+    pull = book.arrived(dispatch.decode_job(_flight("pull"), {}, REPORT))  # pull: in the job
+    assert pull.prompt == REPORT

@@ -94,6 +94,7 @@ ROWS: list[Row] = [
     _c("echo", echo=True),
     _c("echo: text", echo=True, return_token_ids=False),
     _c("echo, logprobs", echo=True, logprobs=2),
+    _c("echo, logprobs, n, stream", echo=True, logprobs=1, n=2, stream=True, **SEEDED),
     _c("prompt_logprobs", prompt_logprobs=2),
     _chat("chat: prompt_logprobs", prompt_logprobs=1),
     _chat("tools, tool_choice: auto", tools=[WEATHER_TOOL], tool_choice="auto"),
