@@ -20,6 +20,9 @@ from kvpush.tools.conformance.table import MODES, ROWS
 pytestmark = pytest.mark.timeout(900)
 
 REFUSED = {"best_of"}
+# vLLM 0.32's server breaks this stream off with a 500 (a KeyError writing the second
+# choice's echoed logprobs) for some prompts; where it answers, kvpush equals it.
+VLLM_FAILS = {"echo, logprobs, n, stream"}
 
 
 def test_every_served_field_answers_as_a_single_vllm_serve_in_every_mode(stack, tmp_path):
@@ -33,6 +36,8 @@ def test_every_served_field_answers_as_a_single_vllm_serve_in_every_mode(stack, 
     for r in results:
         if r["field"] in REFUSED:
             assert r["outcome"] == "kvpush refuses" and "V1 engine has no best_of" in r["detail"], r
+        elif r["field"] in VLLM_FAILS:
+            assert r["outcome"] == "equal" or (r["outcome"] == "vllm fails" and r["detail"].startswith("500")), r
         else:
             assert r["outcome"] == "equal", r
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # a refusal fails only --strict

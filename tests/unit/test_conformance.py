@@ -98,6 +98,9 @@ def test_the_judgement_names_who_refused():
         ("kvpush refuses", "400: 'n': 2 is not supported")
     assert judge(ROW, "pull", refused, refused).outcome == "both refuse"
     assert judge(ROW, "pull", refused, ok).outcome == "vllm refuses"
+    broke = Reply(500, {"error": {"message": "496", "code": 500}})  # a stream broken off with an error event
+    assert (judge(ROW, "pull", broke, ok).outcome, judge(ROW, "pull", broke, ok).detail) == ("vllm fails", "500: 496")
+    assert judge(ROW, "pull", ok, broke).outcome == "kvpush fails"
     differs = judge(ROW, "local", ok, Reply(200, completion(text="zz")))
     assert differs.outcome == "differs" and "text 'zz'" in differs.detail
     markdown = table([judge(ROW, mode, ok, ok) for mode in MODES])

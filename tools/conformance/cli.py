@@ -67,7 +67,7 @@ def cmd_conformance(args) -> int:
     if args.out:
         (logs / "results.json").write_text(json.dumps(as_json(results), indent=1))
         (logs / "table.md").write_text(report)
-    failing = {"differs", "vllm refuses"} | ({"kvpush refuses"} if args.strict else set())
+    failing = {"differs", "vllm refuses", "kvpush fails"} | ({"kvpush refuses"} if args.strict else set())
     bad = [r for r in results if r.outcome in failing]
     refused = sorted({r.field for r in results if r.outcome == "kvpush refuses"})
     say(f"{len(results)} answers compared: {sum(r.outcome == 'equal' for r in results)} equal, {len(bad)} failing"

@@ -15,7 +15,10 @@ import httpx
 from kvpush.tools.conformance import compare
 from kvpush.tools.conformance.table import MODES, ROWS, Row
 
-Outcome = Literal["equal", "differs", "kvpush refuses", "vllm refuses", "both refuse"]
+# "vllm fails": the reference answered 5xx (or broke its stream with an error event) where
+# kvpush answered: nothing to compare, and not counted against kvpush. "kvpush fails": the
+# same of kvpush, which is.
+Outcome = Literal["equal", "differs", "kvpush refuses", "vllm refuses", "both refuse", "vllm fails", "kvpush fails"]
 TIMEOUT_S = 120.0
 
 
@@ -56,7 +59,11 @@ async def send(client: httpx.AsyncClient, base_url: str, row: Row, body: dict) -
             return Reply(response.status_code, _json((await response.aread()).decode()))
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line[6:].strip() != "[DONE]":
-                events.append(json.loads(line[6:]))
+                event = json.loads(line[6:])
+                if isinstance(event.get("error"), dict):  # the stream broke off with an error event
+                    code = event["error"].get("code")
+                    return Reply(code if isinstance(code, int) and code >= 400 else 500, event)
+                events.append(event)
     return Reply(200, compare.gather(row.endpoint, events))
 
 
@@ -76,7 +83,11 @@ def _error(reply: Reply) -> str:
 
 def judge(row: Row, mode: str, reference: Reply, kvpush: Reply) -> Result:
     result = Result(row.field, row.endpoint, mode, "equal")
-    if reference.status != 200 and kvpush.status != 200:
+    if kvpush.status >= 500:
+        result.outcome, result.detail = "kvpush fails", _error(kvpush)
+    elif reference.status >= 500 and kvpush.status == 200:
+        result.outcome, result.detail = "vllm fails", _error(reference)
+    elif reference.status != 200 and kvpush.status != 200:
         result.outcome, result.detail = "both refuse", f"vLLM {_error(reference)}; kvpush {_error(kvpush)}"
     elif kvpush.status != 200:
         result.outcome, result.detail = "kvpush refuses", _error(kvpush)
