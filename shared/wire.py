@@ -410,7 +410,7 @@ class TokenChunk(_Reply, tag="chunk"):
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):  # no cached_tokens key when it is unknown
     prompt_tokens: int
     completion_tokens: int
     # Prompt tokens the engine that computed the prompt found in its prefix cache (prefill's,

@@ -19,7 +19,6 @@ from kvpush.client import generate, generate_all
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
 from kvpush.shared import wire
-from kvpush.tools.bench import client
 from tests import prompts
 
 pytestmark = pytest.mark.timeout(900)
@@ -235,18 +234,6 @@ async def _replies(nc, body: dict) -> list[wire.TokenChunk]:
         else:
             assert isinstance(reply, wire.FinalReply), reply
     return chunks
-
-
-@pytest.mark.parametrize("flags", [(), ("--temperature", "0.7", "--top-p", "0.9")],
-                         ids=["its-defaults", "temperature-0.7-top-p-0.9"])
-async def test_vllm_bench_serve_runs_on_the_gateway_with_its_sampling_flags(stack, tmp_path, flags):
-    """vLLM's own benchmark client, with no sampling flag (it then sends none) and with
-    --temperature 0.7 --top-p 0.9: every request served in full, none refused."""
-    load = client.Load(input_len=64, output_len=8, rate=float("inf"), requests=4, warmups=0, sampling_flags=flags)
-    result = await asyncio.to_thread(client.run, stack.gateway_url, Path(stack.model).name, stack.model, load,
-                                     tmp_path / "result.json", f"bench-flags-{uuid.uuid4().hex[:6]}-", {}, 400)
-    assert (result["completed"], result["failed"]) == (4, 0), result.get("errors")
-    assert result["output_lens"] == [8] * 4
 
 
 async def test_the_openai_client_streams_a_chat_with_top_p_and_presence_penalty(stack):

@@ -39,6 +39,11 @@ def test_the_client_command_fixes_what_makes_points_comparable():
                      "--request-rate 2.0", "--seed 7", "--ignore-eos", "--save-detailed", "--result-filename x.json",
                      '--extra-body {"transfer_mode": "pull"}', "--random-range-ratio 0.0"):
         assert expected in joined, expected
+    assert "--temperature" not in joined  # no sampling flag: vllm bench serve's own defaults
+    sampled = client.Load(input_len=8, output_len=8, rate=1.0, requests=1, sampling_flags=("--temperature", "0.7",
+                                                                                           "--top-p", "0.9"))
+    assert client.command("u", "m", "t", sampled, Path("/tmp/r/x.json"), "p-", {})[-4:] == \
+        ["--temperature", "0.7", "--top-p", "0.9"]
 
 
 def test_a_point_is_within_capacity_until_its_ttft_passes_the_knee():
