@@ -20,7 +20,8 @@ Scheduler side (``ConnectorScheduler``, in vLLM's scheduler; never blocks):
     get_num_new_matched_tokens  decode: the whole prompt comes from prefill, asynchronously
     update_state_after_alloc    decode: publish the registration (push) or plan the READ (pull)
     build_connector_meta        what the workers do this step: prompts finished, KV to expect or READ
-    request_finished            prefill: keep the blocks until the KV left; returns ``PrefilledKv``
+    request_finished            prefill: keep the blocks until the KV left; returns ``PrefilledKv``;
+                                decode: where the prompt came from (``ReceivedKv``, for the path report)
     update_connector_output     stop renewing what arrived or was given up; forget what was sent
     has_pending_push_work       prefill: blocks are still held for a transfer
 Worker side (``ConnectorWorker``, in each TP rank; its ``Producer`` and/or ``Consumer``):
@@ -81,7 +82,8 @@ class KvpushConnector(KVConnectorBase_V1):
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(
-                engine_id, vllm_config.cache_config.block_size, tp_size, bridge, incarnation=config.incarnation
+                engine_id, vllm_config.cache_config.block_size, tp_size, bridge, incarnation=config.incarnation,
+                bytes_per_block=_bytes_per_block(kv_cache_config) * tp_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -167,6 +169,14 @@ class KvpushConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         otel_setup.shutdown()
+
+
+def _bytes_per_block(kv_cache_config) -> int:
+    """One block's KV over every layer, on one rank (0 if vLLM did not say)."""
+    if kv_cache_config is None:
+        return 0
+    return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+               for group in kv_cache_config.kv_cache_groups)
 
 
 def _num_blocks_of(kv_caches) -> int:

@@ -62,6 +62,15 @@ def decode_params(params: dict[str, Any] | None) -> wire.DecodeKvParams | None:
     return decode if decode.do_remote_prefill else None
 
 
+@dataclass(frozen=True)
+class _Received:
+    """Decode: where a request's prompt comes from, for its path report."""
+
+    local_tokens: int  # found in our own prefix cache
+    tokens: int  # to come from prefill
+    blocks: int  # the blocks they fill
+
+
 @dataclass
 class _Prefill:
     request: "Request"
@@ -71,17 +80,20 @@ class _Prefill:
 
 class ConnectorScheduler:
     def __init__(self, engine_id: str, block_size: int, tp_size: int, bridge: NatsBridge,
-                 renew_every_s: float = settings.HEARTBEAT_INTERVAL_S, incarnation: str = ""):
+                 renew_every_s: float = settings.HEARTBEAT_INTERVAL_S, incarnation: str = "",
+                 bytes_per_block: int = 0):
         self.engine_id = engine_id
         self.incarnation = incarnation  # the worker's start: registrations are for this process's agents only
         self.block_size = block_size
         self.tp_size = tp_size
+        self.bytes_per_block = bytes_per_block  # of every layer, all ranks: what one block's transfer moves
         self.bridge = bridge
         self.kv_cache_manager: "KVCacheManager | None" = None
         self._prefills: dict[str, _Prefill] = {}  # prefill side, do_remote_decode requests
         self._expected: list[ExpectedKv] = []  # decode side, push: for the next metadata
         self._reads: list[PullRead] = []  # decode side, pull: for the next metadata
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
+        self._received: dict[str, _Received] = {}  # decode: requests whose KV comes from prefill
         self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
         self._renewals_lock = threading.Lock()  # protects _renewals (vLLM's scheduler thread and the bridge's)
         bridge.every(renew_every_s, self._lease_renewals)
@@ -113,6 +125,8 @@ class ConnectorScheduler:
         decode = decode_params(params)
         if decode is not None and num_external_tokens > 0:
             first_block, block_ids = self._destinations(request, blocks, num_external_tokens)
+            self._received[request.request_id] = _Received(first_block * self.block_size, num_external_tokens,
+                                                           len(block_ids))
             if decode.mode == "pull":
                 self._read(request, first_block, block_ids, decode)
             else:
@@ -209,7 +223,15 @@ class ConnectorScheduler:
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]):
+        """Prefill: keep the prompt's blocks until its KV left, and say where they are.
+        Decode: say where the prompt came from (``wire.RECEIVED_KEY``, for the path
+        report); vLLM passes both on in the request's last output."""
         self._stop_renewing([request.request_id])
+        received = self._received.pop(request.request_id, None)
+        if received is not None:
+            return False, {wire.RECEIVED_KEY: wire.ReceivedKv(
+                local_tokens=received.local_tokens, tokens=received.tokens, blocks=received.blocks,
+                bytes=received.blocks * self.bytes_per_block).as_params()}
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
             return False, None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 # ----------------------------------------------------------------------------- attributes
 REQUEST_ID = "kvpush.request_id"  # the client's request id (or the one the scheduler made)
 TRANSFER_ID = "kvpush.transfer_id"  # one prefill->decode KV transfer attempt
@@ -24,6 +26,7 @@ CACHED_TOKENS = "kvpush.cached_tokens"  # prompt tokens an engine's prefix cache
 ATTEMPT = "kvpush.attempt"  # which try at serving the request (retries after a lost worker)
 MOVED_FROM = "kvpush.moved_from"  # the decode worker a transfer moved away from
 MOVE_REASON = "kvpush.move.reason"  # lost (silent) or overloaded
+PATH_PREFIX = "kvpush.path."  # + each field of the request's path report (wire.PathReport)
 
 ATTRIBUTES: dict[str, str] = {
     REQUEST_ID: "the client's request id (or the one the scheduler made)",
@@ -54,7 +57,16 @@ ATTRIBUTES: dict[str, str] = {
     ATTEMPT: "which try at serving the request: 2 and up are retries after a worker was lost",
     MOVED_FROM: "the decode worker a transfer moved away from (scheduler.move)",
     MOVE_REASON: "why it moved: its decode was lost (silent) or overloaded",
+    PATH_PREFIX: "the request's path report (wire.PathReport), one attribute per field: the mode and who chose "
+                 "it, its workers and attempts, where its prompt's tokens came from; on the decode span and the "
+                 "gateway's root span",
 }
+
+
+def path_attributes(path) -> dict:
+    """A ``wire.PathReport`` as span attributes (its unknown counts left out)."""
+    return {f"{PATH_PREFIX}{name}": value for name, value in msgspec.structs.asdict(path).items()
+            if value is not None}
 
 # ----------------------------------------------------------------------------- business spans
 SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts on it

@@ -40,6 +40,15 @@ class _Instruments:
             "kvpush.transfer.descriptors", description="descriptor ranges per KV push, after coalescing")
         self.rendezvous_wait = m.create_histogram(
             "kvpush.rendezvous.wait", unit="ms", description="how long the first half of a rendezvous waited")
+        self.paths = m.create_counter(
+            "kvpush.path.requests", description="requests answered, by the mode that served them and who chose it "
+                                                "(request, scheduler, auto)")
+        self.kv_fallbacks = m.create_counter(
+            "kvpush.kv.fallbacks", description="requests whose prompt's KV did not arrive intact, by reason and "
+                                               "outcome (recomputed on decode, or failed: kv_policy fail)")
+        self.recomputed_tokens = m.create_counter(
+            "kvpush.kv.recomputed_tokens", description="prompt tokens decode computed again because their KV, "
+                                                       "computed by prefill, did not arrive intact")
         self.free_kv_blocks = m.create_gauge("kvpush.worker.free_kv_blocks", description="free KV blocks per worker")
         self.stuck_holds = m.create_gauge(
             "kvpush.kv.stuck_holds",

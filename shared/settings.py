@@ -28,6 +28,7 @@ DEADLINE_S = 300.0  # every accepted request gets its final message within this
 WORKER_TIMEOUT_S = 3.0  # a worker without a heartbeat this long is lost; its requests are retried
 MAX_ATTEMPTS = 3  # tries at a request whose workers were lost before it streamed
 MAX_IN_FLIGHT = 512  # requests one scheduler holds at once; past it new ones get `overloaded`
+KV_POLICY = "recompute"  # a request whose KV did not arrive intact: decode computes its prompt, or it fails
 SCHEDULER_TIMEOUT_S = 3.0  # a scheduler without a heartbeat this long is lost; others take its flights over
 
 # Placement (--mode auto): services/scheduler/placement.py

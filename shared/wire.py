@@ -101,7 +101,9 @@ Protocol history:
         Later, with defaulted fields only: prompt reports (Handoff.prompt, DecodeJob.prompt,
         PromptReady on decode's job subject), prompt logprobs (TokenChunk.prompt_logprobs),
         Usage.cached_tokens, tool calling. A decode that predates PromptReady refuses it as
-        an unknown message and answers without cached_tokens.
+        an unknown message and answers without cached_tokens. Path reports and per-request
+        KV policies: GenerateRequest.kv_policy, DecodeJob.route and kv_policy, FlightRecord's
+        kv_policy, takeovers and placement, FinalReply.path (``null`` from an older decode).
 """
 
 from __future__ import annotations
@@ -133,6 +135,13 @@ ServeMode = Literal["push", "pull", "local"]
 """How a request is served: its KV pushed or pulled from a prefill worker, or its prompt
 computed by the decode worker itself (``local``)."""
 RequestedMode = Literal["push", "pull", "local", "auto"]  # what a request may ask; auto: decided from load
+KvPolicy = Literal["recompute", "fail"]
+"""What decode does with a request whose KV did not arrive intact: compute the prompt
+itself (``recompute``), or end the request with ``kv_transfer_failed`` (``fail``)."""
+KV_POLICIES: tuple[str, ...] = ("recompute", "fail")
+ModeChooser = Literal["request", "scheduler", "auto"]
+"""Who chose a request's mode: the request's transfer_mode, the scheduler's fixed --mode,
+or --mode auto (or transfer_mode auto) from live load."""
 
 IDENTITY_PATTERN = r"[A-Za-z0-9_-]{1,64}"
 """A worker, scheduler or client name: one NATS subject token, no wildcards, no dots."""
@@ -362,6 +371,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     # computed where the prompt is (prefill, or decode when local); on answer 0's first chunk.
     prompt_logprobs: int | None = None
     tool_calling: ToolCalling | None = None  # the functions the model may call, and how
+    kv_policy: KvPolicy | None = None  # default: the scheduler's --kv-policy
 
 
 class CancelRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -418,6 +428,41 @@ class Usage(msgspec.Struct, omit_defaults=True):  # no cached_tokens key when it
     cached_tokens: int | None = None
 
 
+class PathReport(msgspec.Struct):
+    """How one request was served, in its final (``FinalReply.path``): the path it took
+    and where each of its prompt's tokens came from. Counts are of the first answer's
+    engine request (with n > 1 the others share its prompt through decode's prefix cache).
+
+    Every prompt token is exactly one of: computed on prefill and received over NIXL
+    (``received_tokens``), found in decode's prefix cache (``decode_cached_tokens``), or
+    computed on decode (``decode_computed_tokens``: the whole prompt, less its cached
+    part, when local, or after a failed transfer). ``prefill_computed_tokens`` is what
+    prefill computed (its prompt less its own cache hits); ``None`` when unknown."""
+
+    mode: ServeMode
+    chosen_by: ModeChooser
+    reason: str  # why that mode (the scheduler's placement)
+    prefill_worker: str  # "" when local
+    decode_worker: str
+    attempt: int  # 1, 2, ...: each retry is a new attempt (new transfer, new workers)
+    moves: int  # times this attempt's transfer went to another decode before its write
+    takeovers: int  # times another scheduler took the request over
+    kv_policy: KvPolicy
+    prompt_tokens: int
+    prefill_computed_tokens: int | None
+    received_tokens: int | None  # None: the connector does not say (vLLM's own, for comparison)
+    received_blocks: int | None
+    received_bytes: int | None
+    decode_cached_tokens: int | None
+    decode_computed_tokens: int
+    recomputed_tokens: int  # of decode_computed_tokens: the ones prefill computed but whose KV failed
+    kv_failure: str = ""  # why the KV did not arrive intact, when it did not
+
+    @property
+    def retries(self) -> int:
+        return self.attempt - 1
+
+
 class Timings(msgspec.Struct):
     ttft_ms: float
     tpot_ms: float
@@ -434,6 +479,7 @@ class FinalReply(_Reply, tag="final"):
     # With n > 1: each answer's finish reason, by index (``finish_reason`` is the first's);
     # usage.completion_tokens counts the tokens of all of them.
     finish_reasons: list[str | None] | None = None
+    path: PathReport | None = None  # how it was served (None from a worker that predates it)
 
 
 class ErrorReply(_Reply, tag="error"):
@@ -524,6 +570,17 @@ class PrefillJob(Internal):
     prompt_logprobs: int | None = None  # the request's: prefill computes them with the prompt
 
 
+class RouteReport(msgspec.Struct):
+    """What the scheduler knows of a request's path when it sends the decode job, for the
+    path report decode puts in the final (``PathReport``)."""
+
+    chosen_by: ModeChooser
+    reason: str
+    attempt: int = 1
+    moves: int = 0
+    takeovers: int = 0
+
+
 class DecodeJob(Internal):
     request_id: str
     transfer_id: str
@@ -540,6 +597,8 @@ class DecodeJob(Internal):
     transfer_key: str = ""  # the transfer's secret, shared with its prefill only
     prefill_incarnation: str = ""  # the prefill engine's start the scheduler chose
     prompt: PromptReport | None = None  # pull: what prefill said of the prompt (push: PromptReady)
+    route: RouteReport | None = None  # how the scheduler chose this path
+    kv_policy: KvPolicy = "recompute"  # the request's (or the scheduler's default)
 
 
 class CancelJob(Internal):
@@ -822,6 +881,20 @@ class DecodeKvParams(_KvParams, kw_only=True):
     transfer_key: str = ""
 
 
+RECEIVED_KEY = "kvpush_received"  # a decode request's last output's kv_transfer_params: ReceivedKv
+
+
+class ReceivedKv(_KvParams, kw_only=True):
+    """What a kvpush decode engine returns for a finished request whose KV came from a
+    prefill engine (``request_finished``, under ``RECEIVED_KEY``): where its prompt came
+    from, for the path report."""
+
+    local_tokens: int  # found in this engine's prefix cache
+    tokens: int  # received from prefill
+    blocks: int  # the blocks they filled
+    bytes: int  # the bytes written (read) into them
+
+
 class ConnectorConfig(msgspec.Struct, kw_only=True):
     """kvpush's connector's ``kv_connector_extra_config``; the timing defaults are
     ``kvpush.shared.settings.FaultSettings``'s."""
@@ -1036,6 +1109,10 @@ class FlightRecord(Internal):
     prefill_incarnation: str = ""
     decode_incarnation: str = ""
     traceparent: str = ""
+    kv_policy: KvPolicy = "recompute"
+    takeovers: int = 0  # times a scheduler took it over from its record
+    mode_chosen_by: ModeChooser = "scheduler"  # the current attempt's placement
+    mode_reason: str = ""
 
 
 class SchedulerHeartbeat(Internal):

@@ -32,8 +32,15 @@ def describe_final(final: wire.LastMessage) -> str:
         case wire.ErrorReply(error=error):
             return f"error {error.code}: {error.message}"
         case wire.FinalReply(finish_reason=finish_reason, usage=usage, timings=t):
-            return (f"finish_reason={finish_reason} tokens={usage.completion_tokens} "
+            line = (f"finish_reason={finish_reason} tokens={usage.completion_tokens} "
                     f"ttft={t.ttft_ms:.0f} ms tpot={t.tpot_ms:.1f} ms")
+            if final.path is not None:
+                path = final.path
+                line += (f"\npath: {path.mode} ({path.chosen_by}: {path.reason}) prefill={path.prefill_worker or '-'} "
+                         f"decode={path.decode_worker} attempt={path.attempt}; prompt {path.prompt_tokens} tokens: "
+                         f"received {path.received_tokens}, decode's cache {path.decode_cached_tokens}, "
+                         f"computed on decode {path.decode_computed_tokens} (recomputed {path.recomputed_tokens})")
+            return line
 
 
 def cmd_generate(args) -> int:

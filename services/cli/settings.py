@@ -51,6 +51,11 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--mode", "KVPUSH_MODE", defaults.TRANSFER_MODE,
             "how a request is served unless it says otherwise (transfer_mode): its KV pushed or pulled, or "
             "auto: per request, from live load (local prefill, push or pull)", str, ("push", "pull", "auto")),
+    Setting("--kv-policy", "KVPUSH_KV_POLICY", defaults.KV_POLICY,
+            "a request whose prompt's KV did not arrive intact (a failed transfer): decode computes the prompt "
+            "itself (recompute), or the request ends with kv_transfer_failed (fail); unless it says (kv_policy). "
+            "A decode worker run with --on-kv-failure fail fails such requests whatever they say",
+            str, ("recompute", "fail")),
     Setting("--local-below-tokens", "KVPUSH_LOCAL_BELOW_TOKENS", defaults.LOCAL_PREFILL_TOKENS,
             "--mode auto: prompts shorter than this are computed by their decode worker", int),
     Setting("--push-within-s", "KVPUSH_PUSH_WITHIN_S", defaults.PUSH_WITHIN_S,
@@ -86,7 +91,8 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--quarantine-s", "KVPUSH_QUARANTINE_S", _FAULTS.quarantine_s,
             "decode: after giving blocks up, keep them this long unless prefill answers", float),
     Setting("--on-kv-failure", "KVPUSH_ON_KV_FAILURE", _FAULTS.on_kv_failure,
-            "decode: when the pushed KV will not come, compute the prompt here (recompute) or fail",
+            "decode: the strictest kv_policy it applies: with fail, a request whose KV did not arrive intact "
+            "fails even if it asked for recompute (recompute: each request's own policy)",
             str, ("recompute", "fail")),
     Setting("--api-key", "KVPUSH_API_KEY", None,
             "gateway: /v1 requests need 'Authorization: Bearer <this key>' (as vllm serve --api-key); "

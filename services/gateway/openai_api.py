@@ -2,7 +2,7 @@
 
 What a body may hold: the fields kvpush serves (``prompt``/``messages``, ``max_tokens``,
 ``max_completion_tokens``, ``n``, ``stream``, ``stream_options``, kvpush's own
-``transfer_mode``, ``logprobs``/``top_logprobs``, ``prompt_logprobs``, a completion's
+``transfer_mode`` and ``kv_policy``, ``logprobs``/``top_logprobs``, ``prompt_logprobs``, a completion's
 ``echo``, a chat's ``tools``/``tool_choice``/``parallel_tool_calls``
 (``kvpush.services.gateway.tool_calls``), and the sampling fields of ``SAMPLING``, which go
 on the wire with vLLM's names and meaning and are checked by the scheduler,
@@ -72,7 +72,7 @@ SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", 
             "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids",
             "include_stop_str_in_output")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # wire.StructuredOutput's
-COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode",
+COMMON = {"model", "temperature", "ignore_eos", "stop", "stream", "stream_options", "transfer_mode", "kv_policy",
           "return_token_ids", "response_format", "structured_outputs", "n", *SAMPLING}
 COMPLETION_FIELDS = COMMON | {"prompt", "max_tokens", "logprobs", "prompt_logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -143,6 +143,10 @@ def parse(kind: Kind, body: Any, served_model: str, tool_parser: str | None = No
         if body["transfer_mode"] not in ("push", "pull", "local", "auto"):
             raise InvalidField("'transfer_mode' must be \"push\", \"pull\", \"local\" or \"auto\"")
         generate["transfer_mode"] = body["transfer_mode"]
+    if body.get("kv_policy") is not None:
+        if body["kv_policy"] not in wire.KV_POLICIES:
+            raise InvalidField("'kv_policy' must be \"recompute\" or \"fail\"")
+        generate["kv_policy"] = body["kv_policy"]
     stop = _stop(body.get("stop"))
     if stop:
         generate["stop"] = stop
@@ -538,6 +542,35 @@ def usage_chunk(request: OpenAiRequest, request_id: str, final: wire.FinalReply)
             "model": request.model, "choices": [], "usage": usage(final)}
 
 
+PATH_HEADER = "X-Kvpush-Path"
+# The header's fields, in order (the path report's reason is free text: the body's only).
+_HEADER_FIELDS = ("mode", "chosen_by", "prefill_worker", "decode_worker", "attempt", "moves", "takeovers",
+                  "kv_policy", "prompt_tokens", "prefill_computed_tokens", "received_tokens", "received_blocks",
+                  "received_bytes", "decode_cached_tokens", "decode_computed_tokens", "recomputed_tokens", "kv_failure")
+
+
+def path_object(final: wire.FinalReply) -> dict | None:
+    """The response's ``kvpush`` object: the request's path report (``wire.PathReport``);
+    None from a decode that predates it."""
+    return msgspec.to_builtins(final.path) if final.path is not None else None
+
+
+def path_header(final: wire.FinalReply) -> dict[str, str]:
+    """``X-Kvpush-Path: mode=push; chosen_by=auto; prefill_worker=...; ...`` for a whole
+    (unstreamed) answer; a stream's headers go before its path is known (its ``kvpush``
+    object comes in its last event instead). Unknown counts are left out."""
+    if final.path is None:
+        return {}
+    fields = msgspec.structs.asdict(final.path)
+    return {PATH_HEADER: "; ".join(f"{name}={fields[name]}" for name in _HEADER_FIELDS
+                                   if fields[name] is not None and fields[name] != "")}
+
+
+def parse_path_header(value: str) -> dict[str, str]:
+    """The header back as {field: value} (for clients and tests)."""
+    return dict(part.split("=", 1) for part in value.split("; ") if "=" in part)
+
+
 def finish_reasons(final: wire.FinalReply) -> list[str | None]:
     """Each choice's finish reason, by index."""
     return list(final.finish_reasons) if final.finish_reasons else [final.finish_reason]
@@ -569,6 +602,8 @@ def response(request: OpenAiRequest, request_id: str, answers: list[Answer], fin
             "model": request.model, "choices": choices, "usage": usage(final)}
     if request.kind == "chat" and request.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
+    if (path := path_object(final)) is not None:
+        body["kvpush"] = path
     return body
 
 

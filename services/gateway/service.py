@@ -43,6 +43,7 @@ from opentelemetry import propagate, trace
 from starlette.datastructures import Headers
 
 from kvpush.otel import endpoint
+from kvpush.otel.attributes import path_attributes
 from kvpush.otel.metrics import instruments
 from kvpush.client import generate, scheduler_status
 from kvpush.services.gateway import openai_api, tool_calls
@@ -423,41 +424,56 @@ async def _serve(gateway: Gateway, http: Request, kind: openai_api.Kind):
     nc = gateway.connection(tenant)
     request_id = http.headers.get(REQUEST_ID_HEADER) or ""
     parent = propagate.extract(dict(http.headers))  # an incoming W3C traceparent joins the trace
-    with _tracer.start_as_current_span(f"gateway {kind}", context=parent, kind=trace.SpanKind.SERVER):
+    # The request's root span: a stream's ends with its last event (``_events``), the others here.
+    span = _tracer.start_span(f"gateway {kind}", context=parent, kind=trace.SpanKind.SERVER)
+    streams = False
+    try:
+        with trace.use_span(span, end_on_exit=False, record_exception=True, set_status_on_exception=True):
+            response = await _respond(gateway, http, kind, tenant, nc, request_id, span)
+            streams = isinstance(response, StreamingResponse)
+            return response
+    finally:
+        if not streams:
+            span.end()
+
+
+async def _respond(gateway: Gateway, http: Request, kind: openai_api.Kind, tenant: Tenant, nc, request_id: str,
+                   span):
+    """The answer to one /v1 request, under its root span ``span``."""
+    try:
+        request_id = _request_id(http)
+        kvpush_id = _kvpush_id(tenant, request_id)
+        data = await read_body(http, nc.max_payload)
         try:
-            request_id = _request_id(http)
-            kvpush_id = _kvpush_id(tenant, request_id)
-            data = await read_body(http, nc.max_payload)
-            try:
-                body = json.loads(data)
-            except (ValueError, RecursionError):
-                return _error(BadJson.code, "the body is not valid JSON", request_id)
-            request = openai_api.parse(kind, body, gateway.served_model_name, gateway.tool_call_parser)
-            gateway.check_prompt_size(request)
-            await gateway.prompt_of(request)
-            prompt = await gateway.prompt_seen(request)
-        except KvpushError as exc:
-            return _error_of(exc, request_id)
-        generate_body = {**request.generate, "request_id": kvpush_id}
-        headers: dict[str, str] = {}
-        propagate.inject(headers)
-        replies = gateway.replies(tenant, generate_body, headers).__aiter__()
-        try:
-            first = await replies.__anext__()
-        except (KvpushError, TimeoutError) as exc:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            return _error(BadJson.code, "the body is not valid JSON", request_id)
+        request = openai_api.parse(kind, body, gateway.served_model_name, gateway.tool_call_parser)
+        gateway.check_prompt_size(request)
+        await gateway.prompt_of(request)
+        prompt = await gateway.prompt_seen(request)
+    except KvpushError as exc:
+        return _error_of(exc, request_id)
+    generate_body = {**request.generate, "request_id": kvpush_id}
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    replies = gateway.replies(tenant, generate_body, headers).__aiter__()
+    try:
+        first = await replies.__anext__()
+    except (KvpushError, TimeoutError) as exc:
+        await replies.aclose()
+        if isinstance(exc, TimeoutError):
+            return _error(DeadlineExceeded.code, str(exc), request_id)
+        return _error(exc.code, exc.message, request_id)
+    match first:
+        case wire.ErrorReply(error=error):
             await replies.aclose()
-            if isinstance(exc, TimeoutError):
-                return _error(DeadlineExceeded.code, str(exc), request_id)
-            return _error(exc.code, exc.message, request_id)
-        match first:
-            case wire.ErrorReply(error=error):
-                await replies.aclose()
-                return _error(error.code, error.message, request_id)
-        if request.stream:
-            return StreamingResponse(_events(request, request_id, first, replies, prompt),
-                                     media_type="text/event-stream",
-                                     headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
-        return await _whole(request, request_id, first, replies, prompt)
+            return _error(error.code, error.message, request_id)
+    if request.stream:
+        return StreamingResponse(_events(request, request_id, first, replies, prompt, span),
+                                 media_type="text/event-stream",
+                                 headers={REQUEST_ID_HEADER: request_id, "Cache-Control": "no-cache"})
+    return await _whole(request, request_id, first, replies, prompt)
 
 
 def _with_prompt(request, prompt: openai_api.Prompt | None, prompt_positions: list | None, text: str,
@@ -503,10 +519,17 @@ async def _whole(request, request_id: str, first: wire.Reply, replies,
                 shown, logprobs = _with_prompt(request, prompt, prompt_positions, "".join(text[i]), token_ids[i],
                                                positions[i])
                 answers.append(openai_api.Answer(shown, token_ids[i], logprobs))
+            _trace_path(trace.get_current_span(), reply)
             return JSONResponse(openai_api.response(request, request_id, answers, reply,
                                                     openai_api.prompt_logprobs_object(prompt_positions),
                                                     prompt.token_ids if prompt is not None else None),
-                                headers={REQUEST_ID_HEADER: request_id})
+                                headers={REQUEST_ID_HEADER: request_id, **openai_api.path_header(reply)})
+
+
+def _trace_path(span, final: wire.FinalReply) -> None:
+    """The request's path report on the gateway's span, the root of the request's trace."""
+    if final.path is not None:
+        span.set_attributes(path_attributes(final.path))
 
 
 def _sse(event: dict | str) -> bytes:
@@ -514,9 +537,11 @@ def _sse(event: dict | str) -> bytes:
 
 
 async def _events(request, request_id: str, first: wire.Reply, replies,
-                  prompt: openai_api.Prompt | None = None) -> AsyncIterator[bytes]:
+                  prompt: openai_api.Prompt | None = None, span=None) -> AsyncIterator[bytes]:
     """Server-sent events; a client that goes away cancels the request (the generator is
-    closed, and the client's generate() cancels what did not finish)."""
+    closed, and the client's generate() cancels what did not finish). ``span``: the
+    request's root span, ended with the last event."""
+    span = span or trace.INVALID_SPAN
     reply = first
     sent_first: set[int] = set()  # the answers whose first event went (a chat's role comes in it)
     text_offset = [0] * request.n  # each answer's characters so far
@@ -547,20 +572,30 @@ async def _events(request, request_id: str, first: wire.Reply, replies,
             case wire.ErrorReply(error=error):
                 yield _sse(openai_api.error(error.code, error.message)[1])
             case wire.FinalReply():
-                for index, finish in enumerate(openai_api.finish_reasons(reply)):
+                _trace_path(span, reply)
+                path = openai_api.path_object(reply)  # on the last event before [DONE]
+                finishes = openai_api.finish_reasons(reply)
+                for index, finish in enumerate(finishes):
                     if calls is not None and index < len(calls):
                         rest, deltas, finish = calls[index].finish(finish)
                         if rest or deltas:
                             yield _sse(openai_api.chunk(request, request_id, rest, first=index not in sent_first,
                                                         index=index, tool_calls=deltas))
                             sent_first.add(index)
-                    yield _sse(openai_api.chunk(request, request_id, "", finish, first=index not in sent_first,
-                                                index=index))
+                    event = openai_api.chunk(request, request_id, "", finish, first=index not in sent_first,
+                                             index=index)
+                    if path is not None and index == len(finishes) - 1 and not request.include_usage:
+                        event["kvpush"] = path
+                    yield _sse(event)
                 if request.include_usage:
-                    yield _sse(openai_api.usage_chunk(request, request_id, reply))
+                    event = openai_api.usage_chunk(request, request_id, reply)
+                    if path is not None:
+                        event["kvpush"] = path
+                    yield _sse(event)
         yield _sse("[DONE]")
     except (KvpushError, TimeoutError) as exc:
         yield _sse(openai_api.error(getattr(exc, "code", DeadlineExceeded.code), str(exc))[1])
         yield _sse("[DONE]")
     finally:
         await replies.aclose()  # early: the request is cancelled
+        span.end()

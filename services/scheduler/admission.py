@@ -29,7 +29,7 @@ from kvpush.services.scheduler.recovery import Recovery
 from kvpush.services.scheduler.takeover import SchedulerLiveness
 from kvpush.services.scheduler.timing import Uptime
 from kvpush.services.scheduler.validation import RequestValidator, request_id_of
-from kvpush.shared import wire
+from kvpush.shared import settings, wire
 from kvpush.shared.errors import Cancelled, InvalidField, InvalidReply, LedgerUnavailable, Overloaded, RequestError, refusal
 
 log = structlog.get_logger("kvpush.scheduler")
@@ -41,6 +41,7 @@ class AdmissionSettings:
     deadline_s: float  # of each request, from its arrival
     mode: str  # the transfer mode of a request that names none
     max_in_flight: int  # requests held (validating or in flight) before more are refused
+    kv_policy: str = settings.KV_POLICY  # of a request that names none
 
 
 class Admission:
@@ -183,6 +184,7 @@ class Admission:
             return None
         flight = Flight(request, msg.reply, received_ns / 1e9, time.monotonic() + self.config.deadline_s,
                         mode=request.transfer_mode or self.config.mode, owner=owner,
+                        kv_policy=request.kv_policy or self.config.kv_policy,
                         traceparent=current_traceparent())
         in_flight = InvalidField(f"request_id {request.request_id!r} is already in flight; "
                                  "use a new id for a new request")

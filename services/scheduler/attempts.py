@@ -73,7 +73,7 @@ class Attempts:
         """A new attempt at the flight, its jobs out and taken."""
         flight.key_prompt()  # its block keys, for prefix-aware picks
         placement = self._place(flight)
-        flight.place(placement.mode)
+        flight.place(placement.mode, placement.chosen_by, placement.reason)
         self.flights.bind(flight, uuid.uuid4().hex)
         span = trace.get_current_span()
         span.set_attributes({A.TRANSFER_MODE: flight.mode, A.PLACEMENT_REASON: placement.reason,

@@ -50,6 +50,9 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None,
         transfer_key=flight.transfer_key,
         prefill_incarnation=flight.prefill_incarnation,
         prompt=prompt,
+        route=wire.RouteReport(chosen_by=flight.mode_chosen_by, reason=flight.mode_reason, attempt=flight.attempt,
+                               moves=flight.times_moved, takeovers=flight.takeovers),
+        kv_policy=flight.kv_policy,
     )
 
 

@@ -56,7 +56,8 @@ class Flight:
     prefill_incarnation: str = ""  # which start of that worker got the job
     decode_incarnation: str = ""
     state: FlightState = FlightState.DISPATCHING
-    moves: int = 0  # times this attempt's transfer went to another decode
+    moves: int = 0  # tries at moving this attempt's transfer to another decode (declined ones too)
+    times_moved: int = 0  # of those, the ones that moved it (the path report's)
     # A move is under way (``start_move`` .. ``move_settled``): apart from ``state``, since
     # the KV can land, or the answer start, while prefill is asked to move the transfer.
     moving: bool = False
@@ -65,6 +66,10 @@ class Flight:
     task: Any = None  # the attempt under way
     revision: int = 0  # of its record in the flights bucket, as this scheduler last wrote it
     traceparent: str = ""
+    kv_policy: str = settings.KV_POLICY  # what decode does if the KV does not arrive intact
+    takeovers: int = 0  # times a scheduler took it over from its record
+    mode_chosen_by: str = "scheduler"  # this attempt's placement: who chose its mode (wire.ModeChooser), and why
+    mode_reason: str = ""
 
     @property
     def request_id(self) -> str:
@@ -87,7 +92,7 @@ class Flight:
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
         self.state = FlightState.DISPATCHING
         self.moving = False
-        self.moves = 0
+        self.moves = self.times_moved = 0
 
     def _reach(self, state: FlightState) -> None:
         self.state = max(self.state, state)
@@ -98,9 +103,10 @@ class Flight:
         """Its prompt's block keys, for prefix-aware picks (made at dispatch)."""
         self.prompt = Prompt(self.request.prompt_token_ids)
 
-    def place(self, mode: str) -> None:
-        """This attempt serves it in ``mode`` (push, pull or local)."""
-        self.mode = mode
+    def place(self, mode: str, chosen_by: str = "scheduler", reason: str = "") -> None:
+        """This attempt serves it in ``mode`` (push, pull or local), as ``chosen_by`` chose
+        it for ``reason``."""
+        self.mode, self.mode_chosen_by, self.mode_reason = mode, chosen_by, reason
 
     def assign_prefill(self, beat: wire.WorkerHeartbeat) -> None:
         """The prefill chosen for this attempt: that start of it."""
@@ -139,6 +145,7 @@ class Flight:
     def moved(self, decode_id: str, decode_incarnation: str, transfer_key: str) -> None:
         """The transfer moved to that start of ``decode_id``, under a new secret."""
         self.moves += 1
+        self.times_moved += 1
         self.transfer_key = transfer_key
         self.decode_id, self.decode_incarnation = decode_id, decode_incarnation
 
@@ -164,14 +171,17 @@ class Flight:
             holder_incarnation=incarnation, mode=self.mode, attempt=self.attempt, transfer_id=self.transfer_id,
             transfer_key=self.transfer_key, prefill_id=self.prefill_id, decode_id=self.decode_id,
             prefill_incarnation=self.prefill_incarnation, decode_incarnation=self.decode_incarnation,
-            traceparent=self.traceparent,
+            traceparent=self.traceparent, kv_policy=self.kv_policy, takeovers=self.takeovers,
+            mode_chosen_by=self.mode_chosen_by, mode_reason=self.mode_reason,
         )
 
     @classmethod
     def from_record(cls, record: wire.FlightRecord, revision: int, now_wall: float, now: float) -> "Flight":
-        """A flight taken over from its record: where its last holder left it."""
+        """A flight taken over from its record: where its last holder left it (one more takeover)."""
         request = ValidRequest(record.request_id, record.prompt_token_ids, record.sampling, record.transfer_mode)
         return cls(request, record.reply_to, record.received_at, now + (record.deadline_at - now_wall),
+                   kv_policy=record.kv_policy, takeovers=record.takeovers + 1, mode_chosen_by=record.mode_chosen_by,
+                   mode_reason=record.mode_reason,
                    mode=record.mode, owner=record.owner, attempt=record.attempt, transfer_id=record.transfer_id,
                    transfer_key=record.transfer_key, prefill_id=record.prefill_id, decode_id=record.decode_id,
                    prefill_incarnation=record.prefill_incarnation, decode_incarnation=record.decode_incarnation,

@@ -19,6 +19,7 @@ from kvpush.shared import settings
 
 Policy = Literal["push", "pull", "auto"]
 Mode = Literal["push", "pull", "local"]
+Chooser = Literal["request", "scheduler", "auto"]  # wire.ModeChooser
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Placement:
     mode: Mode
     reason: str
     numbers: dict[str, float] = field(default_factory=dict)
+    chosen_by: Chooser = "auto"
 
 
 def place(prompt_tokens: int, requested: str | None, config: PlacementSettings, supported: tuple[str, ...],
@@ -73,10 +75,10 @@ def place(prompt_tokens: int, requested: str | None, config: PlacementSettings, 
     worker of each role, if any."""
     numbers: dict[str, float] = {"prompt_tokens": prompt_tokens}
     if requested == "local" or (requested in ("push", "pull") and requested in supported):
-        return Placement(requested, "the request asked for it", numbers)
+        return Placement(requested, "the request asked for it", numbers, "request")
     if config.policy != "auto" and requested != "auto":
         mode = config.policy if config.policy in supported else supported[0]
-        return Placement(mode, f"the scheduler runs {config.policy}", numbers)
+        return Placement(mode, f"the scheduler runs {config.policy}", numbers, "scheduler")
     if prompt_tokens < config.local_below_tokens:
         return Placement("local", f"a prompt under {config.local_below_tokens} tokens", numbers)
     finish_s = prefill.finish_s(prompt_tokens) if prefill is not None else None

@@ -75,7 +75,7 @@ class Scheduler(Service):
                  max_in_flight: int = settings.MAX_IN_FLIGHT,
                  scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1,
                  local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
-                 push_within_s: float = settings.PUSH_WITHIN_S):
+                 push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY):
         self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
                                            push_within_s=push_within_s)
         self.mode = mode
@@ -84,6 +84,9 @@ class Scheduler(Service):
         self.scheduler_id = scheduler_id or nats_user() or f"scheduler-{uuid.uuid4().hex[:10]}"
         if (problem := wire.identity_problem(self.scheduler_id)) is not None:
             raise ValueError(f"scheduler id: {problem}")
+        if kv_policy not in wire.KV_POLICIES:
+            raise ValueError(f"kv_policy must be recompute or fail, not {kv_policy!r}")
+        self.kv_policy = kv_policy
         self.validator = validator
         self.max_in_flight = max_in_flight
         # Tokenizing a long prompt takes a while: off the event loop, one at a time (a
@@ -122,7 +125,8 @@ class Scheduler(Service):
         self.admission = Admission(
             self.bus, self.ledger, self.validator, self._tokenizer, self.flights, self.early_cancels, self._intake,
             self.schedulers, journal, outbox, recovery, self._requests, self.uptime,
-            AdmissionSettings(deadline_s=self.deadline_s, mode=self.mode, max_in_flight=self.max_in_flight))
+            AdmissionSettings(deadline_s=self.deadline_s, mode=self.mode, max_in_flight=self.max_in_flight,
+                              kv_policy=self.kv_policy))
         self.events = Events(self.bus, self.ledger, self.pool, self.flights, self.early_cancels, journal, outbox,
                              attempts, recovery, moves, self._requests, self.scheduler_id)
         self.flight_watch = FlightWatch(self.pool, self.flights, self.schedulers, recovery, moves, self.adoption,

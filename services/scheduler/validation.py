@@ -42,6 +42,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: wire.SamplingSpec
     transfer_mode: str | None = None
+    kv_policy: str | None = None  # None: the scheduler's --kv-policy
 
 
 class RequestValidator:
@@ -108,6 +109,7 @@ class RequestValidator:
             prompt_token_ids=list(token_ids),
             sampling=sampling_of(body, max_tokens, self.vocab_size, len(token_ids)),
             transfer_mode=body.transfer_mode,
+            kv_policy=body.kv_policy,
         )
 
 

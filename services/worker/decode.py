@@ -28,11 +28,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from kvpush.otel import attributes as A
+from kvpush.otel.attributes import path_attributes
 from kvpush.otel.messaging import TEMPORARY, current_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
-from kvpush.services.worker import tool_calling
+from kvpush.services.worker import path_report, tool_calling
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import answer_sampling, prompt_report, sampling_params_kwargs, token_logprobs
@@ -45,6 +46,7 @@ log = structlog.get_logger("kvpush.worker")
 # the final waits a little for its cached-token count, then says it is unknown.
 PROMPT_LOGPROBS_WAIT_S = 30.0
 PROMPT_REPORT_WAIT_S = 2.0
+KV_NOT_ARRIVED = "kv_not_arrived"  # the fallback reason: the prompt's KV did not come from prefill
 _tracer = trace.get_tracer("kvpush.worker")
 
 
@@ -60,6 +62,15 @@ class _Stream:
     finish_reasons: dict[int, str] = field(default_factory=dict)  # each answer's, by index (n > 1)
     last: object = None  # vLLM's last RequestOutput of the first answer (the one the KV came for)
     local_prompt: wire.PromptReport | None = None  # local: what our own engine said of the prompt
+    kv_policy: str = "recompute"  # what it does if the prompt's KV does not arrive intact
+    computed_here: bool = False  # our engine computed the prompt (local, or after a failed transfer)
+    cached_here: int | None = None  # then: what our prefix cache held of it
+    kv_failure: str = ""  # why the prompt's KV did not arrive intact, when it did not
+
+
+class _KvNotArrived(Exception):
+    """vLLM ended the first answer's request before any token: its KV did not come
+    (our connector runs vLLM's kv_load_failure_policy "fail"; the request's policy is ours)."""
 
 
 class _Fenced(Exception):
@@ -84,6 +95,10 @@ class DecodeRole:
         return {"queued_prompt_tokens": self.meter.queued_tokens, "prefill_tokens_per_s": self.meter.tokens_per_s}
 
     async def start(self) -> None:
+        metrics = instruments()  # at 0 from the start: an alert on them needs a series before the first fallback
+        for outcome in ("recomputed", "failed"):
+            metrics.kv_fallbacks.add(0, {"reason": KV_NOT_ARRIVED, "outcome": outcome})
+        metrics.recomputed_tokens.add(0, {"mode": "push"})
         self.claims = Claims(self.worker.bus.nc, wire.Claimant.decode(self.worker.worker_id))
         self._probe_prefix = self.worker.bus.nc.new_inbox()
         await self.worker.bus.subscribe_plain(f"{self._probe_prefix}.*", self._on_probe)
@@ -161,11 +176,8 @@ class DecodeRole:
         return "ok", await self._finish(running, received_ns, span, stream)
 
     async def _stream(self, running: RunningJob, stream: _Stream, probe: str) -> None:
-        """Generate and send each chunk as it comes."""
-        from vllm import SamplingParams
-        from vllm.exceptions import VLLMValidationError
-        from vllm.sampling_params import RequestOutputKind
-
+        """Generate and send each chunk as it comes; if the prompt's KV does not arrive,
+        compute the prompt here or fail, per the request's kv_policy."""
         job: wire.DecodeJob = running.job
         engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
         kwargs = sampling_params_kwargs(job.sampling)
@@ -177,9 +189,36 @@ class DecodeRole:
             from vllm.sampling_params import StructuredOutputsParams
 
             kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
-        computing = job.mode == "local"  # the prompt is ours to compute, until the first token
+        stream.kv_policy = path_report.effective_policy(job.kv_policy, self.worker.settings.faults.on_kv_failure)
+        computing = job.mode == "local"  # the prompt is ours to compute
+        while True:
+            try:
+                await self._generate(running, stream, probe, engine_request_id, kv_params, kwargs, computing)
+                return
+            except _KvNotArrived:
+                if stream.chunks or stream.kv_policy == "fail":
+                    instruments().kv_fallbacks.add(1, {"reason": KV_NOT_ARRIVED, "outcome": "failed"})
+                    raise KvTransferFailed(_kv_failed_message(job.kv_policy, stream.chunks)) from None
+            # Recompute: nothing was sent; the same request, its prompt computed here.
+            log.warning("the prompt's KV did not arrive: computing it here", transfer_id=job.transfer_id,
+                        request_id=job.request_id)
+            instruments().kv_fallbacks.add(1, {"reason": KV_NOT_ARRIVED, "outcome": "recomputed"})
+            stream.kv_failure = KV_NOT_ARRIVED
+            computing = True
+            engine_request_id, kv_params = f"{engine_request_id}-r", {}
+
+    async def _generate(self, running: RunningJob, stream: _Stream, probe: str, engine_request_id: str,
+                        kv_params: dict, kwargs: dict, computing: bool) -> None:
+        """One engine request (and its n - 1 others): with the prompt's KV from prefill
+        (``kv_params``), or computing the prompt here."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
+
+        job: wire.DecodeJob = running.job
+        stream.computed_here = computing
         # Prompt logprobs come from the engine that computes the prompt: ours only when local.
-        prompt_logprobs = job.sampling.prompt_logprobs if computing else None
+        prompt_logprobs = job.sampling.prompt_logprobs if job.mode == "local" else None
         params = SamplingParams(
             **kwargs,
             prompt_logprobs=prompt_logprobs,
@@ -210,11 +249,11 @@ class DecodeRole:
                         stream.finish_reason = stream.finish_reasons.get(0)
                         if job.mode == "local" and stream.local_prompt is None:
                             stream.local_prompt = prompt_report(output)
-                    # vLLM failed it: the pushed KV did not come (policy "fail")
-                    if completion.finish_reason == "error":
-                        raise KvTransferFailed(
-                            "the prompt's KV cache did not arrive from prefill, and this deployment fails such "
-                            "requests (--on-kv-failure fail)")
+                        if computing and stream.cached_here is None:
+                            stream.cached_here = output.num_cached_tokens or 0
+                    # vLLM ended it: the KV did not come (our connector runs vLLM's policy "fail")
+                    if completion.finish_reason == "error" and not computing:
+                        raise _KvNotArrived()
                     if not completion.token_ids:
                         continue
                     if computing:
@@ -327,14 +366,18 @@ class DecodeRole:
             return b""
         return await self._send_final(job, wire.ErrorReply(job.request_id, error))
 
-    async def _cached_tokens(self, running: RunningJob, stream: _Stream) -> int | None:
-        """The prompt tokens its computing engine found cached: ours when local, else
-        prefill's, which in push may still be on its way (a short wait; None if it does not
-        come: unknown is not reported as a number)."""
-        if running.job.mode == "local":
-            return stream.local_prompt.cached_tokens if stream.local_prompt is not None else None
-        report = await running.prompt_report(PROMPT_REPORT_WAIT_S)
-        return report.cached_tokens if report is not None else None
+    def _path(self, job: wire.DecodeJob, stream: _Stream, prefill: wire.PromptReport | None) -> wire.PathReport:
+        """The request's path report, counted in the metrics and on the span."""
+        received = None if stream.computed_here else path_report.received_of(
+            getattr(stream.last, "kv_transfer_params", None))
+        saw = path_report.DecodeSaw(received=received, computed_here=stream.computed_here,
+                                    cached_here=stream.cached_here, kv_failure=stream.kv_failure)
+        path = path_report.path_report(job, self.worker.worker_id, saw, stream.kv_policy, prefill)
+        metrics = instruments()
+        metrics.paths.add(1, {"mode": path.mode, "chosen_by": path.chosen_by})
+        metrics.recomputed_tokens.add(path.recomputed_tokens, {"mode": path.mode})
+        trace.get_current_span().set_attributes(path_attributes(path))
+        return path
 
     async def _finish(self, running: RunningJob, received_ns: int, span, stream: _Stream) -> bytes:
         job: wire.DecodeJob = running.job
@@ -367,20 +410,33 @@ class DecodeRole:
                 metrics.ttft_stage.record((stages.first_token_ns - stages.scheduled_ns) / 1e6,
                                           {"stage": "first_token"})
         metrics.requests.add(1, {"outcome": "ok"})
+        # The prompt's report from the engine that computed it: ours when local, else prefill's,
+        # which in push may still be on its way (a short wait; unknown is not reported as a number).
+        prefill = None if local else await running.prompt_report(PROMPT_REPORT_WAIT_S)
+        computing_engine = stream.local_prompt if local else prefill
         final = wire.FinalReply(
             request_id=job.request_id,
             finish_reason=stream.finish_reason,
             usage=wire.Usage(len(job.prompt_token_ids), tokens,
-                             cached_tokens=await self._cached_tokens(running, stream)),
+                             cached_tokens=computing_engine.cached_tokens if computing_engine is not None else None),
             timings=timings,
             chunks=stream.chunks,
             finish_reasons=[stream.finish_reasons.get(i) for i in range(job.sampling.n)] if job.sampling.n > 1
             else None,
+            path=self._path(job, stream, prefill),
         )
         data = await self._send_final(job, final)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,
                  ttft_ms=round(timings.ttft_ms, 1), finish_reason=stream.finish_reason)
         return data
+
+
+def _kv_failed_message(requested: str, chunks: int) -> str:
+    if chunks:
+        return "the prompt's KV cache was found lost after tokens went out"
+    why = "the request's kv_policy is fail" if requested == "fail" else \
+        "this decode worker fails such requests whatever they ask (--on-kv-failure fail)"
+    return f"the prompt's KV cache did not arrive from prefill, and {why}; nothing was recomputed"
 
 
 def _not_ours(running: RunningJob) -> str:

@@ -79,7 +79,10 @@ class KvpushStrategy(KindStrategy):
                 "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
                 "engine_id": engine.engine_id,
                 "kv_connector_extra_config": msgspec.to_builtins(connector_config),
-                "kv_load_failure_policy": faults.on_kv_failure,
+                # vLLM ends a request whose KV did not arrive (an "error" finish) and the decode
+                # worker applies the request's own kv_policy: it computes the prompt itself, or
+                # fails the request (services/worker/decode.py).
+                "kv_load_failure_policy": "fail",
             },
             "disable_hybrid_kv_cache_manager": True,
         }

@@ -191,6 +191,9 @@ async def test_kill_9_of_decode_during_the_transfer(rig, reference):
         if outcome.code is None:
             assert outcome.tokens == reference[index]
             await rig.assert_pushed(outcome)  # the retry's KV was pushed, not recomputed
+            path = outcome.final.path  # and its path report says so
+            assert path.attempt >= 2 and path.retries == path.attempt - 1 and path.recomputed_tokens == 0
+            assert path.received_tokens + path.decode_cached_tokens == path.prompt_tokens
         else:
             assert outcome.code == "worker_lost" and outcome.tokens  # it had streamed: not retried
     assert any(o.code is None for o in outcomes)
@@ -306,6 +309,41 @@ async def test_registration_and_completion_messages_dropped_duplicated_delayed_r
         assert_served(outcome, reference[index])
     injected = rig.injected()
     assert {"drop", "duplicate", "delay"} <= set(injected), injected
+    await assert_healthy(rig, reference)
+
+
+# ---------------------------------------------------------------------- kv_policy
+
+async def test_a_transfer_that_fails_ends_kv_transfer_failed_with_policy_fail_and_is_recomputed_with_recompute(
+        rig, reference):
+    """Every registration lost (chaos drops them all): prefill never writes, and decode
+    gives the wait up after --kv-wait-s (the rig's 15 s). With ``kv_policy: fail`` the
+    request ends with kv_transfer_failed and no token; with ``recompute`` (the default)
+    decode computes the prompt and the answer equals the reference. The path report says
+    so, and decode's counters count both."""
+    decode = (await rig.workers())[1]
+    fallbacks = {outcome: rig.metric(decode, "kvpush_kv_fallbacks_total", reason="kv_not_arrived", outcome=outcome)
+                 for outcome in ("failed", "recomputed")}
+    recomputed_before = rig.metric(decode, "kvpush_kv_recomputed_tokens_total")
+    rig.set_chaos({"kvpush.kv.register.": {"drop": 1.0}})
+    try:
+        failed, recomputed = await asyncio.gather(
+            rig.request(body(LONG, transfer_mode="push", kv_policy="fail")),
+            rig.request(body(EIGHT, transfer_mode="push")))
+    finally:
+        rig.set_chaos(None)
+    assert failed.code == "kv_transfer_failed" and failed.tokens == [], failed.final
+    assert "kv_policy is fail" in failed.final.error.message
+    assert_served(recomputed, reference[EIGHT])
+    path = recomputed.final.path
+    assert (path.kv_policy, path.kv_failure, path.received_tokens, path.received_blocks) == (
+        "recompute", "kv_not_arrived", 0, 0)
+    assert 0 < path.recomputed_tokens == path.decode_computed_tokens == path.prompt_tokens - path.decode_cached_tokens
+    assert rig.metric(decode, "kvpush_kv_fallbacks_total", reason="kv_not_arrived",
+                      outcome="failed") == fallbacks["failed"] + 1
+    assert rig.metric(decode, "kvpush_kv_fallbacks_total", reason="kv_not_arrived",
+                      outcome="recomputed") == fallbacks["recomputed"] + 1
+    assert rig.metric(decode, "kvpush_kv_recomputed_tokens_total") == recomputed_before + path.recomputed_tokens
     await assert_healthy(rig, reference)
 
 

@@ -69,6 +69,13 @@ async def test_a_transfer_whose_decode_stalls_moves_to_the_other_decode(rig, ref
         ended = await wait_until(lambda: [p for p in rig.progress if p.request_id == request_id
                                           and p.stage == "ended"], 10, "the end reported")
         assert ended[-1].transfer_id == first.transfer_id  # no retry: the first attempt answered
+        # The path report says so: one attempt, one move, the other decode, the whole prompt received.
+        path = outcome.final.path
+        assert (path.mode, path.attempt, path.moves, path.decode_worker, path.prefill_worker) == (
+            "push", 1, 1, other, "prefill-0")
+        assert (path.received_tokens, path.received_blocks, path.decode_computed_tokens, path.recomputed_tokens) == (
+            len(prompt) - path.decode_cached_tokens, len(second.block_ids), 0, 0)
+        assert path.received_bytes == sum(e.bytes for e in done)  # what prefill's WRITE moved
     finally:
         rig.release()
         if stalled is not None:

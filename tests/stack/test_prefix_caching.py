@@ -40,10 +40,29 @@ async def _serve(rig, reference, name: str, mode: str) -> wire.Registration | No
                                  "request_id": f"prefix-{name}"})
     assert isinstance(outcome.final, wire.FinalReply), (name, outcome.final)
     assert outcome.tokens == reference[prompts.PREFIX + index], name
+    prompt_tokens = len(prompts.PREFIX_CASES[index][1])
+    path = outcome.final.path
+    assert (path.mode, path.chosen_by, path.prompt_tokens, path.attempt, path.recomputed_tokens) == (
+        mode, "request", prompt_tokens, 1, 0), name
+    if mode == "local":  # decode computed what its prefix cache lacked; nothing came from prefill
+        assert (path.prefill_worker, path.prefill_computed_tokens, path.received_tokens) == ("", 0, 0), name
+        assert path.decode_cached_tokens + path.decode_computed_tokens == prompt_tokens, name
+        return None
+    # Prefill computed what its cache lacked (its count is usage's cached_tokens); decode
+    # received the blocks its own cache lacked.
+    assert path.prefill_computed_tokens == prompt_tokens - outcome.final.usage.cached_tokens, name
+    assert path.decode_computed_tokens == 0 and path.decode_cached_tokens % BLOCK == 0, name
+    assert path.received_tokens == prompt_tokens - path.decode_cached_tokens, name
+    assert path.received_blocks == _prompt_blocks(name) - path.decode_cached_tokens // BLOCK, name
     if mode != "push":
         return None
     mine = [r for r in rig.registrations if isinstance(r, wire.Registration) and r.request_id == outcome.request_id]
     assert len(mine) >= 1, f"{name}: no registration seen"
+    # The report's numbers are the registration's: the blocks decode named, after its own cache's.
+    assert (path.decode_cached_tokens, path.received_blocks) == (mine[0].first_block * BLOCK,
+                                                                 len(mine[0].block_ids)), name
+    written = await wait_until(lambda: rig.written_bytes.get(mine[0].transfer_id), 10, "the write's report")
+    assert path.received_bytes == written, name  # what prefill's WRITE moved
     return mine[0]
 
 
@@ -61,6 +80,7 @@ async def test_a_prefix_cached_on_decode_only(rig, reference):
     await _serve(rig, reference, "warm-decode", "local")  # decode computes it: prefill never sees it
     registration = await _serve(rig, reference, "cached-on-decode-only", "push")
     assert registration.first_block == 4  # 512 tokens of OTHER decode holds; prefill computed all
+    # (its path report: 512 found in decode's cache, the rest received; checked in _serve)
     assert len(registration.block_ids) == _prompt_blocks("cached-on-decode-only") - 4
     await _serve(rig, reference, "pulled-with-a-decode-hit", "pull")  # decode READs only the blocks it lacks
 

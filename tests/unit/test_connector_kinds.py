@@ -101,7 +101,8 @@ def test_kvpush_without_a_nats_url_or_fault_settings_gets_the_defaults():
                             connector="kvpush", faults=FaultSettings(), prefix_caching=False)
     same(engine_kwargs(engine)["kv_transfer_config"]["kv_connector_extra_config"],
          {"nats_url": None, "lease_s": 10.0, "kv_wait_s": 120.0, "quarantine_s": 15.0, "incarnation": "", "push_by_layer": False})
-    assert engine_kwargs(engine)["kv_transfer_config"]["kv_load_failure_policy"] == "recompute"
+    # vLLM fails a request whose KV did not come; decode applies the request's kv_policy itself.
+    assert engine_kwargs(engine)["kv_transfer_config"]["kv_load_failure_policy"] == "fail"
 
 
 def test_layer_wise_push_reaches_the_connector_of_a_prefill_that_asks_for_it():

@@ -75,7 +75,9 @@ def test_the_table_of_heard_schedulers_is_bounded():
 
 def test_a_flight_comes_back_from_its_record_where_it_was_with_its_deadline_in_this_clock():
     request = ValidRequest("r1", [1, 2, 3], wire.SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=False), "pull")
-    flight = Flight(request, "_INBOX.c.x", received_at=1000.0, deadline=50.0, mode="pull", owner="c")
+    flight = Flight(request, "_INBOX.c.x", received_at=1000.0, deadline=50.0, mode="pull", owner="c",
+                    kv_policy="fail")
+    flight.place("pull", "auto", "prefill should take 2.00 s: choose decode when it ends")
     flight.new_attempt("t1")
     flight.new_attempt("t2")
     flight.assign_prefill(wire.WorkerHeartbeat(worker_id="p0", role="prefill", free_kv_blocks=1, total_kv_blocks=1,
@@ -90,3 +92,9 @@ def test_a_flight_comes_back_from_its_record_where_it_was_with_its_deadline_in_t
             again.prefill_id, again.prefill_incarnation) == (request, "c", "pull", 2, "t2", flight.transfer_key,
                                                              "p0", "pi")
     assert again.state is FlightState.DISPATCHING  # in memory only: the record does not carry it
+    # What its path report says: the policy and placement it had, and one takeover more (each adoption counts).
+    assert (again.kv_policy, again.mode_chosen_by, again.mode_reason, again.takeovers) == (
+        "fail", "auto", "prefill should take 2.00 s: choose decode when it ends", 1)
+    twice = Flight.from_record(wire.decode(wire.encode(again.record("s1", "i", 2005.0, 501.0)), wire.FlightRecord),
+                               8, now_wall=2006.0, now=9.0)
+    assert twice.takeovers == 2

@@ -205,6 +205,7 @@ class MultiHostRig(FaultRig):
         return {
             "launchers": {role: self.network.hosts[host].exec_prefix() for role, host in PLACEMENT.items()},
             "gateway_port": 0, "gateway_host": h1.address,
+            "metrics": False,  # the services' /metrics would listen inside their hosts' namespaces
             "role_env": {"gateway": self.identity_env("client-0")},  # a client of kvpush like any other
         }
 

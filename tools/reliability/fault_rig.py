@@ -18,6 +18,7 @@ import json
 import signal
 import sys
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class FaultRig:
     progress: list[wire.RequestProgress] = field(default_factory=list)
     invalid: list[wire.InvalidMessage] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)  # transfer ids prefill reported written
+    written_bytes: Counter = field(default_factory=Counter)  # transfer id -> bytes prefill reported written
     killed: set[str] = field(default_factory=set)  # stack child names killed on purpose
     killed_processes: list = field(default_factory=list)  # the processes killed on purpose
     start_free: dict[str, int] = field(default_factory=dict)  # role -> free blocks when idle
@@ -129,7 +131,7 @@ class FaultRig:
         options = self.stack_options()
         self.stack = Stack(
             self.model, nats_url=self.nats.url, prefill=1, decode=self.decodes, max_model_len=self.max_model_len,
-            log_dir=self.folder / "logs",
+            log_dir=self.folder / "logs", metrics=options.pop("metrics", True),
             extra_env={**FAULT_ENV, **self.chaos_env(), **self.extra_env, **(extra_env or {})},
             schedulers=2,  # sharing the load; either may die, and the other takes its requests over
             role_env={"scheduler": self.identity_env("scheduler-0"), "scheduler-1": self.identity_env("scheduler-1"),
@@ -211,6 +213,7 @@ class FaultRig:
         event = _trusted(msg, wire.Completion)
         if isinstance(event, wire.TransferDone):
             self.pushed.add(event.transfer_id)
+            self.written_bytes[event.transfer_id] += event.bytes
 
     # ------------------------------------------------------------------ message faults
 
@@ -429,6 +432,19 @@ class FaultRig:
             if on_reply is not None:
                 await on_reply(reply)
         return Outcome(body["request_id"], tokens, final, time.monotonic() - started)
+
+    def metric(self, service: str, name: str, **labels: str) -> float:
+        """The sum of a Prometheus metric's samples with these labels, as ``service``'s
+        /metrics says now (0 if it has none)."""
+        with urllib.request.urlopen(f"http://{self.stack.metrics_targets[service][0]}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        total = 0.0
+        for line in text.splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample.split("{", 1)[0] == name and all(label in sample for label in wanted):
+                total += float(value)
+        return total
 
     # ------------------------------------------------------------------ faults
 

@@ -1,0 +1,114 @@
+"""The path report decode puts in each final (services/worker/path_report.py), what the
+scheduler gives it (services/scheduler/dispatch.py), and how the gateway shows it
+(services/gateway/openai_api.py). The numbers against real engines: tests/stack/test_path_report.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.services.gateway import openai_api
+from kvpush.services.scheduler import dispatch
+from kvpush.services.scheduler.flights import Flight
+from kvpush.services.scheduler.placement import PlacementSettings, place
+from kvpush.services.scheduler.validation import ValidRequest
+from kvpush.services.worker.path_report import DecodeSaw, effective_policy, path_report, received_of
+from kvpush.shared import wire
+
+PROMPT = list(range(100))  # 100 tokens: with 16-token blocks, 7 blocks (the last partly)
+SAMPLING = wire.SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=False)
+
+
+def job(mode: str = "push", route: wire.RouteReport | None = None) -> wire.DecodeJob:
+    return wire.DecodeJob(request_id="r", transfer_id="t", prompt_token_ids=PROMPT, sampling=SAMPLING,
+                          prefill_engine_id="prefill-0", reply_to="_INBOX.x", received_at=0.0, mode=mode,
+                          route=route or wire.RouteReport(chosen_by="auto", reason="prefill should end within 1 s"))
+
+
+def test_the_strictest_policy_wins():
+    assert effective_policy("recompute", "recompute") == "recompute"
+    assert effective_policy("fail", "recompute") == "fail"
+    assert effective_policy("recompute", "fail") == "fail"  # a decode that may not compute prompts never does
+
+
+def test_a_transfer_that_arrived_says_what_came_from_where():
+    received = wire.ReceivedKv(local_tokens=32, tokens=68, blocks=5, bytes=5 * 4096)
+    report = path_report(job(), "decode-0", DecodeSaw(received=received), "recompute",
+                         wire.PromptReport(cached_tokens=16))
+    assert (report.mode, report.chosen_by, report.prefill_worker, report.decode_worker) == (
+        "push", "auto", "prefill-0", "decode-0")
+    assert (report.prompt_tokens, report.prefill_computed_tokens, report.received_tokens, report.received_blocks,
+            report.received_bytes, report.decode_cached_tokens, report.decode_computed_tokens,
+            report.recomputed_tokens) == (100, 84, 68, 5, 20480, 32, 0, 0)
+    assert report.received_tokens + report.decode_cached_tokens + report.decode_computed_tokens == 100
+
+
+def test_prefill_computed_is_unknown_when_its_report_never_came():
+    report = path_report(job(), "d", DecodeSaw(received=wire.ReceivedKv(local_tokens=0, tokens=100, blocks=7,
+                                                                         bytes=7)), "recompute", None)
+    assert report.prefill_computed_tokens is None
+
+
+def test_a_failed_transfer_recomputed_on_decode_counts_its_tokens_as_recomputed():
+    saw = DecodeSaw(computed_here=True, cached_here=48, kv_failure="kv_not_arrived")
+    report = path_report(job("pull"), "d", saw, "recompute", wire.PromptReport(cached_tokens=0))
+    assert (report.received_tokens, report.received_blocks, report.received_bytes) == (0, 0, 0)
+    assert (report.decode_cached_tokens, report.decode_computed_tokens, report.recomputed_tokens,
+            report.kv_failure) == (48, 52, 52, "kv_not_arrived")
+    assert report.prefill_computed_tokens == 100  # prefill did compute it; its KV was what failed
+
+
+def test_a_local_request_computes_its_prompt_on_decode_and_recomputes_nothing():
+    saw = DecodeSaw(computed_here=True, cached_here=16)
+    report = path_report(job("local", wire.RouteReport(chosen_by="request", reason="the request asked for it")),
+                         "d", saw, "recompute", None)
+    assert (report.prefill_worker, report.prefill_computed_tokens, report.received_tokens,
+            report.decode_cached_tokens, report.decode_computed_tokens, report.recomputed_tokens) == (
+        "", 0, 0, 16, 84, 0)
+
+
+def test_a_connector_that_says_nothing_leaves_the_counts_unknown():
+    report = path_report(job(), "d", DecodeSaw(received=received_of(None)), "recompute", None)
+    assert (report.received_tokens, report.received_blocks, report.received_bytes,
+            report.decode_cached_tokens) == (None, None, None, None)
+    assert received_of({wire.RECEIVED_KEY: {"tokens": "many"}}) is None  # malformed: unknown, never guessed
+
+
+def test_the_scheduler_puts_the_attempt_its_moves_and_takeovers_in_the_job():
+    request = ValidRequest("r", PROMPT, SAMPLING, None)
+    flight = Flight(request, "_INBOX.c.x", 0.0, 100.0, kv_policy="fail", takeovers=1)
+    placement = place(len(PROMPT), None, PlacementSettings(policy="push"), ("push", "pull"), None, None)
+    flight.place(placement.mode, placement.chosen_by, placement.reason)
+    flight.new_attempt("t1")
+    flight.new_attempt("t2")  # a retry
+    flight.move_declined()  # asked, not moved: not a move
+    flight.moved("decode-1", "inc", "key")
+    decode = dispatch.decode_job(flight, None)
+    assert decode.kv_policy == "fail"
+    assert decode.route == wire.RouteReport(chosen_by="scheduler", reason="the scheduler runs push", attempt=2,
+                                            moves=1, takeovers=1)
+
+
+@pytest.mark.parametrize("requested,policy,chosen_by", [
+    ("pull", "push", "request"), (None, "pull", "scheduler"), ("auto", "push", "auto"), (None, "auto", "auto")])
+def test_placement_says_who_chose_the_mode(requested, policy, chosen_by):
+    placement = place(2000, requested, PlacementSettings(policy=policy), ("push", "pull"), None, None)
+    assert placement.chosen_by == chosen_by
+
+
+def test_the_gateway_shows_the_report_in_the_body_and_a_header():
+    report = path_report(job(), "decode-0", DecodeSaw(received=wire.ReceivedKv(local_tokens=0, tokens=100, blocks=7,
+                                                                                 bytes=700)), "fail", None)
+    final = wire.FinalReply(request_id="r", finish_reason="length", usage=wire.Usage(100, 4),
+                            timings=wire.Timings(1.0, 1.0, 1.0), path=report)
+    request = openai_api.parse("completion", {"prompt": "x", "max_tokens": 4, "kv_policy": "fail"}, "m")
+    assert request.generate["kv_policy"] == "fail"
+    body = openai_api.response(request, "r", [openai_api.Answer("abcd", [1, 2, 3, 4], None)], final)
+    assert body["kvpush"]["mode"] == "push" and body["kvpush"]["received_blocks"] == 7
+    assert body["kvpush"]["prefill_computed_tokens"] is None
+    (header,) = openai_api.path_header(final).values()
+    fields = openai_api.parse_path_header(header)
+    assert fields["mode"] == "push" and fields["received_bytes"] == "700" and fields["kv_policy"] == "fail"
+    assert "prefill_computed_tokens" not in fields  # unknown: left out
+    header.encode("latin-1")  # a header value
+    with pytest.raises(Exception, match="kv_policy"):
+        openai_api.parse("completion", {"prompt": "x", "kv_policy": "retry"}, "m")
