@@ -50,6 +50,11 @@ class NatsBridge:
                 bridge.start()
             return bridge
 
+    @property
+    def chaos(self) -> Chaos | None:
+        """The process's deliberate faults (``KVPUSH_CHAOS``), if any."""
+        return self._chaos
+
     def __init__(self, url: str, name: str):
         self.url = url
         self.name = name

@@ -11,7 +11,9 @@ renewals) are left alone, like the workers' heartbeats. ``KVPUSH_CHAOS_FILE`` na
 file holding the same JSON instead, read again whenever it changes (no file: no
 faults), so a test can turn faults on and off in running engines. ``KVPUSH_CHAOS_SEED``
 fixes the dice; ``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault,
-``<kind> <subject>``, so a run can report what it injected.
+``<kind> <subject>``, so a run can report what it injected. Under ``kv.flip`` (not a
+subject) a ``flip`` rate corrupts one byte of a transfer's blocks on decode once they
+landed (``flips``): what end-to-end KV checksums must catch.
 
 No NATS: the bridge asks ``delays(subject)`` and sends accordingly.
 """
@@ -26,6 +28,9 @@ import time
 from dataclasses import dataclass
 
 RELOAD_EVERY_S = 0.5
+# Not a subject: a decode's connector flips one byte in a transfer's blocks after they
+# landed and before it checks them ({"kv.flip": {"flip": 1.0}}), to show what checksums catch.
+FLIP_POINT = "kv.flip"
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Rates:
     duplicate: float = 0.0
     delay: float = 0.0
     max_delay_s: float = 0.5
+    flip: float = 0.0  # under FLIP_POINT: the fraction of arrived transfers that get one byte flipped
 
 
 def parse(spec: str) -> dict[str, Rates]:
@@ -81,6 +87,19 @@ class Chaos:
                 with open(self._log_path, "a") as out:
                     out.write(f"{kind} {subject}\n")
         return copies
+
+    def flips(self, transfer_id: str) -> int | None:
+        """``FLIP_POINT``'s dice for one transfer that landed: a seed for where to flip a
+        byte of its blocks, or None to leave it alone."""
+        with self._lock:
+            self._reload()
+            rates = self.rates.get(FLIP_POINT)
+            if rates is None or self._random.random() >= rates.flip:
+                return None
+            if self._log_path:
+                with open(self._log_path, "a") as out:
+                    out.write(f"flip {transfer_id}\n")
+            return self._random.getrandbits(32)
 
     def _reload(self) -> None:
         if self._spec_file is None or time.monotonic() - self._checked_at < RELOAD_EVERY_S:

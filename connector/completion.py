@@ -19,14 +19,16 @@ import threading
 from dataclasses import dataclass
 
 
-def block_tag(transfer_key: str, block_ids: list[int]) -> str:
-    """The tag of a copy into ``block_ids`` (the receiver's), made with the transfer's key."""
-    message = ",".join(map(str, block_ids)).encode()
-    return hashlib.blake2b(message, key=transfer_key.encode()[:64], digest_size=16).hexdigest()
+def block_tag(transfer_key: str, block_ids: list[int], digest: str = "") -> str:
+    """The tag of a copy into ``block_ids`` (the receiver's), made with the transfer's key;
+    over the copy's checksum too when it has one (``kvpush.connector.checksums``), so
+    nobody without the key can change it."""
+    message = ",".join(map(str, block_ids)) + (f"|{digest}" if digest else "")
+    return hashlib.blake2b(message.encode(), key=transfer_key.encode()[:64], digest_size=16).hexdigest()
 
 
-def tag_matches(tag: str, transfer_key: str, block_ids: list[int]) -> bool:
-    return bool(transfer_key) and keys_match(tag, block_tag(transfer_key, block_ids))
+def tag_matches(tag: str, transfer_key: str, block_ids: list[int], digest: str = "") -> bool:
+    return bool(transfer_key) and keys_match(tag, block_tag(transfer_key, block_ids, digest))
 
 
 def keys_match(given: str, expected: str) -> bool:
@@ -45,16 +47,27 @@ class Notification:
     tag: str
     part: int = 0
     parts: int = 1
+    digest: str = ""  # the copy's checksum (its part's, layer-wise), when prefill computed one
 
 
-def notification(transfer_id: str, rank: int, num_ranks: int, tag: str, part: int = 0, parts: int = 1) -> bytes:
-    return f"{transfer_id}:{rank}:{num_ranks}:{part}:{parts}:{tag}".encode()
+def notification(transfer_id: str, rank: int, num_ranks: int, tag: str, part: int = 0, parts: int = 1,
+                 digest: str = "") -> bytes:
+    """``<transfer>:<rank>:<ranks>:<part>:<parts>[:d=<digest>]:<tag>`` (a transfer id may
+    hold colons)."""
+    checksum = f":d={digest}" if digest else ""
+    return f"{transfer_id}:{rank}:{num_ranks}:{part}:{parts}{checksum}:{tag}".encode()
 
 
 def parse_notification(message: bytes) -> Notification:
     """Raises ValueError for anything that is not one."""
-    transfer_id, rank, num_ranks, part, parts, tag = message.decode().rsplit(":", 5)
-    note = Notification(transfer_id, int(rank), int(num_ranks), tag, int(part), int(parts))
+    text = message.decode()
+    fields = text.rsplit(":", 6)
+    if len(fields) == 7 and fields[5].startswith("d="):
+        transfer_id, rank, num_ranks, part, parts, digest, tag = fields
+        digest = digest[2:]
+    else:
+        (transfer_id, rank, num_ranks, part, parts, tag), digest = text.rsplit(":", 5), ""
+    note = Notification(transfer_id, int(rank), int(num_ranks), tag, int(part), int(parts), digest)
     if not 0 <= note.part < note.parts:
         raise ValueError(f"part {note.part} outside 0..{note.parts - 1}")
     return note

@@ -29,7 +29,7 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from kvpush.connector import kv_layout
+from kvpush.connector import checksums, kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.completion import CompletionCounter, Notification, block_tag, notification, tag_matches
@@ -41,7 +41,7 @@ from kvpush.otel import attributes as A
 from kvpush.otel.messaging import context_from_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.shared import wire
-from kvpush.shared.errors import ReadFailed, WriteStuck, WrongParty, refusal
+from kvpush.shared.errors import ChecksumMismatch, ReadFailed, WriteStuck, WrongParty, refusal
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
@@ -80,6 +80,9 @@ class Consumer:
         self._early_notes: dict[str, list[Notification]] = {}  # notifications before their wait started
         self._early_failures: dict[str, wire.TransferFailed] = {}  # the same for prefill's answers
         self._ended: dict[str, str] = {}  # transfer id -> its prefill engine, for waits that ended
+        self._digests: dict[str, list[Notification]] = {}  # transfer id -> its notifications with a checksum
+        self._verified: set[str] = set()  # requests whose KV matched prefill's checksum, for the scheduler side
+        self._failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed, for the same
         self._last_probe = 0.0
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
@@ -138,7 +141,24 @@ class Consumer:
             receiving.add(ended.request_id)  # finished (aborted) ones too: vLLM frees their blocks now
             if ended.failed:
                 failed.add(ended.request_id)
+                instruments().load_failures.add(1, {"reason": ended.code})
+                with self._lock:
+                    self._failures[ended.request_id] = (ended.code, ended.reason)
         return receiving, failed
+
+    def take_failures(self) -> dict[str, tuple[str, str]]:
+        """Requests whose load failed since the last call, and why: the scheduler side puts
+        it in the report of the request that computes their prompt again."""
+        with self._lock:
+            failures, self._failures = self._failures, {}
+        return failures
+
+    def take_verified(self) -> set[str]:
+        """Requests whose KV matched prefill's checksum since the last call (their path
+        report says so)."""
+        with self._lock:
+            verified, self._verified = self._verified, set()
+        return verified
 
     def take_given_up(self) -> set[str]:
         """Requests whose wait was given up since the last call: their leases at prefill
@@ -194,7 +214,7 @@ class Consumer:
         self._count_note(wait.context, note)
 
     def _count_note(self, context: "_WaitContext", note: Notification) -> None:
-        if not tag_matches(note.tag, context.transfer_key, list(context.block_ids)):
+        if not tag_matches(note.tag, context.transfer_key, list(context.block_ids), note.digest):
             self._refuse(note.transfer_id, "a WRITE notification without the transfer's tag over our blocks")
             return
         layers = len(self.transfer.layout.layers) if self.transfer is not None else 0
@@ -203,13 +223,58 @@ class Consumer:
                                            f"a copy comes whole or in our {layers} layers")
             return
         try:
+            if note.digest and note.rank == self.rank:  # (another rank's copy is in that rank's memory)
+                with self._lock:
+                    self._digests.setdefault(note.transfer_id, []).append(note)
             if not self._counter.record(note.transfer_id, note.rank, note.num_ranks, note.part, note.parts):
                 return
         except ValueError as exc:
             self._refuse(note.transfer_id, f"a WRITE notification that does not add up: {exc}")
             return
         self._counter.take_done([note.transfer_id])  # leaves a tombstone against late duplicates
-        self._kv_arrived(note.transfer_id)
+        with self._lock:
+            notes = self._digests.pop(note.transfer_id, [])
+        blocks = list(context.block_ids)
+        self._landed(note.transfer_id, blocks, context.span,
+                     [(note.digest, self._part_regions(note), blocks) for note in notes])
+
+    def _part_regions(self, note: Notification) -> tuple[int, int] | None:
+        """The regions a notification's copy covers: all, or its layer's."""
+        if note.parts == 1:
+            return None
+        _, first, end = self.transfer.layout.layers[note.part]
+        return first, end
+
+    def _landed(self, transfer_id: str, blocks: list[int], span,
+                checks: list[tuple[str, tuple[int, int] | None, list[int]]]) -> None:
+        """A transfer's KV is all in ``blocks``: check it against prefill's checksums
+        (``checks``: (digest, regions, our blocks)) before the request may run. A mismatch
+        is a failed transfer: the load fails, and decode applies the request's kv_policy."""
+        chaos = self.bridge.chaos
+        seed = chaos.flips(transfer_id) if chaos is not None and blocks else None
+        if seed is not None and checksums.readable(self.transfer.layout):  # the fault suite's corruption
+            log.warning("chaos: flipped byte %s of %s", checksums.flip_byte(self.transfer.layout, blocks, seed),
+                        transfer_id)
+        if checks and checksums.readable(self.transfer.layout):
+            with _tracer.start_as_current_span(A.KV_CHECKSUM, context=trace.set_span_in_context(span) if span
+                                               else None, attributes={A.TRANSFER_ID: transfer_id}) as check:
+                wrong = [i for i, (digest, regions, mine) in enumerate(checks)
+                         if checksums.digest(self.transfer.layout, mine, regions) != digest]
+                if wrong:
+                    check.set_attribute(A.ERROR_CODE, ChecksumMismatch.code)
+            if wrong:
+                reason = (f"{ChecksumMismatch.code}: the KV that landed differs from what prefill computed "
+                          f"({len(wrong)} of {len(checks)} checksums)")
+                log.error("transfer %s: %s", transfer_id, reason)
+                instruments().checksum_mismatches.add(1)
+                self._waits.prefill_gave_up(transfer_id, reason)
+                self._wake()
+                return
+            wait = self._waits.get(transfer_id)
+            if wait is not None:
+                with self._lock:
+                    self._verified.add(wait.request_id)
+        self._kv_arrived(transfer_id)
 
     # ---------------------------------------------------------------- NATS
 
@@ -283,7 +348,11 @@ class Consumer:
                 self._read_failed(read, result.error)
                 return
             record_transfer(result)
-            self._kv_arrived(read.transfer_id)
+            digests = read.block_digests[read.first_block:]
+            checks = [(digest, None, [block]) for digest, block in zip(digests, read.local_block_ids)] \
+                if len(digests) == len(read.local_block_ids) else []
+            wait = self._waits.get(read.transfer_id)
+            self._landed(read.transfer_id, list(read.local_block_ids), wait.context.span if wait else None, checks)
 
         self.transfer.submit(
             TransferJob(

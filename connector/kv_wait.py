@@ -61,6 +61,19 @@ class Released:
         """A live request whose KV will not come: vLLM must recompute it or fail it."""
         return not self.arrived and not self.request_finished
 
+    @property
+    def code(self) -> str:
+        """Why, as a short code: the error code prefill (or our own check) answered with,
+        ``kv_wait_expired`` when decode gave the wait up, ``write_stuck`` for a stuck write."""
+        head, _, _ = self.reason.partition(":")
+        if head.isidentifier() and head != "prefill's":
+            return head
+        if self.reason.startswith("no KV within"):
+            return "kv_wait_expired"
+        if self.reason.startswith("prefill's write is stuck"):
+            return "write_stuck"
+        return "kv_load_failed"
+
 
 @dataclass
 class KvWaits:

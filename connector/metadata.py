@@ -20,6 +20,7 @@ class ReadyPrefill:
     num_tokens: int = 0
     decode_engine_id: str = ""  # push: the only decode whose registration may be written to
     transfer_key: str = ""  # the transfer's secret: a registration and a revoke must carry it
+    checksum: bool = False  # the scheduler asked for a checksum of its KV (connector/checksums.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class PullRead:
     transfer_key: str = ""
     prefill_incarnation: str = ""  # read through that start's agent only
     first_block: int = 0
+    block_digests: list[str] = field(default_factory=list)  # prefill's, one per prompt block (none: unchecked)
 
     @property
     def sources(self) -> list[int]:
@@ -71,6 +73,9 @@ class KvpushWorkerMeta(KVConnectorWorkerMetadata):
     """What the worker side tells the scheduler side after a step."""
 
     given_up: set[str] = field(default_factory=set)  # decode requests whose KV wait was given up: stop renewing
+    verified: set[str] = field(default_factory=set)  # decode requests whose KV matched prefill's checksum
+    load_failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # decode request -> (code, why)
 
     def aggregate(self, other: "KvpushWorkerMeta") -> "KvpushWorkerMeta":
-        return KvpushWorkerMeta(self.given_up | other.given_up)
+        return KvpushWorkerMeta(self.given_up | other.given_up, self.verified | other.verified,
+                                {**self.load_failures, **other.load_failures})

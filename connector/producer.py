@@ -39,6 +39,7 @@ from opentelemetry import trace
 from kvpush.connector import chaos, kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
+from kvpush.connector import checksums
 from kvpush.connector.completion import Notification, block_tag, notification
 from kvpush.connector.layer_writes import LayerWrites, NotWritten, Written
 from kvpush.connector.metadata import KvpushMetadata, ReadyPrefill
@@ -182,6 +183,9 @@ class Producer:
             if arrival.forged is not None:
                 self._refuse(arrival.forged)
             if ready.mode == "pull":
+                if ready.checksum and checksums.readable(self.transfer.layout):  # for the handoff (checksums.py)
+                    checksums.PULL_DIGESTS.put(ready.transfer_id,
+                                               checksums.block_digests(self.transfer.layout, ready.block_ids))
                 with self._lock:
                     self._book.serve(ready)
                 self.transfer.expect(1)
@@ -376,6 +380,7 @@ class Producer:
             record_transfer(result)
             self._done(match, result.bytes, result.descriptors, started)
 
+        digest = self._digest(ready, sources(registration, ready))
         self.transfer.submit(
             TransferJob(
                 "WRITE",
@@ -384,7 +389,7 @@ class Producer:
                 sources(registration, ready),
                 registration.block_ids,
                 notification(match.transfer_id, self.rank, self.tp_size,
-                             block_tag(ready.transfer_key, registration.block_ids)),
+                             block_tag(ready.transfer_key, registration.block_ids, digest), digest=digest),
                 on_done,
                 parent=context_from_traceparent(ready.traceparent),
             )
@@ -446,14 +451,24 @@ class Producer:
     def _layer_job(self, push: _LayeredPush, index: int) -> TransferJob:
         registration, ready = push.match.registration, push.match.prefill
         _, first, end = self.transfer.layout.layers[index]
+        digest = self._digest(ready, sources(registration, ready), (first, end))
         return TransferJob(
             "WRITE", push.match.transfer_id, push.remote, sources(registration, ready), registration.block_ids,
             notification(push.match.transfer_id, self.rank, self.tp_size,
-                         block_tag(ready.transfer_key, registration.block_ids), part=index, parts=push.writes.layers),
+                         block_tag(ready.transfer_key, registration.block_ids, digest), part=index,
+                         parts=push.writes.layers, digest=digest),
             lambda result, index=index: self._layer_done(push.match.transfer_id, index, result),
             parent=context_from_traceparent(ready.traceparent),
             regions=(first, end),
         )
+
+    def _digest(self, ready: ReadyPrefill, blocks: list[int], regions: tuple[int, int] | None = None) -> str:
+        """The checksum of what a WRITE sends, if the scheduler asked for one ("" if not)."""
+        if not ready.checksum or not checksums.readable(self.transfer.layout):
+            return ""
+        with _tracer.start_as_current_span(A.KV_CHECKSUM, context=context_from_traceparent(ready.traceparent),
+                                           attributes={A.TRANSFER_ID: ready.transfer_id, A.BLOCKS: len(blocks)}):
+            return checksums.digest(self.transfer.layout, blocks, regions)
 
     def _layer_done(self, transfer_id: str, index: int, result: TransferResult) -> None:
         """The transfer thread: one layer's WRITE ended (or is stuck)."""

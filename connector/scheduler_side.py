@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from kvpush.connector import checksums
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.leases import Renewals
 from kvpush.connector.metadata import ExpectedKv, KvpushMetadata, KvpushWorkerMeta, PullRead, ReadyPrefill
@@ -34,6 +35,7 @@ from kvpush.otel.messaging import context_from_traceparent
 from kvpush.shared import settings, wire
 
 _tracer = trace.get_tracer("kvpush.connector")
+MAX_LOAD_FAILURES = 10_000  # kept until the request computing the prompt again asks (bounded)
 RENEWAL_BATCH = 2_000  # transfer ids per LeaseRenewal: ~70 kB, far under NATS's 1 MB default payload
 
 if TYPE_CHECKING:
@@ -94,6 +96,8 @@ class ConnectorScheduler:
         self._reads: list[PullRead] = []  # decode side, pull: for the next metadata
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
         self._received: dict[str, _Received] = {}  # decode: requests whose KV comes from prefill
+        self._verified: set[str] = set()  # of those, the ones whose KV matched prefill's checksum
+        self._load_failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed
         self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
         self._renewals_lock = threading.Lock()  # protects _renewals (vLLM's scheduler thread and the bridge's)
         bridge.every(renew_every_s, self._lease_renewals)
@@ -159,6 +163,7 @@ class ConnectorScheduler:
                 first_block=first_block,
                 prefill_engine_id=params.prefill_engine_id,
                 remote_block_ids=list(params.remote_block_ids),  # what prefill's request_finished returned
+                block_digests=list(params.block_digests),
                 traceparent=params.traceparent,
                 transfer_key=params.transfer_key,
                 prefill_incarnation=params.prefill_incarnation,
@@ -218,7 +223,7 @@ class ConnectorScheduler:
             meta.ready_prefills.append(
                 ReadyPrefill(request_id, prefill.params.transfer_id, prefill.block_ids, prefill.params.traceparent,
                              prefill.params.mode, request.num_prompt_tokens, prefill.params.decode_engine_id,
-                             prefill.params.transfer_key)
+                             prefill.params.transfer_key, prefill.params.checksum)
             )
         return meta
 
@@ -227,11 +232,18 @@ class ConnectorScheduler:
         Decode: say where the prompt came from (``wire.RECEIVED_KEY``, for the path
         report); vLLM passes both on in the request's last output."""
         self._stop_renewing([request.request_id])
+        recompute_of = (request.kv_transfer_params or {}).get(wire.RECOMPUTE_OF_KEY)
+        if isinstance(recompute_of, str):  # decode computed the prompt itself: why its KV did not come
+            code, why = self._pop_load_failure(recompute_of)
+            return False, {wire.LOAD_FAILURE_KEY: {"code": code, "reason": why}}
         received = self._received.pop(request.request_id, None)
         if received is not None:
+            verified = request.request_id in self._verified
+            self._verified.discard(request.request_id)
             return False, {wire.RECEIVED_KEY: wire.ReceivedKv(
                 local_tokens=received.local_tokens, tokens=received.tokens, blocks=received.blocks,
-                bytes=received.blocks * self.bytes_per_block).as_params()}
+                bytes=received.blocks * self.bytes_per_block,
+                checksum="verified" if verified else "unchecked").as_params()}
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
             return False, None
@@ -243,13 +255,29 @@ class ConnectorScheduler:
             prefill_tp_size=self.tp_size,
             remote_block_ids=prefill.block_ids,
             prefill_incarnation=self.incarnation,
+            # Computed by the worker side after the forward pass, when it runs in this process.
+            block_digests=(checksums.PULL_DIGESTS.take(prefill.params.transfer_id) or []
+                           if prefill.params.checksum and prefill.params.mode == "pull" else []),
         ).as_params()
+
+    def _pop_load_failure(self, engine_request_id: str) -> tuple[str, str]:
+        """Why the load of the worker's ``engine_request_id`` failed (vLLM's own id for it
+        adds "-" and 8 random characters)."""
+        for request_id in self._load_failures:
+            if request_id == engine_request_id or request_id.rpartition("-")[0] == engine_request_id:
+                return self._load_failures.pop(request_id)
+        return "kv_load_failed", ""
 
     def update_connector_output(self, connector_output) -> None:
         self._stop_renewing(connector_output.finished_recving or ())
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KvpushWorkerMeta):
             self._stop_renewing(worker_meta.given_up)  # decode gave up the wait: let prefill's lease run out
+            self._verified |= worker_meta.verified & self._received.keys()
+            for request_id, failure in worker_meta.load_failures.items():  # for the request recomputing it
+                self._load_failures[request_id] = failure
+            while len(self._load_failures) > MAX_LOAD_FAILURES:
+                del self._load_failures[next(iter(self._load_failures))]
         for request_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(request_id)
 

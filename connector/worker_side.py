@@ -140,8 +140,11 @@ class ConnectorWorker:
         self._progress.set()
 
     def build_worker_meta(self) -> KvpushWorkerMeta | None:
-        given_up = self.consumer.take_given_up() if self.consumer is not None else set()
-        return KvpushWorkerMeta(given_up) if given_up else None
+        if self.consumer is None:
+            return None
+        given_up, verified, failures = (self.consumer.take_given_up(), self.consumer.take_verified(),
+                                        self.consumer.take_failures())
+        return KvpushWorkerMeta(given_up, verified, failures) if given_up or verified or failures else None
 
     # ---------------------------------------------------------------- the transfer thread
 

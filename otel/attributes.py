@@ -89,6 +89,7 @@ KV_READ = "kv.read"  # pull: the same, as a READ on decode's transfer thread
 KV_TRANSFER_PREPARE = "kv.transfer.prepare"  # build and coalesce descriptors
 KV_TRANSFER = "kv.transfer"  # WRITE or READ posted -> NIXL reports it done
 KV_WAIT = "kv.wait"  # decode worker: blocks registered -> every producer's notification
+KV_CHECKSUM = "kv.checksum"  # a checksum of a transfer's blocks: prefill computes it, decode checks it
 
 SPANS: dict[str, str] = {
     SCHEDULER_QUEUE: "request received -> the scheduler starts on it",
@@ -112,4 +113,7 @@ SPANS: dict[str, str] = {
     KV_TRANSFER_PREPARE: "build and coalesce descriptors",
     KV_TRANSFER: "WRITE or READ posted -> NIXL reports it done",
     KV_WAIT: "decode: blocks registered -> every producer rank's notification arrived",
+    KV_CHECKSUM: "a checksum of a transfer's blocks (connector/checksums.py): prefill computes it before the "
+                 "WRITE (or, pull, before the handoff); decode checks it over what it received before the request "
+                 "runs (kvpush.error.code checksum_mismatch when it differs)",
 }

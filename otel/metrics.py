@@ -49,6 +49,12 @@ class _Instruments:
         self.recomputed_tokens = m.create_counter(
             "kvpush.kv.recomputed_tokens", description="prompt tokens decode computed again because their KV, "
                                                        "computed by prefill, did not arrive intact")
+        self.load_failures = m.create_counter(
+            "kvpush.kv.load_failures", description="decode: prompts whose KV did not arrive intact, by reason "
+                                                   "(checksum_mismatch, kv_wait_expired, lease_expired, ...)")
+        self.checksum_mismatches = m.create_counter(
+            "kvpush.kv.checksum_mismatches", description="transfers whose KV, as it landed on decode, differed "
+                                                         "from prefill's checksum (failed: kv_policy applies)")
         self.free_kv_blocks = m.create_gauge("kvpush.worker.free_kv_blocks", description="free KV blocks per worker")
         self.stuck_holds = m.create_gauge(
             "kvpush.kv.stuck_holds",

@@ -163,18 +163,23 @@ def waterfall(trace: list[dict], width: int = 48) -> str:
             f"{label:<{name_width}} {service:<18} {(span['start_ns'] - origin) / 1e6:8.1f} "
             f"{(span['end_ns'] - span['start_ns']) / 1e6:8.1f} ms |{bar:<{width}}|"
         )
-    segments = critical_path(trace)
     lines.append("")
+    lines.extend(critical_path_lines(trace))
+    return "\n".join(lines)
+
+
+def critical_path_lines(trace: list[dict]) -> list[str]:
+    """The critical path to the first token, segment by segment, and its split."""
+    segments = critical_path(trace)
     if segments is None:
-        lines.append("critical path: incomplete trace (a stage is missing)")
-        return "\n".join(lines)
-    lines.append(f"critical path to the first token: {ttft_ms(segments):.1f} ms")
+        return ["critical path: incomplete trace (a stage is missing)"]
+    lines = [f"critical path to the first token: {ttft_ms(segments):.1f} ms"]
     for segment in segments:
         lines.append(f"  {segment.name:<20} {segment.category:<13} {segment.ms:8.1f} ms")
     shares = split(segments)
     total_ms = ttft_ms(segments) or 1.0
     lines.append("  " + "  ".join(f"{c} {shares[c]:.1f} ms ({100 * shares[c] / total_ms:.0f}%)" for c in CATEGORIES))
-    return "\n".join(lines)
+    return lines
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -213,6 +213,12 @@ class ReadFailed(TransferError):
     code = "read_failed"
 
 
+class ChecksumMismatch(TransferError):
+    """The KV that landed on decode differs from prefill's checksum of it."""
+
+    code = "checksum_mismatch"
+
+
 def to_error_body(exc: BaseException) -> ErrorBody:
     if isinstance(exc, KvpushError):
         return ErrorBody(code=exc.code, message=exc.message)

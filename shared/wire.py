@@ -139,6 +139,8 @@ KvPolicy = Literal["recompute", "fail"]
 """What decode does with a request whose KV did not arrive intact: compute the prompt
 itself (``recompute``), or end the request with ``kv_transfer_failed`` (``fail``)."""
 KV_POLICIES: tuple[str, ...] = ("recompute", "fail")
+KvChecksum = Literal["verified", "unchecked"]
+KV_CHECKSUMS: tuple[str, ...] = ("off", "sampled", "full")  # which transfers get one (--kv-checksums)
 ModeChooser = Literal["request", "scheduler", "auto"]
 """Who chose a request's mode: the request's transfer_mode, the scheduler's fixed --mode,
 or --mode auto (or transfer_mode auto) from live load."""
@@ -456,7 +458,9 @@ class PathReport(msgspec.Struct):
     decode_cached_tokens: int | None
     decode_computed_tokens: int
     recomputed_tokens: int  # of decode_computed_tokens: the ones prefill computed but whose KV failed
-    kv_failure: str = ""  # why the KV did not arrive intact, when it did not
+    kv_failure: str = ""  # the code of why the KV did not arrive intact (checksum_mismatch, ...), when it did not
+    kv_failure_reason: str = ""  # the same, in a sentence
+    kv_checksum: KvChecksum | None = None  # the received KV against prefill's checksum (None: nothing received)
 
     @property
     def retries(self) -> int:
@@ -568,6 +572,7 @@ class PrefillJob(Internal):
     decode_engine_id: str = ""  # push only: pull picks decode after prefill
     transfer_key: str = ""  # the transfer's secret, shared with its decode only
     prompt_logprobs: int | None = None  # the request's: prefill computes them with the prompt
+    kv_checksum: bool = False  # send a checksum of the prompt's KV with it (--kv-checksums)
 
 
 class RouteReport(msgspec.Struct):
@@ -852,6 +857,7 @@ class PrefillKvParams(_KvParams, kw_only=True):
     decode_engine_id: str = ""  # push: the only decode whose registration may be written to
     traceparent: str = ""
     transfer_key: str = ""
+    checksum: bool = False  # send a checksum of the KV with it (connector/checksums.py)
 
 
 class PrefilledKv(_KvParams, kw_only=True):
@@ -863,6 +869,7 @@ class PrefilledKv(_KvParams, kw_only=True):
     prefill_tp_size: int
     remote_block_ids: list[int]
     prefill_incarnation: str = ""  # read through this start's agents only
+    block_digests: list[str] = msgspec.field(default_factory=list)  # one checksum per block, when asked for
 
 
 class DecodeKvParams(_KvParams, kw_only=True):
@@ -879,9 +886,14 @@ class DecodeKvParams(_KvParams, kw_only=True):
     prefill_incarnation: str = ""
     traceparent: str = ""
     transfer_key: str = ""
+    block_digests: list[str] = msgspec.field(default_factory=list)  # pull: prefill's checksums of its blocks
 
 
 RECEIVED_KEY = "kvpush_received"  # a decode request's last output's kv_transfer_params: ReceivedKv
+# Decode computing a prompt whose KV did not come names the failed engine request (a
+# request's kv_transfer_params); its last output says why that load failed ({code, reason}).
+RECOMPUTE_OF_KEY = "kvpush_recompute_of"
+LOAD_FAILURE_KEY = "kvpush_load_failure"
 
 
 class ReceivedKv(_KvParams, kw_only=True):
@@ -893,6 +905,7 @@ class ReceivedKv(_KvParams, kw_only=True):
     tokens: int  # received from prefill
     blocks: int  # the blocks they filled
     bytes: int  # the bytes written (read) into them
+    checksum: KvChecksum = "unchecked"  # verified: equal to prefill's checksum before the request ran
 
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):

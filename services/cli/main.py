@@ -12,7 +12,7 @@ from kvpush.shared.nats_security import NatsConfigError, connect_options, export
 
 # The order ``kvpush --help`` lists the commands in; any other comes after these, by name.
 LISTED = ("model", "up", "demo", "scheduler", "gateway", "worker", "generate", "cancel", "bench", "soak",
-          "bench-multiturn", "bench-scheduler", "bench-transfer", "conformance", "status", "nats-config", "trace")
+          "bench-multiturn", "bench-scheduler", "bench-transfer", "conformance", "status", "nats-config", "trace", "explain")
 
 
 def _listed_at(name: str) -> tuple[int, str]:

@@ -57,7 +57,7 @@ def add_demo(sub) -> None:
 def add_scheduler(sub) -> None:
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
-    cli_settings.add(scheduler, "--mode", "--kv-policy", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
+    cli_settings.add(scheduler, "--mode", "--kv-policy", "--kv-checksums", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_scheduler"))
@@ -165,9 +165,18 @@ def add_trace(sub) -> None:
     trace.set_defaults(func=lazy("kvpush.services.cli.tools:cmd_trace"))
 
 
+def add_explain(sub) -> None:
+    explain = sub.add_parser("explain", help="how one request was served: its path report (from its kept final, "
+                                             "asked as the client that sent it) and its critical path (span files)")
+    explain.add_argument("request_id")
+    nats_options(explain)
+    explain.add_argument("--dir", help="span folder (default: $KVPUSH_TRACE_DIR or ~/.cache/kvpush/traces)")
+    explain.set_defaults(func=lazy("kvpush.services.cli.requests:cmd_explain"))
+
+
 # name -> register(subparsers); main.LISTED orders them with the installed ones
 COMMANDS: dict[str, Register] = {
     "model": add_model, "up": add_up, "demo": add_demo, "scheduler": add_scheduler, "gateway": add_gateway,
     "worker": add_worker, "generate": add_generate, "cancel": add_cancel, "status": add_status,
-    "nats-config": add_nats_config, "trace": add_trace,
+    "nats-config": add_nats_config, "trace": add_trace, "explain": add_explain,
 }

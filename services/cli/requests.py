@@ -1,4 +1,4 @@
-"""Commands that talk to a running stack: generate, cancel, status."""
+"""Commands that talk to a running stack: generate, cancel, status, explain."""
 
 from __future__ import annotations
 
@@ -35,12 +35,80 @@ def describe_final(final: wire.LastMessage) -> str:
             line = (f"finish_reason={finish_reason} tokens={usage.completion_tokens} "
                     f"ttft={t.ttft_ms:.0f} ms tpot={t.tpot_ms:.1f} ms")
             if final.path is not None:
-                path = final.path
-                line += (f"\npath: {path.mode} ({path.chosen_by}: {path.reason}) prefill={path.prefill_worker or '-'} "
-                         f"decode={path.decode_worker} attempt={path.attempt}; prompt {path.prompt_tokens} tokens: "
-                         f"received {path.received_tokens}, decode's cache {path.decode_cached_tokens}, "
-                         f"computed on decode {path.decode_computed_tokens} (recomputed {path.recomputed_tokens})")
+                line += "\n" + describe_path(final.path)
             return line
+
+
+def describe_path(path: wire.PathReport) -> str:
+    """A path report (``wire.PathReport``) in a few lines."""
+    def count(value) -> str:
+        return "unknown" if value is None else str(value)
+
+    lines = [
+        f"path: {path.mode}, chosen by {path.chosen_by} ({path.reason or 'no reason given'})",
+        f"  workers: prefill {path.prefill_worker or '-'}, decode {path.decode_worker}; attempt {path.attempt} "
+        f"({path.retries} retries), {path.moves} moves, {path.takeovers} takeovers; kv_policy {path.kv_policy}",
+        f"  prompt {path.prompt_tokens} tokens: computed on prefill {count(path.prefill_computed_tokens)}, "
+        f"received {count(path.received_tokens)} ({count(path.received_blocks)} blocks, "
+        f"{count(path.received_bytes)} bytes), found in decode's cache {count(path.decode_cached_tokens)}, "
+        f"computed on decode {path.decode_computed_tokens} (recomputed {path.recomputed_tokens})",
+    ]
+    if path.kv_checksum is not None:
+        lines.append(f"  KV checksum: {path.kv_checksum}")
+    if path.kv_failure:
+        lines.append(f"  the KV did not arrive intact: {path.kv_failure}"
+                     + (f" ({path.kv_failure_reason})" if path.kv_failure_reason else ""))
+    return "\n".join(lines)
+
+
+async def explain(nc, request_id: str, spans: list[dict]) -> tuple[str, bool]:
+    """What ``kvpush explain`` prints for one request (asking as ``nc``'s client, whose
+    request ids these are): its kept final's path report, and its trace's critical path
+    from ``spans``. (text, whether the final was found)."""
+    from kvpush.client import ask_final
+    from kvpush.otel import trace_view
+
+    last = await ask_final(nc, request_id)
+    lines = [f"request {request_id}"]
+    found = False
+    match last:
+        case wire.FinalReply():
+            found = True
+            lines.append(describe_final(last))
+            if last.path is None:
+                lines.append("path: not reported (its decode predates path reports)")
+        case wire.ErrorReply(error=error) if error.code in ("in_flight", "not_found"):
+            lines.append(f"no final kept: {error.message}")
+        case wire.ErrorReply():
+            found = True
+            lines.append(describe_final(last))
+        case None:
+            lines.append("no scheduler answered")
+    trace = trace_view.find_trace(spans, request_id)
+    lines.append("")
+    lines.extend(trace_view.critical_path_lines(trace) if trace else
+                 ["trace: none in the span files (spans go there when OTEL_EXPORTER_OTLP_ENDPOINT is not set; "
+                  "with a collector, find the trace there by kvpush.request_id)"])
+    return "\n".join(lines), found
+
+
+def cmd_explain(args) -> int:
+    from pathlib import Path
+
+    from kvpush.otel.files import default_trace_dir, read_spans
+
+    spans = read_spans(Path(args.dir) if args.dir else default_trace_dir())
+
+    async def ask() -> tuple[str, bool]:
+        nc = await connect(args.nats_url)
+        try:
+            return await explain(nc, args.request_id, spans)
+        finally:
+            await nc.close()
+
+    text, found = asyncio.run(ask())
+    print(text)
+    return 0 if found else 1
 
 
 def cmd_generate(args) -> int:

@@ -56,6 +56,11 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "itself (recompute), or the request ends with kv_transfer_failed (fail); unless it says (kv_policy). "
             "A decode worker run with --on-kv-failure fail fails such requests whatever they say",
             str, ("recompute", "fail")),
+    Setting("--kv-checksums", "KVPUSH_KV_CHECKSUMS", defaults.KV_CHECKSUMS,
+            "end-to-end checksums of transferred KV: prefill sends a checksum of the blocks, decode checks what "
+            f"landed before the request runs (a mismatch is a failed transfer: kv_policy applies); for every "
+            f"transfer (full), {defaults.KV_CHECKSUM_FRACTION:g} of them (sampled), or none (off)",
+            str, ("off", "sampled", "full")),
     Setting("--local-below-tokens", "KVPUSH_LOCAL_BELOW_TOKENS", defaults.LOCAL_PREFILL_TOKENS,
             "--mode auto: prompts shorter than this are computed by their decode worker", int),
     Setting("--push-within-s", "KVPUSH_PUSH_WITHIN_S", defaults.PUSH_WITHIN_S,

@@ -546,7 +546,8 @@ PATH_HEADER = "X-Kvpush-Path"
 # The header's fields, in order (the path report's reason is free text: the body's only).
 _HEADER_FIELDS = ("mode", "chosen_by", "prefill_worker", "decode_worker", "attempt", "moves", "takeovers",
                   "kv_policy", "prompt_tokens", "prefill_computed_tokens", "received_tokens", "received_blocks",
-                  "received_bytes", "decode_cached_tokens", "decode_computed_tokens", "recomputed_tokens", "kv_failure")
+                  "received_bytes", "decode_cached_tokens", "decode_computed_tokens", "recomputed_tokens", "kv_checksum",
+                  "kv_failure")
 
 
 def path_object(final: wire.FinalReply) -> dict | None:

@@ -23,7 +23,7 @@ from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.placement import Placement, PlacementSettings, place
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.timing import WATCH_INTERVAL_S, Uptime
-from kvpush.shared import connector_kinds, wire
+from kvpush.shared import connector_kinds, settings, wire
 from kvpush.shared.errors import EngineFailed, NoWorkers
 
 log = structlog.get_logger("kvpush.scheduler")
@@ -32,8 +32,9 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 
 class Attempts:
     def __init__(self, pool: WorkerPool, flights: FlightTable, journal: Journal, outbox: Outbox,
-                 placement: PlacementSettings, uptime: Uptime):
+                 placement: PlacementSettings, uptime: Uptime, kv_checksums: str = settings.KV_CHECKSUMS):
         self.pool = pool
+        self.kv_checksums = kv_checksums  # which transfers get an end-to-end checksum
         self.flights = flights
         self.journal = journal
         self.outbox = outbox
@@ -117,7 +118,7 @@ class Attempts:
         beat = self.pool.beat(prefill.worker_id)  # as it is now, after the write
         # Both at once: decode registers its blocks while prefill computes.
         await asyncio.gather(
-            self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight)),
+            self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums)),
             self.outbox.send(decode.worker_id, dispatch.decode_job(flight, beat.kv_params if beat else None)),
         )
 
@@ -137,7 +138,7 @@ class Attempts:
         handoff_arrived = asyncio.get_running_loop().create_future()
         self._handoffs[transfer_id] = handoff_arrived
         try:
-            await self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight))
+            await self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums))
             with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
                 handoff: wire.Handoff = await handoff_arrived  # the deadline watch bounds this wait
         finally:

@@ -9,15 +9,27 @@ scheduler only passes on what the prefill side says about itself: its heartbeat'
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from kvpush.services.scheduler.flights import Flight
-from kvpush.shared import wire
+from kvpush.shared import settings, wire
 
 
-def prefill_job(flight: Flight) -> wire.PrefillJob:
+def checksum_for(transfer_id: str, setting: str, fraction: float = settings.KV_CHECKSUM_FRACTION) -> bool:
+    """Whether a transfer's KV gets an end-to-end checksum (``--kv-checksums``): every
+    one (``full``), none (``off``), or ``fraction`` of them (``sampled``), decided from the
+    transfer's id, so a retry (a new id) is decided anew."""
+    if setting == "full":
+        return True
+    if setting != "sampled":
+        return False
+    return random.Random(transfer_id).random() < fraction
+
+
+def prefill_job(flight: Flight, kv_checksums: str = "off") -> wire.PrefillJob:
     """Push: decode is already chosen (its registration is the only one prefill may write
-    to). Pull: decode is chosen after prefill."""
+    to). Pull: decode is chosen after prefill. ``kv_checksums``: the scheduler's setting."""
     return wire.PrefillJob(
         request_id=flight.request_id,
         transfer_id=flight.transfer_id,
@@ -27,6 +39,7 @@ def prefill_job(flight: Flight) -> wire.PrefillJob:
         decode_engine_id=flight.decode_id if flight.mode == "push" else "",
         transfer_key=flight.transfer_key,
         prompt_logprobs=flight.request.sampling.prompt_logprobs,
+        kv_checksum=checksum_for(flight.transfer_id, kv_checksums),
     )
 
 

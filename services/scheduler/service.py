@@ -75,7 +75,8 @@ class Scheduler(Service):
                  max_in_flight: int = settings.MAX_IN_FLIGHT,
                  scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1,
                  local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
-                 push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY):
+                 push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY,
+                 kv_checksums: str = settings.KV_CHECKSUMS):
         self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
                                            push_within_s=push_within_s)
         self.mode = mode
@@ -87,6 +88,9 @@ class Scheduler(Service):
         if kv_policy not in wire.KV_POLICIES:
             raise ValueError(f"kv_policy must be recompute or fail, not {kv_policy!r}")
         self.kv_policy = kv_policy
+        if kv_checksums not in wire.KV_CHECKSUMS:
+            raise ValueError(f"kv_checksums must be off, sampled or full, not {kv_checksums!r}")
+        self.kv_checksums = kv_checksums
         self.validator = validator
         self.max_in_flight = max_in_flight
         # Tokenizing a long prompt takes a while: off the event loop, one at a time (a
@@ -117,7 +121,8 @@ class Scheduler(Service):
     def _assemble(self) -> None:
         journal = Journal(self.ledger, self.flights, self.scheduler_id, self.incarnation)
         outbox = Outbox(self.bus, self.ledger)
-        attempts = Attempts(self.pool, self.flights, journal, outbox, self.placement, self.uptime)
+        attempts = Attempts(self.pool, self.flights, journal, outbox, self.placement, self.uptime,
+                            kv_checksums=self.kv_checksums)
         recovery = Recovery(self.ledger, self.pool, self.flights, self._requests, attempts, outbox)
         moves = Moves(self.bus, self.ledger, self.pool, self.flights, journal, outbox, recovery, self.scheduler_id)
         self.adoption = Adoption(self.ledger, self.flights, self.schedulers, self._intake, self.early_cancels,

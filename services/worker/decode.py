@@ -46,7 +46,6 @@ log = structlog.get_logger("kvpush.worker")
 # the final waits a little for its cached-token count, then says it is unknown.
 PROMPT_LOGPROBS_WAIT_S = 30.0
 PROMPT_REPORT_WAIT_S = 2.0
-KV_NOT_ARRIVED = "kv_not_arrived"  # the fallback reason: the prompt's KV did not come from prefill
 _tracer = trace.get_tracer("kvpush.worker")
 
 
@@ -65,7 +64,6 @@ class _Stream:
     kv_policy: str = "recompute"  # what it does if the prompt's KV does not arrive intact
     computed_here: bool = False  # our engine computed the prompt (local, or after a failed transfer)
     cached_here: int | None = None  # then: what our prefix cache held of it
-    kv_failure: str = ""  # why the prompt's KV did not arrive intact, when it did not
 
 
 class _KvNotArrived(Exception):
@@ -97,7 +95,7 @@ class DecodeRole:
     async def start(self) -> None:
         metrics = instruments()  # at 0 from the start: an alert on them needs a series before the first fallback
         for outcome in ("recomputed", "failed"):
-            metrics.kv_fallbacks.add(0, {"reason": KV_NOT_ARRIVED, "outcome": outcome})
+            metrics.kv_fallbacks.add(0, {"outcome": outcome})
         metrics.recomputed_tokens.add(0, {"mode": "push"})
         self.claims = Claims(self.worker.bus.nc, wire.Claimant.decode(self.worker.worker_id))
         self._probe_prefix = self.worker.bus.nc.new_inbox()
@@ -197,15 +195,15 @@ class DecodeRole:
                 return
             except _KvNotArrived:
                 if stream.chunks or stream.kv_policy == "fail":
-                    instruments().kv_fallbacks.add(1, {"reason": KV_NOT_ARRIVED, "outcome": "failed"})
+                    instruments().kv_fallbacks.add(1, {"outcome": "failed"})
                     raise KvTransferFailed(_kv_failed_message(job.kv_policy, stream.chunks)) from None
             # Recompute: nothing was sent; the same request, its prompt computed here.
             log.warning("the prompt's KV did not arrive: computing it here", transfer_id=job.transfer_id,
                         request_id=job.request_id)
-            instruments().kv_fallbacks.add(1, {"reason": KV_NOT_ARRIVED, "outcome": "recomputed"})
-            stream.kv_failure = KV_NOT_ARRIVED
+            instruments().kv_fallbacks.add(1, {"outcome": "recomputed"})
             computing = True
-            engine_request_id, kv_params = f"{engine_request_id}-r", {}
+            # Our connector tells this request's last output why the first one's load failed.
+            engine_request_id, kv_params = f"{engine_request_id}-r", {wire.RECOMPUTE_OF_KEY: engine_request_id}
 
     async def _generate(self, running: RunningJob, stream: _Stream, probe: str, engine_request_id: str,
                         kv_params: dict, kwargs: dict, computing: bool) -> None:
@@ -368,10 +366,11 @@ class DecodeRole:
 
     def _path(self, job: wire.DecodeJob, stream: _Stream, prefill: wire.PromptReport | None) -> wire.PathReport:
         """The request's path report, counted in the metrics and on the span."""
-        received = None if stream.computed_here else path_report.received_of(
-            getattr(stream.last, "kv_transfer_params", None))
+        said = getattr(stream.last, "kv_transfer_params", None)  # our connector's, in the last output
+        received = None if stream.computed_here else path_report.received_of(said)
+        failure = path_report.load_failure_of(said) if stream.computed_here and job.mode != "local" else None
         saw = path_report.DecodeSaw(received=received, computed_here=stream.computed_here,
-                                    cached_here=stream.cached_here, kv_failure=stream.kv_failure)
+                                    cached_here=stream.cached_here, kv_failure=failure)
         path = path_report.path_report(job, self.worker.worker_id, saw, stream.kv_policy, prefill)
         metrics = instruments()
         metrics.paths.add(1, {"mode": path.mode, "chosen_by": path.chosen_by})
@@ -436,7 +435,8 @@ def _kv_failed_message(requested: str, chunks: int) -> str:
         return "the prompt's KV cache was found lost after tokens went out"
     why = "the request's kv_policy is fail" if requested == "fail" else \
         "this decode worker fails such requests whatever they ask (--on-kv-failure fail)"
-    return f"the prompt's KV cache did not arrive from prefill, and {why}; nothing was recomputed"
+    return (f"the prompt's KV cache did not arrive intact from prefill (its transfer failed or timed out, or it "
+            f"differed from prefill's checksum), and {why}; nothing was recomputed")
 
 
 def _not_ours(running: RunningJob) -> str:

@@ -90,7 +90,7 @@ class KvpushStrategy(KindStrategy):
     def prefill_request(self, job: wire.PrefillJob, traceparent: str) -> tuple[str, dict]:
         params = wire.PrefillKvParams(transfer_id=job.transfer_id, mode=job.mode,
                                       decode_engine_id=job.decode_engine_id, traceparent=traceparent,
-                                      transfer_key=job.transfer_key)
+                                      transfer_key=job.transfer_key, checksum=job.kv_checksum)
         return f"{job.request_id}-p-{job.transfer_id[:8]}", params.as_params()
 
     def remote_decode_request(self, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
@@ -101,6 +101,7 @@ class KvpushStrategy(KindStrategy):
             prefilled = wire.PrefilledKv.of(job.kv_transfer_params)
             params.prefill_tp_size = prefilled.prefill_tp_size
             params.remote_block_ids = prefilled.remote_block_ids
+            params.block_digests = prefilled.block_digests
             params.prefill_incarnation = prefilled.prefill_incarnation
         return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
 

@@ -36,7 +36,7 @@ class DecodeSaw:
     received: wire.ReceivedKv | None = None  # the connector's, when the KV arrived from prefill
     computed_here: bool = False  # decode's engine computed the prompt (local, or after a failed transfer)
     cached_here: int | None = None  # when it did: the tokens its prefix cache held
-    kv_failure: str = ""  # why the KV did not arrive intact, when it did not
+    kv_failure: tuple[str, str] | None = None  # (code, why) the KV did not arrive intact, when it did not
 
 
 def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_policy: str,
@@ -51,8 +51,10 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         prompt_tokens=prompt_tokens,
         prefill_computed_tokens=0 if local else (None if prefill is None else prompt_tokens - prefill.cached_tokens),
         received_tokens=None, received_blocks=None, received_bytes=None, decode_cached_tokens=None,
-        decode_computed_tokens=0, recomputed_tokens=0, kv_failure=saw.kv_failure,
+        decode_computed_tokens=0, recomputed_tokens=0,
     )
+    if not local and saw.computed_here:  # the KV did not arrive intact (why, if our connector said)
+        report.kv_failure, report.kv_failure_reason = saw.kv_failure or ("kv_load_failed", "")
     if saw.computed_here:
         cached = saw.cached_here or 0
         report.received_tokens = report.received_blocks = report.received_bytes = 0
@@ -65,7 +67,17 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         report.received_blocks = saw.received.blocks
         report.received_bytes = saw.received.bytes
         report.decode_cached_tokens = saw.received.local_tokens
+        report.kv_checksum = saw.received.checksum
     return report
+
+
+def load_failure_of(kv_transfer_params: dict | None) -> tuple[str, str] | None:
+    """(code, why) the first engine request's load failed, as our connector told the
+    request that computed the prompt again."""
+    value = (kv_transfer_params or {}).get(wire.LOAD_FAILURE_KEY)
+    if not isinstance(value, dict) or not isinstance(value.get("code"), str):
+        return None
+    return value["code"], str(value.get("reason", ""))
 
 
 def received_of(kv_transfer_params: dict | None) -> wire.ReceivedKv | None:

@@ -116,17 +116,17 @@ def test_layer_wise_push_reaches_the_connector_of_a_prefill_that_asks_for_it():
 def prefill_job(mode: str) -> wire.PrefillJob:
     return wire.PrefillJob(request_id="req-1", transfer_id="0123456789abcdef", prompt_token_ids=[1, 2],
                            received_at=1.0, mode=mode, decode_engine_id="decode-7" if mode == "push" else "",
-                           transfer_key="key-1")
+                           transfer_key="key-1", kv_checksum=mode == "pull")
 
 
 VLLM_PREFILL = ("0123456789abcdef", {"do_remote_decode": True})
 PREFILLS = {
     ("kvpush", "push"): ("req-1-p-01234567", {"do_remote_decode": True, "transfer_id": "0123456789abcdef",
                                               "mode": "push", "decode_engine_id": "decode-7",
-                                              "traceparent": "00-tp-01", "transfer_key": "key-1"}),
+                                              "traceparent": "00-tp-01", "transfer_key": "key-1", "checksum": False}),
     ("kvpush", "pull"): ("req-1-p-01234567", {"do_remote_decode": True, "transfer_id": "0123456789abcdef",
                                               "mode": "pull", "decode_engine_id": "",
-                                              "traceparent": "00-tp-01", "transfer_key": "key-1"}),
+                                              "traceparent": "00-tp-01", "transfer_key": "key-1", "checksum": True}),
     **{(name, mode): VLLM_PREFILL for name in ("vllm-nixl", "vllm-nixl-push") for mode in ("push", "pull")},
 }
 
@@ -138,7 +138,8 @@ def test_the_prefill_request_of_each_kind(name, mode):
 
 PUSHED = {"remote_engine_id": "prefill-3", "remote_host": "10.0.0.9", "remote_port": 5600, "tp_size": 1}
 PULLED = {"do_remote_prefill": True, "transfer_id": "0123456789abcdef", "prefill_engine_id": "prefill-3",
-          "prefill_tp_size": 2, "remote_block_ids": [4, 5, 6], "prefill_incarnation": "inc-p2", **PUSHED}
+          "prefill_tp_size": 2, "remote_block_ids": [4, 5, 6], "prefill_incarnation": "inc-p2",
+          "block_digests": ["a1", "b2", "c3"], **PUSHED}
 PREFILL_SAYS = {"push": PUSHED, "push-empty": {}, "pull": PULLED, "local": {}}
 
 
@@ -152,7 +153,7 @@ def decode_job(case: str) -> wire.DecodeJob:
 KVPUSH_PUSHED = ("req-2-d-fedcba98", {"do_remote_prefill": True, "transfer_id": "fedcba9876543210",
                                       "request_id": "req-2", "prefill_engine_id": "prefill-3", "prefill_tp_size": 1,
                                       "mode": "push", "remote_block_ids": [], "prefill_incarnation": "inc-p1",
-                                      "traceparent": "00-tp-02", "transfer_key": "key-2"})
+                                      "traceparent": "00-tp-02", "transfer_key": "key-2", "block_digests": []})
 PUSH_PREFIX = {"do_remote_prefill": True, "remote_request_id": "fedcba9876543210"}
 DECODES = {
     ("kvpush", "push"): KVPUSH_PUSHED,
@@ -161,7 +162,7 @@ DECODES = {
                                               "request_id": "req-2", "prefill_engine_id": "prefill-3",
                                               "prefill_tp_size": 2, "mode": "pull", "remote_block_ids": [4, 5, 6],
                                               "prefill_incarnation": "inc-p2", "traceparent": "00-tp-02",
-                                              "transfer_key": "key-2"}),
+                                              "transfer_key": "key-2", "block_digests": ["a1", "b2", "c3"]}),
     ("vllm-nixl", "push"): ("fedcba9876543210", PUSHED),
     ("vllm-nixl", "push-empty"): ("fedcba9876543210", {}),
     ("vllm-nixl", "pull"): ("fedcba9876543210", PULLED),

@@ -11,7 +11,7 @@ from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight
 from kvpush.services.scheduler.placement import PlacementSettings, place
 from kvpush.services.scheduler.validation import ValidRequest
-from kvpush.services.worker.path_report import DecodeSaw, effective_policy, path_report, received_of
+from kvpush.services.worker.path_report import DecodeSaw, effective_policy, load_failure_of, path_report, received_of
 from kvpush.shared import wire
 
 PROMPT = list(range(100))  # 100 tokens: with 16-token blocks, 7 blocks (the last partly)
@@ -31,7 +31,7 @@ def test_the_strictest_policy_wins():
 
 
 def test_a_transfer_that_arrived_says_what_came_from_where():
-    received = wire.ReceivedKv(local_tokens=32, tokens=68, blocks=5, bytes=5 * 4096)
+    received = wire.ReceivedKv(local_tokens=32, tokens=68, blocks=5, bytes=5 * 4096, checksum="verified")
     report = path_report(job(), "decode-0", DecodeSaw(received=received), "recompute",
                          wire.PromptReport(cached_tokens=16))
     assert (report.mode, report.chosen_by, report.prefill_worker, report.decode_worker) == (
@@ -40,6 +40,7 @@ def test_a_transfer_that_arrived_says_what_came_from_where():
             report.received_bytes, report.decode_cached_tokens, report.decode_computed_tokens,
             report.recomputed_tokens) == (100, 84, 68, 5, 20480, 32, 0, 0)
     assert report.received_tokens + report.decode_cached_tokens + report.decode_computed_tokens == 100
+    assert (report.kv_checksum, report.kv_failure) == ("verified", "")
 
 
 def test_prefill_computed_is_unknown_when_its_report_never_came():
@@ -49,12 +50,17 @@ def test_prefill_computed_is_unknown_when_its_report_never_came():
 
 
 def test_a_failed_transfer_recomputed_on_decode_counts_its_tokens_as_recomputed():
-    saw = DecodeSaw(computed_here=True, cached_here=48, kv_failure="kv_not_arrived")
+    failure = load_failure_of({wire.LOAD_FAILURE_KEY: {"code": "checksum_mismatch", "reason": "it differed"}})
+    saw = DecodeSaw(computed_here=True, cached_here=48, kv_failure=failure)
     report = path_report(job("pull"), "d", saw, "recompute", wire.PromptReport(cached_tokens=0))
-    assert (report.received_tokens, report.received_blocks, report.received_bytes) == (0, 0, 0)
+    assert (report.received_tokens, report.received_blocks, report.received_bytes, report.kv_checksum) == (
+        0, 0, 0, None)
     assert (report.decode_cached_tokens, report.decode_computed_tokens, report.recomputed_tokens,
-            report.kv_failure) == (48, 52, 52, "kv_not_arrived")
+            report.kv_failure, report.kv_failure_reason) == (48, 52, 52, "checksum_mismatch", "it differed")
     assert report.prefill_computed_tokens == 100  # prefill did compute it; its KV was what failed
+    # A connector that did not say why: still a failure, with a code that says as much.
+    unsaid = path_report(job("pull"), "d", DecodeSaw(computed_here=True, cached_here=0), "recompute", None)
+    assert (unsaid.kv_failure, unsaid.recomputed_tokens) == ("kv_load_failed", 100)
 
 
 def test_a_local_request_computes_its_prompt_on_decode_and_recomputes_nothing():
@@ -62,8 +68,8 @@ def test_a_local_request_computes_its_prompt_on_decode_and_recomputes_nothing():
     report = path_report(job("local", wire.RouteReport(chosen_by="request", reason="the request asked for it")),
                          "d", saw, "recompute", None)
     assert (report.prefill_worker, report.prefill_computed_tokens, report.received_tokens,
-            report.decode_cached_tokens, report.decode_computed_tokens, report.recomputed_tokens) == (
-        "", 0, 0, 16, 84, 0)
+            report.decode_cached_tokens, report.decode_computed_tokens, report.recomputed_tokens,
+            report.kv_failure) == ("", 0, 0, 16, 84, 0, "")
 
 
 def test_a_connector_that_says_nothing_leaves_the_counts_unknown():

@@ -101,6 +101,7 @@ class FaultRig:
     max_model_len: int
     decodes: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service, over FAULT_ENV
+    prefix_caching: str = "on"  # the engines' (--prefix-caching)
     nats: LocalNatsServer | None = None
     stack: Stack | None = None
     certs: Path | None = None
@@ -131,7 +132,7 @@ class FaultRig:
         options = self.stack_options()
         self.stack = Stack(
             self.model, nats_url=self.nats.url, prefill=1, decode=self.decodes, max_model_len=self.max_model_len,
-            log_dir=self.folder / "logs", metrics=options.pop("metrics", True),
+            log_dir=self.folder / "logs", metrics=options.pop("metrics", True), prefix_caching=self.prefix_caching,
             extra_env={**FAULT_ENV, **self.chaos_env(), **self.extra_env, **(extra_env or {})},
             schedulers=2,  # sharing the load; either may die, and the other takes its requests over
             role_env={"scheduler": self.identity_env("scheduler-0"), "scheduler-1": self.identity_env("scheduler-1"),
@@ -433,10 +434,11 @@ class FaultRig:
                 await on_reply(reply)
         return Outcome(body["request_id"], tokens, final, time.monotonic() - started)
 
-    def metric(self, service: str, name: str, **labels: str) -> float:
+    def metric(self, service: str, name: str, engine_core: bool = False, **labels: str) -> float:
         """The sum of a Prometheus metric's samples with these labels, as ``service``'s
-        /metrics says now (0 if it has none)."""
-        with urllib.request.urlopen(f"http://{self.stack.metrics_targets[service][0]}/metrics", timeout=5) as reply:
+        /metrics (its engine core's: where its connector counts) says now (0 if it has none)."""
+        address = self.stack.metrics_targets[service][1 if engine_core else 0]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         wanted = [f'{key}="{value}"' for key, value in labels.items()]
         total = 0.0
@@ -530,9 +532,10 @@ class FaultRig:
 
 @contextlib.asynccontextmanager
 async def running_rig(folder: Path, model: str, max_model_len: int, decodes: int = 1,
-                      extra_env: dict[str, str] | None = None):
+                      extra_env: dict[str, str] | None = None, prefix_caching: str = "on"):
     """A started rig for a test module; on a failed start its services' logs go to stderr."""
-    rig = FaultRig(folder, model, max_model_len, decodes=decodes, extra_env=extra_env or {})
+    rig = FaultRig(folder, model, max_model_len, decodes=decodes, extra_env=extra_env or {},
+                   prefix_caching=prefix_caching)
     try:
         await rig.start()
         yield rig

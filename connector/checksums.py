@@ -1,0 +1,97 @@
+"""End-to-end KV checksums: a digest of a transfer's blocks as prefill computed them,
+checked over the blocks decode received before the request runs.
+
+The digest is xxHash's XXH3 (64 bits; ~12 GB/s on one core of this project's CPU
+machine, docs/benchmarks.md) over each block's bytes, region by region (K and V of every
+layer, in the layout's order: ``kv_layout``), block by block in the prompt's order. Both
+sides walk their own block ids in the same order, so equal bytes give equal digests
+whatever ids each engine chose. It detects damage (a torn or misplaced write, a layout
+that differs between engine versions); it is not a signature: who wrote is proven by
+the notification's tag, which covers the digest (``completion.block_tag``).
+
+Push: one digest per copy (per layer with layer-wise push), in the WRITE's notification.
+Pull: one digest per prompt block, in the handoff's ``kv_transfer_params``
+(``wire.PrefilledKv.block_digests``), since decode reads only the blocks its own cache
+lacks and which those are is known only then.
+
+Reads memory by address: engines whose KV is in host memory (``DRAM``). On a GPU the
+digest would have to run on the device; kvpush does not do that yet, and a prefill on a
+``VRAM`` layout sends no digest (decode then reports its KV unchecked).
+
+No NATS, no NIXL; ``PullDigests`` hands pull digests from the worker side of the
+connector to its scheduler side when both live in one process (one rank, vLLM's
+in-process executor); otherwise none are sent and decode reports the KV unchecked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+from typing import Iterable
+
+import xxhash
+
+from kvpush.connector.kv_layout import KvLayout
+from kvpush.shared import wire
+
+
+def readable(layout: KvLayout) -> bool:
+    """The blocks are in host memory, where this module reads them."""
+    return layout.mem_type == "DRAM"
+
+
+def _regions(layout: KvLayout, regions: tuple[int, int] | None) -> list[wire.KvRegion]:
+    first, end = regions if regions is not None else (0, len(layout.regions))
+    return layout.regions[first:end]
+
+
+def digest(layout: KvLayout, block_ids: Iterable[int], regions: tuple[int, int] | None = None) -> str:
+    """Of these blocks (in this order), over ``layout.regions[first:end]`` (default all)."""
+    hasher = xxhash.xxh3_64()
+    chosen = _regions(layout, regions)
+    for block in block_ids:
+        for region in chosen:
+            hasher.update((ctypes.c_char * region.block_len).from_address(region.base_addr + block * region.block_stride))
+    return hasher.hexdigest()
+
+
+def block_digests(layout: KvLayout, block_ids: Iterable[int]) -> list[str]:
+    """One digest per block, over all its regions."""
+    return [digest(layout, [block]) for block in block_ids]
+
+
+def flip_byte(layout: KvLayout, block_ids: list[int], seed: int) -> tuple[int, int, int]:
+    """Chaos: flip every bit of one byte of one of these blocks, chosen by ``seed``, in
+    place. (block, region, offset) it flipped."""
+    rng = random.Random(seed)
+    block = rng.choice(block_ids)
+    index = rng.randrange(len(layout.regions))
+    region = layout.regions[index]
+    offset = rng.randrange(region.block_len)
+    cell = ctypes.c_ubyte.from_address(region.base_addr + block * region.block_stride + offset)
+    cell.value ^= 0xFF
+    return block, index, offset
+
+
+class PullDigests:
+    """Pull: digests the worker side computed for a finished prompt, until the scheduler
+    side's ``request_finished`` puts them in the handoff. Bounded; thread-safe."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._digests: dict[str, list[str]] = {}
+        self._max_entries = max_entries
+
+    def put(self, transfer_id: str, digests: list[str]) -> None:
+        with self._lock:
+            self._digests[transfer_id] = digests
+            while len(self._digests) > self._max_entries:
+                del self._digests[next(iter(self._digests))]
+
+    def take(self, transfer_id: str) -> list[str] | None:
+        with self._lock:
+            return self._digests.pop(transfer_id, None)
+
+
+PULL_DIGESTS = PullDigests()  # the process's: both halves of a one-rank connector see it

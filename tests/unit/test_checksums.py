@@ -1,0 +1,94 @@
+"""End-to-end KV checksums (connector/checksums.py) over real KV tensors laid out as
+vLLM's CPU engine lays them out, the notification that carries them
+(connector/completion.py), which transfers get one (services/scheduler/dispatch.py), and
+how a failed load is named (connector/kv_wait.py). Against real engines and NIXL:
+tests/stack/test_checksums.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpush.connector import checksums, kv_layout
+from kvpush.connector.completion import block_tag, notification, parse_notification, tag_matches
+from kvpush.connector.kv_wait import Released
+from kvpush.services.scheduler.dispatch import checksum_for
+
+NUM_BLOCKS = 12
+
+
+def caches(seed: int) -> dict[str, torch.Tensor]:
+    """Two layers of (K/V, blocks, block size 16, 2 heads, 8 dims), bfloat16."""
+    generator = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.attn": torch.randn(2, NUM_BLOCKS, 16, 2, 8, generator=generator).to(torch.bfloat16)
+            for i in range(2)}
+
+
+def test_equal_bytes_in_other_blocks_give_the_same_digest():
+    source, destination = caches(1), caches(2)
+    src_blocks, dst_blocks = [3, 7, 1], [0, 5, 9]
+    for name in source:  # what a WRITE does: block i's bytes into the receiver's block i
+        destination[name][:, dst_blocks] = source[name][:, src_blocks]
+    here, there = kv_layout.describe(source, NUM_BLOCKS), kv_layout.describe(destination, NUM_BLOCKS)
+    assert checksums.readable(here)
+    assert checksums.digest(here, src_blocks) == checksums.digest(there, dst_blocks)
+    assert checksums.digest(here, src_blocks) != checksums.digest(here, list(reversed(src_blocks)))  # order counts
+    assert checksums.block_digests(here, src_blocks) == checksums.block_digests(there, dst_blocks)
+    # One layer's regions (layer-wise push): equal too, and not the whole copy's.
+    _, first, end = here.layers[1]
+    assert checksums.digest(here, src_blocks, (first, end)) == checksums.digest(there, dst_blocks, (first, end))
+    assert checksums.digest(here, src_blocks, (first, end)) != checksums.digest(here, src_blocks)
+
+
+def test_one_flipped_byte_anywhere_changes_the_digest():
+    tensors = caches(3)
+    layout = kv_layout.describe(tensors, NUM_BLOCKS)
+    blocks = [2, 4, 6]
+    before = checksums.digest(layout, blocks)
+    per_block = checksums.block_digests(layout, blocks)
+    for seed in range(20):
+        block, region, offset = checksums.flip_byte(layout, blocks, seed)
+        assert block in blocks and 0 <= region < len(layout.regions) and 0 <= offset < layout.regions[region].block_len
+        assert checksums.digest(layout, blocks) != before
+        changed = [b for b, old, new in zip(blocks, per_block, checksums.block_digests(layout, blocks)) if old != new]
+        assert changed == [block]  # pull checks block by block: the flipped one is the one that differs
+        checksums.flip_byte(layout, blocks, seed)  # flipped back
+        assert checksums.digest(layout, blocks) == before
+
+
+def test_the_digest_rides_the_notification_under_the_tag():
+    tag = block_tag("key", [5, 6], "00ff")
+    note = parse_notification(notification("tr:with:colons", 0, 1, tag, digest="00ff"))
+    assert (note.transfer_id, note.digest, note.tag) == ("tr:with:colons", "00ff", tag)
+    assert tag_matches(note.tag, "key", [5, 6], note.digest)
+    assert not tag_matches(note.tag, "key", [5, 6], "00fe")  # a changed checksum does not carry the tag
+    assert not tag_matches(note.tag, "key", [5, 6])
+    plain = parse_notification(notification("tr:with:colons", 1, 2, block_tag("key", [5, 6]), part=1, parts=3))
+    assert (plain.transfer_id, plain.rank, plain.part, plain.parts, plain.digest) == ("tr:with:colons", 1, 1, 3, "")
+
+
+def test_which_transfers_get_a_checksum():
+    ids = [f"{i:032x}" for i in range(4000)]
+    assert all(checksum_for(t, "full") for t in ids)
+    assert not any(checksum_for(t, "off") for t in ids)
+    share = sum(checksum_for(t, "sampled", 0.125) for t in ids) / len(ids)
+    assert 0.10 < share < 0.15
+    assert [checksum_for(t, "sampled") for t in ids[:50]] == [checksum_for(t, "sampled") for t in ids[:50]]
+
+
+def test_pull_digests_wait_for_their_handoff_bounded():
+    book = checksums.PullDigests(max_entries=2)
+    for name in "abc":
+        book.put(name, [name])
+    assert (book.take("a"), book.take("c"), book.take("c")) == (None, ["c"], None)
+
+
+@pytest.mark.parametrize("reason,code", [
+    ("checksum_mismatch: the KV that landed differs", "checksum_mismatch"),
+    ("lease_expired: prefill freed them", "lease_expired"),
+    ("no KV within 15 s; prefill silent for 5 s", "kv_wait_expired"),
+    ("prefill's write is stuck: posted 30 s ago", "write_stuck"),
+    ("prefill is gone (no responders)", "kv_load_failed"),
+])
+def test_a_failed_load_is_named_by_a_short_code(reason, code):
+    assert Released("r", "t", arrived=False, reason=reason, request_finished=False).code == code
