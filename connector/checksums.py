@@ -2,10 +2,11 @@
 checked over the blocks decode received before the request runs.
 
 The digest is xxHash's XXH3 (64 bits; ~12 GB/s on one core of this project's CPU
-machine, docs/benchmarks.md) over each block's bytes, region by region (K and V of every
-layer, in the layout's order: ``kv_layout``), block by block in the prompt's order. Both
-sides walk their own block ids in the same order, so equal bytes give equal digests
-whatever ids each engine chose. It detects damage (a torn or misplaced write, a layout
+machine, docs/benchmarks.md) over the blocks' bytes, region by region (K and V of every
+layer, in the layout's order: ``kv_layout``), and within a region block by block in the
+prompt's order. Both sides walk their own block ids in the same order, so equal bytes
+give equal digests whatever ids each engine chose (a run of consecutive blocks is hashed
+in one call: the same bytes, in the same order). It detects damage (a torn or misplaced write, a layout
 that differs between engine versions); it is not a signature: who wrote is proven by
 the notification's tag, which covers the digest (``completion.block_tag``).
 
@@ -49,11 +50,24 @@ def _regions(layout: KvLayout, regions: tuple[int, int] | None) -> list[wire.KvR
 def digest(layout: KvLayout, block_ids: Iterable[int], regions: tuple[int, int] | None = None) -> str:
     """Of these blocks (in this order), over ``layout.regions[first:end]`` (default all)."""
     hasher = xxhash.xxh3_64()
-    chosen = _regions(layout, regions)
-    for block in block_ids:
-        for region in chosen:
-            hasher.update((ctypes.c_char * region.block_len).from_address(region.base_addr + block * region.block_stride))
+    runs = _runs(list(block_ids))
+    for region in _regions(layout, regions):
+        contiguous = region.block_stride == region.block_len
+        for first, count in runs if contiguous else ((block, 1) for block, n in runs for block in range(block, block + n)):
+            address = region.base_addr + first * region.block_stride
+            hasher.update((ctypes.c_char * (region.block_len * count)).from_address(address))
     return hasher.hexdigest()
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive ids as (first, count), in order."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and block == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
 
 
 def block_digests(layout: KvLayout, block_ids: Iterable[int]) -> list[str]:

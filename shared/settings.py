@@ -29,8 +29,10 @@ WORKER_TIMEOUT_S = 3.0  # a worker without a heartbeat this long is lost; its re
 MAX_ATTEMPTS = 3  # tries at a request whose workers were lost before it streamed
 MAX_IN_FLIGHT = 512  # requests one scheduler holds at once; past it new ones get `overloaded`
 # End-to-end KV checksums (connector/checksums.py): which transfers get one, off, sampled
-# (KV_CHECKSUM_FRACTION of them) or full. Chosen from the cost measured (docs/benchmarks.md).
-KV_CHECKSUMS = "sampled"
+# (KV_CHECKSUM_FRACTION of them) or full. Full: its cost measured on CPUs is 0.1-8 ms a side
+# at 1k-4k tokens, within the TTFT's noise (docs/benchmarks.md), and sampling would miss
+# 7 in 8 corruptions.
+KV_CHECKSUMS = "full"
 KV_CHECKSUM_FRACTION = 0.125
 KV_POLICY = "recompute"  # a request whose KV did not arrive intact: decode computes its prompt, or it fails
 SCHEDULER_TIMEOUT_S = 3.0  # a scheduler without a heartbeat this long is lost; others take its flights over

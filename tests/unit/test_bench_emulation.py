@@ -33,6 +33,7 @@ def test_every_engine_gets_the_target_the_dilation_and_the_progress_thread_switc
     assert env["KVPUSH_EMULATION_DILATION"] == "20"
     assert env["KVPUSH_NIXL_PROGRESS_THREAD"] == "paced"
     assert env["KVPUSH_EMULATION_LOG"] == str(tmp_path / "forwards-k20.jsonl")  # the file the bench reads back
+    assert env["KVPUSH_KV_CHECKSUMS"] == "off"  # as on a real GPU (VRAM): no CPU digest in emulated time
     assert Emulation("llama-3.1-8b@h100", 20).profile == "timed-llama-3.1-8b"
 
 

@@ -34,6 +34,10 @@ def test_equal_bytes_in_other_blocks_give_the_same_digest():
     assert checksums.digest(here, src_blocks) == checksums.digest(there, dst_blocks)
     assert checksums.digest(here, src_blocks) != checksums.digest(here, list(reversed(src_blocks)))  # order counts
     assert checksums.block_digests(here, src_blocks) == checksums.block_digests(there, dst_blocks)
+    # A run of consecutive blocks is hashed in one call: the same digest as block by block.
+    for name in source:
+        destination[name][:, [11, 2, 8]] = source[name][:, [4, 5, 6]]
+    assert checksums.digest(here, [4, 5, 6]) == checksums.digest(there, [11, 2, 8])
     # One layer's regions (layer-wise push): equal too, and not the whole copy's.
     _, first, end = here.layers[1]
     assert checksums.digest(here, src_blocks, (first, end)) == checksums.digest(there, dst_blocks, (first, end))
