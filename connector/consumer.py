@@ -84,6 +84,8 @@ class Consumer:
         self._verified: set[str] = set()  # requests whose KV matched prefill's checksum, for the scheduler side
         self._failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed, for the same
         self._last_probe = 0.0
+        for reason in ("checksum_mismatch", "kv_wait_expired"):  # a series at 0 from the start, for alerts
+            instruments().load_failures.add(0, {"reason": reason})
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when a wait ends."""

@@ -70,13 +70,11 @@ async def run(rig: FaultRig, mode: str) -> list[Outcome]:
 async def flipped_run(rig: FaultRig, mode: str) -> tuple[list[Outcome], int]:
     """A run with a byte of every transfer flipped; (outcomes, flips injected)."""
     before = rig.injected()["flip"]
-    rig.set_chaos(FLIP_EVERY_TRANSFER)
-    await asyncio.sleep(1.0)  # the engines read the chaos file again every 0.5 s
+    await rig.apply_chaos(FLIP_EVERY_TRANSFER)
     try:
         outcomes = await run(rig, mode)
     finally:
-        rig.set_chaos(None)
-        await asyncio.sleep(1.0)
+        await rig.apply_chaos(None)
     return outcomes, rig.injected()["flip"] - before
 
 

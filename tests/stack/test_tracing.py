@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
+from kvpush.services.gateway import openai_api
 from kvpush.shared import wire
 from tests import prompts
 
@@ -164,3 +167,47 @@ async def test_a_pull_request_is_traced_with_decodes_read(stack, nc, otlp):
     segments = view.critical_path(trace)
     assert segments is not None
     assert abs(client_ttft - view.ttft_ms(segments)) <= max(25.0, 0.10 * client_ttft)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_the_gateway_says_the_path_in_its_answer_its_header_and_its_root_span(stack, otlp, streamed):
+    """The path report (issue 29): a kvpush object beside usage (a stream's on its last
+    event), an X-Kvpush-Path header on a whole answer, and kvpush.path.* on the gateway's
+    span, the root of the request's trace."""
+    request_id = f"path-{'s' if streamed else 'w'}-{os.getpid()}"
+    body = {"model": Path(stack.model).name, "prompt": prompts.token_prompt(300, 7 + streamed), "max_tokens": 4,
+            "ignore_eos": True, "transfer_mode": "pull", "stream": streamed}
+    async with httpx.AsyncClient(timeout=120) as http:
+        if not streamed:
+            reply = await http.post(stack.gateway_url + "/v1/completions", json=body,
+                                    headers={"X-Request-Id": request_id})
+            assert reply.status_code == 200, reply.text
+            path = reply.json()["kvpush"]
+            header = openai_api.parse_path_header(reply.headers[openai_api.PATH_HEADER])
+            assert header["mode"] == "pull" and int(header["received_blocks"]) == path["received_blocks"]
+            assert reply.json()["usage"]["prompt_tokens"] == 300  # OpenAI's fields stay as they are
+        else:
+            events = []
+            async with http.stream("POST", stack.gateway_url + "/v1/completions", json=body,
+                                   headers={"X-Request-Id": request_id}) as reply:
+                assert reply.status_code == 200
+                assert openai_api.PATH_HEADER not in reply.headers  # sent before the path was known
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+            assert all("kvpush" not in event for event in events[:-1])
+            path = events[-1]["kvpush"]
+    assert (path["mode"], path["chosen_by"], path["prompt_tokens"], path["attempt"]) == ("pull", "request", 300, 1)
+    assert path["received_tokens"] + path["decode_cached_tokens"] == 300 and path["recomputed_tokens"] == 0
+    assert path["kv_checksum"] == "verified"  # --kv-checksums full, the default
+
+    def rooted(spans):
+        trace = view.find_trace(spans, request_id)
+        roots = [s for s in trace or [] if s["name"] == "gateway completion"
+                 and f"{A.PATH_PREFIX}mode" in s["attributes"]]
+        return roots or None
+
+    (root,) = otlp.wait_for(rooted, timeout=20)
+    assert root["parent_id"] is None
+    assert (root["attributes"][f"{A.PATH_PREFIX}mode"], root["attributes"][f"{A.PATH_PREFIX}received_blocks"]) == (
+        "pull", path["received_blocks"])

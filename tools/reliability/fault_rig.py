@@ -265,6 +265,13 @@ class FaultRig:
         staging.write_text(json.dumps(rates))
         staging.replace(target)
 
+    async def apply_chaos(self, rates: dict | None) -> None:
+        """``set_chaos``, returning once every engine reads the new rates: an engine looks at
+        the file at most ``RELOAD_EVERY_S`` after its last look, so any message it sends
+        after that bound goes out under them."""
+        self.set_chaos(rates)
+        await asyncio.sleep(chaos.RELOAD_EVERY_S + 0.1)
+
     def injected(self) -> Counter:
         log = self.folder / "chaos.log"
         return Counter(line.split()[0] for line in log.read_text().splitlines()) if log.exists() else Counter()
