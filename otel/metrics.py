@@ -44,8 +44,9 @@ class _Instruments:
             "kvpush.path.requests", description="requests answered, by the mode that served them and who chose it "
                                                 "(request, scheduler, auto)")
         self.kv_fallbacks = m.create_counter(
-            "kvpush.kv.fallbacks", description="requests whose prompt's KV did not arrive intact, by reason and "
-                                               "outcome (recomputed on decode, or failed: kv_policy fail)")
+            "kvpush.kv.fallbacks", description="requests whose prompt's KV did not arrive intact, by outcome "
+                                               "(recomputed on decode, or failed: kv_policy fail); why: "
+                                               "kvpush.kv.load_failures")
         self.recomputed_tokens = m.create_counter(
             "kvpush.kv.recomputed_tokens", description="prompt tokens decode computed again because their KV, "
                                                        "computed by prefill, did not arrive intact")

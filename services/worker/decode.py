@@ -364,7 +364,8 @@ class DecodeRole:
             return b""
         return await self._send_final(job, wire.ErrorReply(job.request_id, error))
 
-    def _path(self, job: wire.DecodeJob, stream: _Stream, prefill: wire.PromptReport | None) -> wire.PathReport:
+    def _path(self, job: wire.DecodeJob, stream: _Stream, prefill: wire.PromptReport | None,
+              span) -> wire.PathReport:
         """The request's path report, counted in the metrics and on the span."""
         said = getattr(stream.last, "kv_transfer_params", None)  # our connector's, in the last output
         received = None if stream.computed_here else path_report.received_of(said)
@@ -375,7 +376,7 @@ class DecodeRole:
         metrics = instruments()
         metrics.paths.add(1, {"mode": path.mode, "chosen_by": path.chosen_by})
         metrics.recomputed_tokens.add(path.recomputed_tokens, {"mode": path.mode})
-        trace.get_current_span().set_attributes(path_attributes(path))
+        span.set_attributes(path_attributes(path))
         return path
 
     async def _finish(self, running: RunningJob, received_ns: int, span, stream: _Stream) -> bytes:
@@ -422,7 +423,7 @@ class DecodeRole:
             chunks=stream.chunks,
             finish_reasons=[stream.finish_reasons.get(i) for i in range(job.sampling.n)] if job.sampling.n > 1
             else None,
-            path=self._path(job, stream, prefill),
+            path=self._path(job, stream, prefill, span),
         )
         data = await self._send_final(job, final)
         log.info("request finished", transfer_id=job.transfer_id, completion_tokens=tokens,
