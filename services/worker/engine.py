@@ -12,6 +12,8 @@ from pathlib import Path
 
 from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.services.worker.kinds import strategy
+
+REPLAY_FQCN = "kvpush.services.worker.replay:ReplayTokens"  # imports vLLM: named, loaded by the engine
 from kvpush.shared import wire
 
 # Set before vLLM is imported anywhere in this process.
@@ -37,6 +39,8 @@ def engine_kwargs(engine: EngineSettings) -> dict:
         max_num_seqs=engine.max_num_seqs,
         enable_prefix_caching=engine.prefix_caching,
         tensor_parallel_size=engine.tensor_parallel_size,
+        # inert unless a request asks: a migrated request replays the tokens its client has
+        logits_processors=[REPLAY_FQCN],
     )
     if engine.json_whitespace == "none":
         from vllm.config import StructuredOutputsConfig

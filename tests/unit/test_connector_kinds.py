@@ -61,6 +61,8 @@ def test_every_kind_has_one_worker_strategy():
 ENGINE = {"model": "/models/tiny", "tokenizer": "/models/tiny", "dtype": "float32", "enforce_eager": True,
           "max_model_len": 512, "block_size": 16, "max_num_seqs": 8, "enable_prefix_caching": True,
           "tensor_parallel_size": 2,
+          # every engine, as the single-engine reference: inert unless a migrated request replays tokens
+          "logits_processors": ["kvpush.services.worker.replay:ReplayTokens"],
           **whole_prompt_steps(512, on_cpu=not torch.cuda.is_available())}  # on CPUs: no chunked prefill
 KVPUSH_EXTRA = {"nats_url": "nats://n:4222", "lease_s": 7.0, "kv_wait_s": 90.0, "quarantine_s": 11.0,
                 "incarnation": "inc-w", "push_by_layer": False}
