@@ -112,6 +112,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.HANDOFFS.wildcard,
                 wire.KV_COMPLETIONS.wildcard,
                 wire.PROGRESS.wildcard,
+                wire.TOKENS_SENT.wildcard,
                 wire.CACHE_EVENTS.wildcard,
                 wire.INVALID_SUBJECT,
                 own_inbox,
@@ -163,6 +164,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.HEARTBEATS(sender=name),
                 wire.CACHE_EVENTS(sender=name),
                 wire.PROGRESS(sender=name),
+                wire.TOKENS_SENT(sender=name),
                 wire.KV_CONTROL.partly(sender=name),
                 wire.KV_COMPLETIONS(engine_id=name, sender=name),  # its own READ failed
                 wire.KV_AGENTS(sender=name),

@@ -27,6 +27,8 @@ PUSH_BY_LAYER = "auto"
 DEADLINE_S = 300.0  # every accepted request gets its final message within this
 WORKER_TIMEOUT_S = 3.0  # a worker without a heartbeat this long is lost; its requests are retried
 MAX_ATTEMPTS = 3  # tries at a request whose workers were lost before it streamed
+MAX_MIGRATIONS = 2  # times a request whose decode was lost mid-stream continues on another
+STALL_S = 30.0  # a decode streaming a request (its worker heartbeating) without a token this long has stalled
 MAX_IN_FLIGHT = 512  # requests one scheduler holds at once; past it new ones get `overloaded`
 # End-to-end KV checksums (connector/checksums.py): which transfers get one, off, sampled
 # (KV_CHECKSUM_FRACTION of them) or full. Full: its cost measured on CPUs is 0.1-8 ms a side

@@ -31,6 +31,8 @@ Internal (msgpack):
     kvpush.decode.<worker_id>       DecodeJob (request, ack) | CancelJob | PromptReady
                                                       scheduler -> decode
     kvpush.request.progress.<sender>  RequestProgress   decode worker -> schedulers: streaming, ended
+    kvpush.request.tokens.<sender>  TokensSent        decode worker -> schedulers: a chunk is about
+                                                      to go out (before it, on the same connection)
     kvpush.kv.register.<engine_id>.<sender>  Registration | LeaseRenewal | Revoke
                                                       decode -> prefill connector: blocks to push
                                                       into; keep my prefill's blocks; give up
@@ -110,7 +112,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 
@@ -209,6 +211,7 @@ HEARTBEATS = SubjectTemplate("kvpush.worker.heartbeat.{sender}")
 PREFILL_JOBS = SubjectTemplate("kvpush.prefill.{worker_id}")
 DECODE_JOBS = SubjectTemplate("kvpush.decode.{worker_id}")
 PROGRESS = SubjectTemplate("kvpush.request.progress.{sender}")
+TOKENS_SENT = SubjectTemplate("kvpush.request.tokens.{sender}")  # not traced: one a chunk
 HANDOFFS = SubjectTemplate("kvpush.handoff.{sender}")
 KV_CONTROL = SubjectTemplate("kvpush.kv.register.{engine_id}.{sender}")
 KV_COMPLETIONS = SubjectTemplate("kvpush.kv.completion.{engine_id}.{sender}")
@@ -461,10 +464,17 @@ class PathReport(msgspec.Struct):
     kv_failure: str = ""  # the code of why the KV did not arrive intact (checksum_mismatch, ...), when it did not
     kv_failure_reason: str = ""  # the same, in a sentence
     kv_checksum: KvChecksum | None = None  # the received KV against prefill's checksum (None: nothing received)
+    # Mid-stream migrations: times its decode was lost (or stalled) after tokens went out
+    # and another continued the stream; at each, the tokens the client had; and how the
+    # last one resumed (``Continuation``). Each migration is an attempt too.
+    migrations: int = 0
+    resumed_after: list[int] = []
+    continuation: str = ""
 
     @property
     def retries(self) -> int:
-        return self.attempt - 1
+        """Attempts that started over before any token went out (migrations are not)."""
+        return self.attempt - 1 - self.migrations
 
 
 class Timings(msgspec.Struct):
@@ -584,6 +594,26 @@ class RouteReport(msgspec.Struct):
     attempt: int = 1
     moves: int = 0
     takeovers: int = 0
+    migrations: int = 0  # times the request moved to another decode mid-stream
+    resumed_after: list[int] = []  # at each migration: the tokens its client had
+
+
+Continuation = Literal["reprefill", "replay"]
+"""How a migrated request resumes on its new decode (``kvpush.services.scheduler.continuation``):
+``reprefill``, its prompt is the original prompt and the tokens sent; ``replay``, the original
+prompt, and the engine replays the tokens sent as its first outputs (the seed's generator,
+the grammar and stop strings advance over them: ``kvpush.services.worker.replay``)."""
+CONTINUATIONS: tuple[str, ...] = get_args(Continuation)
+
+
+class Resume(msgspec.Struct):
+    """Where a migrated request resumes: what its client already has of answer 0."""
+
+    token_ids: list[int]  # every token sent, in order
+    chunks: int  # chunks sent: the next one's seq
+    first_token_at: float  # wall clock: when the first token went out (the request's TTFT)
+    continuation: Continuation
+    migrations: int = 1  # this is the request's n-th migration
 
 
 class DecodeJob(Internal):
@@ -604,6 +634,9 @@ class DecodeJob(Internal):
     prompt: PromptReport | None = None  # pull: what prefill said of the prompt (push: PromptReady)
     route: RouteReport | None = None  # how the scheduler chose this path
     kv_policy: KvPolicy = "recompute"  # the request's (or the scheduler's default)
+    # A migrated request: resume after what its client has (``prompt_token_ids`` is then
+    # the original prompt, with a reprefill continuation the tokens sent too).
+    resume: Resume | None = None
 
 
 class CancelJob(Internal):
@@ -651,6 +684,22 @@ class RequestProgress(Internal):
     stage: ProgressStage
     outcome: str = ""
     final: bytes = b""  # ended: the last message the client was sent (JSON), for kvpush.final
+
+
+class TokensSent(Internal):
+    """Decode worker -> schedulers (``TOKENS_SENT``): the token chunk ``seq`` is about to go
+    to the client. Sent before the chunk, on the same connection: NATS keeps a connection's
+    order, so a scheduler hears of every token no later than the client sees it, and a
+    migration resumes after the last one (``kvpush.services.scheduler.migrations``)."""
+
+    sender_field: ClassVar[str] = "worker_id"
+
+    request_id: str
+    transfer_id: str
+    worker_id: str
+    seq: int
+    token_ids: list[int]
+    index: int = 0  # its answer (n > 1)
 
 
 MAX_CACHE_KEYS = 4096  # block keys in one CacheEvents: 64 KiB of keys, well under max_payload
@@ -894,6 +943,9 @@ RECEIVED_KEY = "kvpush_received"  # a decode request's last output's kv_transfer
 # request's kv_transfer_params); its last output says why that load failed ({code, reason}).
 RECOMPUTE_OF_KEY = "kvpush_recompute_of"
 LOAD_FAILURE_KEY = "kvpush_load_failure"
+# A migrated request's SamplingParams.extra_args: the tokens its client already has, which
+# the engine replays as its first outputs (kvpush.services.worker.replay).
+REPLAY_KEY = "kvpush_replay"
 
 
 class ReceivedKv(_KvParams, kw_only=True):
@@ -1126,6 +1178,8 @@ class FlightRecord(Internal):
     takeovers: int = 0  # times a scheduler took it over from its record
     mode_chosen_by: ModeChooser = "scheduler"  # the current attempt's placement
     mode_reason: str = ""
+    resume: Resume | None = None  # migrated: where the current attempt resumes
+    resumed_after: list[int] = []  # at each migration, the tokens its client had
 
 
 class SchedulerHeartbeat(Internal):

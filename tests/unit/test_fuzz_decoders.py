@@ -33,7 +33,7 @@ FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_
 PER_KIND = settings(FUZZ, max_examples=60)  # per message kind: 22 kinds, so ~1200 per property
 
 STRUCTS = [
-    wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.JobAck,
+    wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.TokensSent, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
     wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.IntakeSettled, wire.FlightRecord, wire.StoredFinal,
     wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents, wire.PromptReady,
