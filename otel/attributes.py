@@ -26,6 +26,10 @@ CACHED_TOKENS = "kvpush.cached_tokens"  # prompt tokens an engine's prefix cache
 ATTEMPT = "kvpush.attempt"  # which try at serving the request (retries after a lost worker)
 MOVED_FROM = "kvpush.moved_from"  # the decode worker a transfer moved away from
 MOVE_REASON = "kvpush.move.reason"  # lost (silent) or overloaded
+MIGRATED_FROM = "kvpush.migration.from"  # the decode a request's stream left mid-way
+MIGRATION_WHY = "kvpush.migration.why"  # lost (silent) or stalled (no token for --stall-s)
+MIGRATION_CONTINUATION = "kvpush.migration.continuation"  # reprefill or replay (wire.Continuation)
+MIGRATION_SENT_TOKENS = "kvpush.migration.sent_tokens"  # tokens its client had at the break
 PATH_PREFIX = "kvpush.path."  # + each field of the request's path report (wire.PathReport)
 
 ATTRIBUTES: dict[str, str] = {
@@ -57,6 +61,11 @@ ATTRIBUTES: dict[str, str] = {
     ATTEMPT: "which try at serving the request: 2 and up are retries after a worker was lost",
     MOVED_FROM: "the decode worker a transfer moved away from (scheduler.move)",
     MOVE_REASON: "why it moved: its decode was lost (silent) or overloaded",
+    MIGRATED_FROM: "the decode a request's stream left mid-way (scheduler.migrate)",
+    MIGRATION_WHY: "why it left: its decode was lost (silent) or stalled (streaming, no token for --stall-s)",
+    MIGRATION_CONTINUATION: "how the new decode resumes: reprefill (prompt plus the tokens sent) or replay "
+                            "(the engine replays the tokens sent: seeds, grammars, stop strings)",
+    MIGRATION_SENT_TOKENS: "tokens its client had when the stream broke",
     PATH_PREFIX: "the request's path report (wire.PathReport), one attribute per field: the mode and who chose "
                  "it, its workers and attempts, where its prompt's tokens came from; on the decode span and the "
                  "gateway's root span",
@@ -74,6 +83,7 @@ SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get b
 SCHEDULER_WAIT_PREFILL = "scheduler.wait_prefill"  # pull: prefill job sent -> its handoff arrived
 SCHEDULER_TAKEOVER = "scheduler.takeover"  # a flight whose scheduler was lost, taken over by another
 SCHEDULER_MOVE = "scheduler.move"  # push: the transfer moved to another decode before its write
+SCHEDULER_MIGRATE = "scheduler.migrate"  # a stream whose decode was lost or stalled, continued on another
 PREFILL = "prefill"  # a prefill job on its worker
 PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
 PREFILL_COMPUTE = "prefill.compute"  # vLLM computes the prompt
@@ -98,6 +108,8 @@ SPANS: dict[str, str] = {
     SCHEDULER_TAKEOVER: "a flight whose scheduler was lost: fence its attempt, then finish it here",
     SCHEDULER_MOVE: "push: its decode was lost before the KV was written; the transfer moved to another decode "
                     "(kvpush.decode_worker) with nothing recomputed, or (kvpush.error.code) could not",
+    SCHEDULER_MIGRATE: "mid-stream: its decode was lost or stalled after tokens went out; the old decode "
+                       "fenced, a new attempt resumes after the last token its client has",
     PREFILL: "a prefill job on its worker",
     PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
     PREFILL_COMPUTE: "vLLM computes the prompt",

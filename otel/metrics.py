@@ -56,6 +56,10 @@ class _Instruments:
         self.checksum_mismatches = m.create_counter(
             "kvpush.kv.checksum_mismatches", description="transfers whose KV, as it landed on decode, differed "
                                                          "from prefill's checksum (failed: kv_policy applies)")
+        self.migrations = m.create_counter(
+            "kvpush.migrations", description="requests whose decode was lost or stalled mid-stream, by why "
+                                             "(lost, stalled) and outcome (reprefill, replay: continued on "
+                                             "another decode; refused: ended with worker_lost)")
         self.free_kv_blocks = m.create_gauge("kvpush.worker.free_kv_blocks", description="free KV blocks per worker")
         self.stuck_holds = m.create_gauge(
             "kvpush.kv.stuck_holds",

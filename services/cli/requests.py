@@ -58,6 +58,10 @@ def describe_path(path: wire.PathReport) -> str:
     if path.kv_failure:
         lines.append(f"  the KV did not arrive intact: {path.kv_failure}"
                      + (f" ({path.kv_failure_reason})" if path.kv_failure_reason else ""))
+    if path.migrations:
+        lines.append(f"  migrated mid-stream {path.migrations} times, after "
+                     f"{', '.join(str(k) for k in path.resumed_after)} tokens; the last resumed by "
+                     f"{path.continuation} (this decode's prompt: the last attempt's)")
     return "\n".join(lines)
 
 

@@ -61,6 +61,12 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             f"landed before the request runs (a mismatch is a failed transfer: kv_policy applies); for every "
             f"transfer (full), {defaults.KV_CHECKSUM_FRACTION:g} of them (sampled), or none (off)",
             str, ("off", "sampled", "full")),
+    Setting("--max-migrations", "KVPUSH_MAX_MIGRATIONS", defaults.MAX_MIGRATIONS,
+            "times a request whose decode was lost (or stalled) after tokens went out continues on another "
+            "decode, after the last token its client has; past it the request ends with worker_lost", int),
+    Setting("--stall-s", "KVPUSH_STALL_S", defaults.STALL_S,
+            "a decode streaming a request, its worker still heartbeating, without a token for this long has "
+            "stalled: the request continues on another decode (0: never)", float),
     Setting("--local-below-tokens", "KVPUSH_LOCAL_BELOW_TOKENS", defaults.LOCAL_PREFILL_TOKENS,
             "--mode auto: prompts shorter than this are computed by their decode worker", int),
     Setting("--push-within-s", "KVPUSH_PUSH_WITHIN_S", defaults.PUSH_WITHIN_S,

@@ -87,11 +87,11 @@ class Attempts:
             await self._dispatch_push(flight)
         flight.jobs_taken()
         log.info("dispatched", transfer_id=flight.transfer_id, prefill=flight.prefill_id, decode=flight.decode_id,
-                 prompt_tokens=len(flight.request.prompt_token_ids), mode=flight.mode, attempt=flight.attempt)
+                 prompt_tokens=len(flight.attempt_prompt), mode=flight.mode, attempt=flight.attempt)
 
     def _place(self, flight: Flight) -> Placement:
         now = time.monotonic()
-        prompt_tokens = len(flight.request.prompt_token_ids)
+        prompt_tokens = len(flight.attempt_prompt)
         return place(prompt_tokens, flight.request.transfer_mode, self.placement,
                      connector_kinds.of(self.pool.connector(now)).modes,
                      self.pool.prefill_load(now, flight.prompt), self.pool.decode_load(prompt_tokens, now, flight.prompt))
@@ -99,7 +99,7 @@ class Attempts:
     async def _dispatch_local(self, flight: Flight) -> None:
         """The decode computes the prompt itself: no prefill, no transfer."""
         decode = await self._pick(
-            flight, lambda: self.pool.pick_decode(len(flight.request.prompt_token_ids), time.monotonic(),
+            flight, lambda: self.pool.pick_decode(len(flight.attempt_prompt), time.monotonic(),
                                                   prompt=flight.prompt))
         flight.assign_decode(decode)
         trace.get_current_span().set_attributes({A.TRANSFER_ID: flight.transfer_id, A.DECODE_WORKER: decode.worker_id})
@@ -108,7 +108,7 @@ class Attempts:
 
     async def _dispatch_push(self, flight: Flight) -> None:
         prefill, decode = await self._pick(
-            flight, lambda: self.pool.pick(len(flight.request.prompt_token_ids), time.monotonic(), prompt=flight.prompt))
+            flight, lambda: self.pool.pick(len(flight.attempt_prompt), time.monotonic(), prompt=flight.prompt))
         flight.assign_prefill(prefill)
         flight.assign_decode(decode)
         trace.get_current_span().set_attributes(
@@ -125,12 +125,12 @@ class Attempts:
     async def _dispatch_pull(self, flight: Flight) -> None:
         """Pull, the way vLLM's default connector is driven: prefill first; decode is chosen
         from the load at the moment prefill finished, and reads the prefill's blocks."""
-        request, transfer_id = flight.request, flight.transfer_id
+        transfer_id = flight.transfer_id
         # A retry waits for a live decode *before* prefill: once prefill is done, its
         # blocks are held only for a lease, and a READ after that would read freed ones.
         await self._pick(flight, lambda: self.pool.require("decode", time.monotonic()))
         prefill = await self._pick(
-            flight, lambda: self.pool.pick_prefill(len(request.prompt_token_ids), time.monotonic(), prompt=flight.prompt))
+            flight, lambda: self.pool.pick_prefill(len(flight.attempt_prompt), time.monotonic(), prompt=flight.prompt))
         flight.assign_prefill(prefill)
         span = trace.get_current_span()
         span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill.worker_id})
@@ -145,7 +145,7 @@ class Attempts:
             self._handoffs.pop(transfer_id, None)
         if handoff.error is not None:
             raise EngineFailed(handoff.error.message)
-        decode = self.pool.pick_decode(len(request.prompt_token_ids), time.monotonic(),
+        decode = self.pool.pick_decode(len(flight.attempt_prompt), time.monotonic(),
                                        prompt=flight.prompt)  # no waiting now
         flight.assign_decode(decode)
         span.set_attribute(A.DECODE_WORKER, decode.worker_id)

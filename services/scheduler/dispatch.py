@@ -33,12 +33,13 @@ def prefill_job(flight: Flight, kv_checksums: str = "off") -> wire.PrefillJob:
     return wire.PrefillJob(
         request_id=flight.request_id,
         transfer_id=flight.transfer_id,
-        prompt_token_ids=flight.request.prompt_token_ids,
+        prompt_token_ids=flight.attempt_prompt,
         received_at=flight.received_at,
         mode=flight.mode,
         decode_engine_id=flight.decode_id if flight.mode == "push" else "",
         transfer_key=flight.transfer_key,
-        prompt_logprobs=flight.request.sampling.prompt_logprobs,
+        # a migrated request's client has them already (with its first chunk)
+        prompt_logprobs=flight.request.sampling.prompt_logprobs if flight.resume is None else None,
         kv_checksum=checksum_for(flight.transfer_id, kv_checksums),
     )
 
@@ -53,7 +54,7 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None,
     return wire.DecodeJob(
         request_id=request.request_id,
         transfer_id=flight.transfer_id,
-        prompt_token_ids=request.prompt_token_ids,
+        prompt_token_ids=flight.attempt_prompt,
         sampling=request.sampling,
         prefill_engine_id=flight.prefill_id,
         reply_to=flight.reply_to,
@@ -64,8 +65,10 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None,
         prefill_incarnation=flight.prefill_incarnation,
         prompt=prompt,
         route=wire.RouteReport(chosen_by=flight.mode_chosen_by, reason=flight.mode_reason, attempt=flight.attempt,
-                               moves=flight.times_moved, takeovers=flight.takeovers),
+                               moves=flight.times_moved, takeovers=flight.takeovers,
+                               migrations=flight.migrations, resumed_after=list(flight.resumed_after)),
         kv_policy=flight.kv_policy,
+        resume=flight.resume,
     )
 
 

@@ -1,6 +1,6 @@
 """What workers and clients tell the scheduler, each message to its handler: workers'
 heartbeats and cache events (the live pool), a prefill's handoff and its transfer's
-completions, a decode's progress to the request's end; a client's cancel, its status poll,
+completions, a decode's progress to the request's end and each chunk it sends; a client's cancel, its status poll,
 and its ask for a request's final again. A message about a flight from a worker that is
 not that flight's is refused (``wrong_party``)."""
 
@@ -17,6 +17,7 @@ from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.attempts import Attempts
 from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.migrations import Migrations
 from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.recovery import Recovery
@@ -30,7 +31,7 @@ log = structlog.get_logger("kvpush.scheduler")
 class Events:
     def __init__(self, bus: Bus, ledger: Ledger, pool: WorkerPool, flights: FlightTable, early_cancels: EarlyCancels,
                  journal: Journal, outbox: Outbox, attempts: Attempts, recovery: Recovery, moves: Moves,
-                 tasks: BackgroundTasks, scheduler_id: str):
+                 migrations: Migrations, tasks: BackgroundTasks, scheduler_id: str):
         self.bus = bus
         self.ledger = ledger
         self.pool = pool
@@ -41,6 +42,7 @@ class Events:
         self.attempts = attempts
         self.recovery = recovery
         self.moves = moves
+        self.migrations = migrations
         self.tasks = tasks
         self.scheduler_id = scheduler_id
 
@@ -96,18 +98,30 @@ class Events:
             return
         self.moves.answer_arrived(event)  # a TransferMoved
 
-    async def on_progress(self, msg) -> None:
-        event = await self.bus.decoded(msg, wire.RequestProgress)
+    async def _from_its_decode(self, msg, kind, what: str):
+        """(the message as ``kind``, its flight), when it is about a flight of ours and
+        comes from that flight's decode; else (None, None), a wrong party refused."""
+        event = await self.bus.decoded(msg, kind)
         flight = self.flights.by_transfer(event.transfer_id) if event is not None else None
         if flight is None:
-            return  # another scheduler's, or an attempt we already replaced
+            return None, None  # another scheduler's, or an attempt we already replaced
         if event.worker_id != flight.decode_id:
-            await self.bus.wrong_party(msg, f"progress from {event.worker_id} for {event.transfer_id}, "
+            await self.bus.wrong_party(msg, f"{what} from {event.worker_id} for {event.transfer_id}, "
                                             f"whose decode is {flight.decode_id or 'not chosen'}")
+            return None, None
+        return event, flight
+
+    async def on_progress(self, msg) -> None:
+        event, flight = await self._from_its_decode(msg, wire.RequestProgress, "progress")
+        if flight is None:
             return
         if event.stage == "streaming":
-            flight.streaming_started()
+            flight.streaming_started(time.monotonic())
             return
+        if flight.migrating:  # its decode was told to stop: it says when it did
+            self.migrations.fenced(event)
+            if event.outcome in ("cancelled", wire.UNCLAIMED):
+                return  # stopped without a word to the client: the migration goes on
         if event.outcome == wire.UNCLAIMED:  # it sent nothing, and never will: another attempt
             self.tasks.spawn(self.recovery.retry(flight, flight.decode_id, decode_gave_up=True))
             return
@@ -116,6 +130,12 @@ class Events:
         # Every decode's progress comes through this one subscription: writing the end down
         # waits on JetStream, and must not hold up the next request's progress behind it.
         self.tasks.spawn(self._ended(flight, event))
+
+    async def on_tokens(self, msg) -> None:
+        """A decode is about to send a chunk: what the client has, should the stream move."""
+        sent, flight = await self._from_its_decode(msg, wire.TokensSent, "tokens")
+        if flight is not None:
+            flight.tokens_sent(sent.seq, sent.index, sent.token_ids, time.time(), time.monotonic())
 
     async def _ended(self, flight: Flight, event: wire.RequestProgress) -> None:
         if event.final:

@@ -6,9 +6,12 @@ Pure: no NATS. Time and worker liveness are passed in, so tests drive them direc
 A request ends when decode reports it ended, or when the scheduler ends it: past its
 deadline, cancelled, or a worker it needs was lost with no safe retry. A lost worker
 is retried around (a new attempt, new transfer id, other workers) while no token has
-gone out and attempts remain; once tokens went out a retry would repeat them, so the
-request fails with ``worker_lost``. A lost prefill no longer matters once its KV was
-pushed or, in pull mode, once decode took the job.
+gone out and attempts remain. Once tokens went out, a decode lost (or stalled: no token
+for ``stall_s``) is migrated: a new attempt resumes after the last token its client has,
+which the flight knows because decode reports each chunk to it before sending it
+(``tokens_sent``); past ``max_migrations``, or when the flight does not know every token
+sent, the request fails with ``worker_lost``. A lost prefill no longer matters once its
+KV was pushed or, in pull mode, once decode took the job.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from typing import Any, Callable, Literal
 
 from kvpush.services.scheduler.prefixes import Prompt
 from kvpush.services.scheduler.validation import ValidRequest
-from kvpush.shared import settings, wire
+from kvpush.shared import continuation, settings, wire
 
-Verdict = Literal["deadline", "move", "retry", "lost"]
+Verdict = Literal["deadline", "move", "retry", "migrate", "stalled", "lost"]
 MAX_MOVES = 2  # moves of one attempt's transfer to another decode
 
 
@@ -70,6 +73,15 @@ class Flight:
     takeovers: int = 0  # times a scheduler took it over from its record
     mode_chosen_by: str = "scheduler"  # this attempt's placement: who chose its mode (wire.ModeChooser), and why
     mode_reason: str = ""
+    # What its client has of answer 0, from decode's token records (each before its chunk):
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_chunks: int = 0  # chunks of every answer: the next one's seq
+    first_token_at: float = 0.0  # wall clock
+    last_token_at: float = 0.0  # monotonic: a streaming decode silent past stall_s has stalled
+    sent_known: bool = True  # every chunk sent was recorded here (not so after a takeover, until proven)
+    resume: wire.Resume | None = None  # migrated: where the current attempt resumes
+    resumed_after: list[int] = field(default_factory=list)  # at each migration, the tokens its client had
+    migrating: bool = False  # its old decode is being fenced (``Migrations``): no other verdict meanwhile
 
     @property
     def request_id(self) -> str:
@@ -79,6 +91,10 @@ class Flight:
     def key(self) -> str:
         """Its client's and its own id (``wire.flight_key``): what the table and JetStream key it by."""
         return wire.flight_key(self.owner, self.request.request_id)
+
+    @property
+    def migrations(self) -> int:
+        return len(self.resumed_after)
 
     @property
     def streaming(self) -> bool:
@@ -93,6 +109,7 @@ class Flight:
         self.state = FlightState.DISPATCHING
         self.moving = False
         self.moves = self.times_moved = 0
+        self.last_token_at = 0.0  # the new decode's first token starts its stall clock
 
     def _reach(self, state: FlightState) -> None:
         self.state = max(self.state, state)
@@ -100,8 +117,42 @@ class Flight:
     # ------------------------------------------------ what happens to it, said by its scheduler
 
     def key_prompt(self) -> None:
-        """Its prompt's block keys, for prefix-aware picks (made at dispatch)."""
-        self.prompt = Prompt(self.request.prompt_token_ids)
+        """Its attempt's prompt's block keys, for prefix-aware picks (made at dispatch)."""
+        self.prompt = Prompt(self.attempt_prompt)
+
+    @property
+    def attempt_prompt(self) -> list[int]:
+        """What this attempt computes as the prompt (a reprefill migration: the tokens sent too)."""
+        return continuation.resumed_prompt(self.request.prompt_token_ids, self.resume)
+
+    def tokens_sent(self, seq: int, index: int, token_ids: list[int], now_wall: float, now: float) -> None:
+        """Decode is about to send chunk ``seq`` (answer ``index``): the client has it soon."""
+        self._reach(FlightState.STREAMING)
+        self.last_token_at = now
+        if seq < self.sent_chunks:
+            return  # said again: recorded already
+        if seq > self.sent_chunks:
+            self.sent_known = False  # a record never came: what the client has is not known here
+        elif not self.sent_known and seq == self.sent_chunks:
+            self.sent_known = True  # the first chunk after what the record says: nothing is missing
+        self.sent_chunks = seq + 1
+        if index == 0:
+            self.sent_tokens.extend(token_ids)
+        if not self.first_token_at:
+            self.first_token_at = now_wall
+
+    def why_not_migrate(self, max_migrations: int) -> str | None:
+        return continuation.why_not_migrate(self.request.sampling, self.migrations, max_migrations, self.sent_known)
+
+    def migrate(self) -> wire.Resume:
+        """The next attempt resumes after every token sent so far."""
+        kind, _why = continuation.continuation_of(self.request.sampling)
+        self.resumed_after.append(len(self.sent_tokens))
+        self.resume = wire.Resume(token_ids=list(self.sent_tokens), chunks=self.sent_chunks,
+                                  first_token_at=self.first_token_at, continuation=kind,
+                                  migrations=self.migrations)
+        self.migrating = False
+        return self.resume
 
     def place(self, mode: str, chosen_by: str = "scheduler", reason: str = "") -> None:
         """This attempt serves it in ``mode`` (push, pull or local), as ``chosen_by`` chose
@@ -128,9 +179,12 @@ class Flight:
         """Push: prefill wrote the KV into decode's blocks."""
         self._reach(FlightState.KV_WRITTEN)
 
-    def streaming_started(self) -> None:
-        """Decode answers (or may: its claim was taken): watched to its end, never retried."""
+    def streaming_started(self, now: float | None = None) -> None:
+        """Decode answers (or may: its claim was taken): watched to its end, never retried
+        (migrated if its decode is lost)."""
         self._reach(FlightState.STREAMING)
+        if now is not None and not self.last_token_at:
+            self.last_token_at = now
 
     def start_move(self) -> None:
         self.moving = True
@@ -172,14 +226,21 @@ class Flight:
             transfer_key=self.transfer_key, prefill_id=self.prefill_id, decode_id=self.decode_id,
             prefill_incarnation=self.prefill_incarnation, decode_incarnation=self.decode_incarnation,
             traceparent=self.traceparent, kv_policy=self.kv_policy, takeovers=self.takeovers,
-            mode_chosen_by=self.mode_chosen_by, mode_reason=self.mode_reason,
+            mode_chosen_by=self.mode_chosen_by, mode_reason=self.mode_reason, resume=self.resume,
+            resumed_after=list(self.resumed_after),
         )
 
     @classmethod
     def from_record(cls, record: wire.FlightRecord, revision: int, now_wall: float, now: float) -> "Flight":
-        """A flight taken over from its record: where its last holder left it (one more takeover)."""
+        """A flight taken over from its record: where its last holder left it (one more
+        takeover). What its client has is known up to the record's resume point; whether
+        more went out since is not, until decode's next token record says (``tokens_sent``)."""
         request = ValidRequest(record.request_id, record.prompt_token_ids, record.sampling, record.transfer_mode)
+        resume = record.resume
         return cls(request, record.reply_to, record.received_at, now + (record.deadline_at - now_wall),
+                   resume=resume, resumed_after=list(record.resumed_after), sent_known=False,
+                   sent_tokens=list(resume.token_ids) if resume else [], sent_chunks=resume.chunks if resume else 0,
+                   first_token_at=resume.first_token_at if resume else 0.0,
                    kv_policy=record.kv_policy, takeovers=record.takeovers + 1, mode_chosen_by=record.mode_chosen_by,
                    mode_reason=record.mode_reason,
                    mode=record.mode, owner=record.owner, attempt=record.attempt, transfer_id=record.transfer_id,
@@ -201,7 +262,9 @@ class Flight:
 
 @dataclass
 class FlightTable:
-    max_attempts: int = settings.MAX_ATTEMPTS
+    max_attempts: int = settings.MAX_ATTEMPTS  # of attempts that start over (migrations not counted)
+    max_migrations: int = settings.MAX_MIGRATIONS
+    stall_s: float = settings.STALL_S  # a streaming decode without a token this long has stalled (0: never)
     _flights: dict[str, Flight] = field(default_factory=dict)
     _by_transfer: dict[str, str] = field(default_factory=dict)  # transfer id -> flight key
 
@@ -258,7 +321,7 @@ class FlightTable:
             if now >= flight.deadline:
                 verdicts.append((flight, "deadline", ""))
                 continue
-            if flight.moving:
+            if flight.moving or flight.migrating:
                 continue
             lost = ""
             if flight.decode_id and not is_live(flight.decode_id, flight.decode_incarnation):
@@ -272,12 +335,22 @@ class FlightTable:
             if not lost:
                 if flight.can_move() and overloaded(flight.decode_id):
                     verdicts.append((flight, "move", flight.decode_id))
+                elif self._stalled(flight, now) and flight.why_not_migrate(self.max_migrations) is None:
+                    verdicts.append((flight, "stalled", flight.decode_id))
                 continue
-            if flight.streaming or flight.attempt >= self.max_attempts:
+            if flight.streaming:
+                migratable = lost == flight.decode_id and flight.why_not_migrate(self.max_migrations) is None
+                verdicts.append((flight, "migrate" if migratable else "lost", lost))
+            elif flight.attempt - flight.migrations >= self.max_attempts:
                 verdicts.append((flight, "lost", lost))
             else:
                 verdicts.append((flight, "retry", lost))
         return verdicts
+
+    def _stalled(self, flight: Flight, now: float) -> bool:
+        """Its decode streams (and heartbeats), but no token came for ``stall_s``."""
+        return (self.stall_s > 0 and flight.streaming and bool(flight.decode_id) and flight.last_token_at > 0
+                and now - flight.last_token_at > self.stall_s)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 
 import structlog
 from opentelemetry import context as otel_context
@@ -40,6 +41,8 @@ class Recovery:
         self.tasks = tasks
         self.attempts = attempts
         self.outbox = outbox
+        # Continues a stream whose decode was lost (``Migrations.migrate``, wired by the service).
+        self.migrate: Callable[[Flight, str, bool], Awaitable[None]] | None = None
 
     async def attempt(self, flight: Flight) -> None:
         """One try at dispatching the flight; ends it with an error if that fails."""
@@ -48,7 +51,7 @@ class Recovery:
         except (asyncio.CancelledError, TakenOver):
             pass  # replaced by a retry, ended, or held by another scheduler now
         except DispatchFailed as exc:
-            if flight.attempt < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
+            if flight.attempt - flight.migrations < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
                 await self.retry(flight, exc.worker_id)
             else:
                 await self.end(flight, exc)
@@ -81,6 +84,10 @@ class Recovery:
         if claim.by_decode and not decode_gave_up:  # the decode answers already: tokens may be out
             if lost_worker == flight.decode_id:
                 flight.streaming_started()
+                if self.migrate is not None:  # after what the client has (its token records), elsewhere
+                    flight.migrating = True
+                    flight.track(self.tasks.spawn(self.migrate(flight, lost_worker, False)))
+                    return
                 await self.end(flight, WorkerLost(
                     f"worker {lost_worker} went silent after the answer had started; "
                     "the request was not retried, since that would repeat tokens"), decode_lost=True)

@@ -49,6 +49,7 @@ class WorkerPool:
         self._roles_seen: set[str] = set()
         self._evidence_paused = False
         self._evidence_from = float("-inf")  # heartbeats before this could not be heard
+        self._avoid_until: dict[str, float] = {}  # worker id -> until when no new request goes to it
 
     def observe(self, beat: wire.WorkerHeartbeat, now: float) -> None:
         self._workers.pop(beat.worker_id, None)  # re-inserted last: the dict stays ordered by last heartbeat
@@ -91,6 +92,14 @@ class WorkerPool:
             for e in self._workers.values()
             if e.beat.role == role and now - e.seen_at <= self.stale_after_s
         ]
+
+    def _pickable(self, role: str, now: float) -> list[_Entry]:
+        """The live workers of ``role`` a new request may go to: not one avoided now."""
+        return [e for e in self._live_entries(role, now) if self._avoid_until.get(e.beat.worker_id, 0.0) <= now]
+
+    def avoid(self, worker_id: str, until: float) -> None:
+        """Send ``worker_id`` nothing new until ``until``: it heartbeats, but its engine stalled."""
+        self._avoid_until[worker_id] = until  # one entry a worker: bounded as the pool is
 
     def _cached_blocks(self, entry: _Entry, prompt: Prompt | None) -> int:
         if prompt is None:
@@ -144,7 +153,7 @@ class WorkerPool:
     def _best_prefill(self, now: float, prompt: Prompt | None = None) -> _Entry | None:
         """The prefill that would end a new prompt first: the fewest tokens to compute
         before it and of it (its cache holds some of them), then the fewest requests."""
-        prefills = self._live_entries("prefill", now)
+        prefills = self._pickable("prefill", now)
         return min(prefills, key=lambda e: (e.queued_tokens() - self._cached_blocks(e, prompt) * e.beat.block_size,
                                             e.busy(), e.beat.worker_id), default=None)
 
@@ -184,7 +193,7 @@ class WorkerPool:
 
     def _best_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
                      exclude: str = "") -> _Entry | None:
-        decodes = [e for e in self._live_entries("decode", now) if e.beat.worker_id != exclude]
+        decodes = [e for e in self._pickable("decode", now) if e.beat.worker_id != exclude]
         if not decodes:
             return None
 

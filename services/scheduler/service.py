@@ -49,6 +49,7 @@ from kvpush.services.scheduler.events import Events
 from kvpush.services.scheduler.flights import EarlyCancels, FlightTable
 from kvpush.services.scheduler.intake import IntakeBook
 from kvpush.services.scheduler.journal import Journal
+from kvpush.services.scheduler.migrations import Migrations
 from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.placement import PlacementSettings
@@ -76,7 +77,8 @@ class Scheduler(Service):
                  scheduler_timeout_s: float = settings.SCHEDULER_TIMEOUT_S, ledger_replicas: int = 1,
                  local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
                  push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY,
-                 kv_checksums: str = settings.KV_CHECKSUMS):
+                 kv_checksums: str = settings.KV_CHECKSUMS, max_migrations: int = settings.MAX_MIGRATIONS,
+                 stall_s: float = settings.STALL_S):
         self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
                                            push_within_s=push_within_s)
         self.mode = mode
@@ -97,7 +99,7 @@ class Scheduler(Service):
         # Hugging Face tokenizer must not be used from two threads at once).
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
-        self.flights = FlightTable(max_attempts=max_attempts)
+        self.flights = FlightTable(max_attempts=max_attempts, max_migrations=max_migrations, stall_s=stall_s)
         self.early_cancels = EarlyCancels(keep_s=deadline_s)
         self.incarnation = uuid.uuid4().hex[:12]
         self.schedulers = SchedulerLiveness(self.scheduler_id, self.incarnation, scheduler_timeout_s,
@@ -125,6 +127,8 @@ class Scheduler(Service):
                             kv_checksums=self.kv_checksums)
         recovery = Recovery(self.ledger, self.pool, self.flights, self._requests, attempts, outbox)
         moves = Moves(self.bus, self.ledger, self.pool, self.flights, journal, outbox, recovery, self.scheduler_id)
+        migrations = Migrations(self.pool, self.flights, outbox, recovery)
+        recovery.migrate = migrations.migrate
         self.adoption = Adoption(self.ledger, self.flights, self.schedulers, self._intake, self.early_cancels,
                                  recovery, outbox, self._requests, self.max_in_flight)
         self.admission = Admission(
@@ -133,8 +137,9 @@ class Scheduler(Service):
             AdmissionSettings(deadline_s=self.deadline_s, mode=self.mode, max_in_flight=self.max_in_flight,
                               kv_policy=self.kv_policy))
         self.events = Events(self.bus, self.ledger, self.pool, self.flights, self.early_cancels, journal, outbox,
-                             attempts, recovery, moves, self._requests, self.scheduler_id)
-        self.flight_watch = FlightWatch(self.pool, self.flights, self.schedulers, recovery, moves, self.adoption,
+                             attempts, recovery, moves, migrations, self._requests, self.scheduler_id)
+        self.flight_watch = FlightWatch(self.pool, self.flights, self.schedulers, recovery, moves, migrations,
+                                        self.adoption,
                                         self.admission, self._requests, self.deadline_s)
 
     async def _start(self) -> None:
@@ -155,6 +160,7 @@ class Scheduler(Service):
         await self.bus.subscribe(wire.HANDOFFS.wildcard, events.on_handoff, template=wire.HANDOFFS)
         await self.bus.subscribe(wire.COMPLETION_SUBJECTS, events.on_completion, template=wire.KV_COMPLETIONS)
         await self.bus.subscribe(wire.PROGRESS.wildcard, events.on_progress, template=wire.PROGRESS)
+        await self.bus.subscribe_plain(wire.TOKENS_SENT.wildcard, events.on_tokens)  # one a chunk: not traced
         for cancel in (wire.CANCEL_SUBJECT, wire.OWNED_CANCEL.wildcard):
             await self.bus.subscribe(cancel, events.on_cancel, template=wire.CANCEL_SUBJECT)
         await self.bus.subscribe_plain(wire.INTAKE.wildcard, admission.on_intake_settled)

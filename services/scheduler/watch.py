@@ -1,6 +1,6 @@
 """The scheduler's watch over its flights, every ``WATCH_INTERVAL_S``: a flight past its
-deadline is ended, one whose worker went silent is moved, retried or ended as
-``FlightTable.check`` says; then orphaned flights and orphaned intake copies are taken
+deadline is ended, one whose worker went silent (or whose decode stalled mid-stream) is
+moved, retried, migrated or ended as ``FlightTable.check`` says; then orphaned flights and orphaned intake copies are taken
 over. A stall of the scheduler's own loop counts as a pause in the evidence."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler.admission import Admission
 from kvpush.services.scheduler.adoption import Adoption
 from kvpush.services.scheduler.flights import Flight, FlightTable, Verdict
+from kvpush.services.scheduler.migrations import Migrations
 from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.recovery import Recovery
 from kvpush.services.scheduler.routing import WorkerPool
@@ -26,12 +27,14 @@ log = structlog.get_logger("kvpush.scheduler")
 
 class FlightWatch:
     def __init__(self, pool: WorkerPool, flights: FlightTable, schedulers: SchedulerLiveness, recovery: Recovery,
-                 moves: Moves, adoption: Adoption, admission: Admission, tasks: BackgroundTasks, deadline_s: float):
+                 moves: Moves, migrations: Migrations, adoption: Adoption, admission: Admission,
+                 tasks: BackgroundTasks, deadline_s: float):
         self.pool = pool
         self.flights = flights
         self.schedulers = schedulers
         self.recovery = recovery
         self.moves = moves
+        self.migrations = migrations
         self.adoption = adoption
         self.admission = admission
         self.tasks = tasks
@@ -64,6 +67,9 @@ class FlightWatch:
         elif verdict == "move":
             flight.start_move()
             flight.track(self.tasks.spawn(self.moves.move(flight, worker)))
+        elif verdict in ("migrate", "stalled"):
+            flight.migrating = True
+            flight.track(self.tasks.spawn(self.migrations.migrate(flight, worker, stalled=verdict == "stalled")))
         elif verdict == "retry":
             await self.recovery.retry(flight, worker)
         else:
