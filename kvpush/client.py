@@ -8,7 +8,9 @@ Core NATS delivers at most once. When nothing has come for ``refetch_after_s``, 
 client asks for the request's final again (``kvpush.final``): a final it missed is kept
 for ``wire.FINALS_KEEP_S`` after the request ended. Token chunks lost on the way cannot be
 asked for again: each carries its ``seq`` and the final their count, so a gap ends the
-request with ``stream_lost`` instead of an answer with tokens missing. A request itself
+request with ``stream_lost`` instead of an answer with tokens missing. A stream that moved
+to another decode mid-way goes on with the next seq; a seq that came already (the old
+decode's, sent while it was being stopped) is dropped: the first chunk for a place stands. A request itself
 can be lost on its way too: when no scheduler knows it (``NotFound``, not ``InFlight``)
 and nothing came back, the client sends it again, up to ``RESENDS`` times; the schedulers
 take a repeat (same id, same inbox) for the request they have. NATS's "no responders" is
@@ -110,6 +112,10 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
             if received is not None and not received(reply):
                 continue
             match reply:
+                case wire.TokenChunk(seq=seq) if seq < chunks:
+                    # That place in the stream came already: a decode the stream migrated away
+                    # from sent it while it was being stopped. The first one stands.
+                    continue
                 case wire.TokenChunk(seq=seq) if seq != chunks:
                     # A chunk before this one never came: what follows would be a wrong answer,
                     # so the request ends here with an error (and the finally cancels the rest).

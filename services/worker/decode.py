@@ -4,8 +4,14 @@ client's reply subject.
 
 Each token chunk goes out with a reply subject of our own (a probe): if the client
 dropped its subscription, NATS answers "no responders" there and the request is
-cancelled. The schedulers hear when the first token went out (a retry would now repeat
-tokens) and when the request ended (``kvpush.request.progress``, with the final).
+cancelled. The schedulers hear of each chunk just before it goes out, on the same
+connection (``wire.TokensSent``: what the client has, should the stream move to another
+decode), and when the request ended (``kvpush.request.progress``, with the final).
+
+A migrated request (``job.resume``) continues a stream another decode started: its seq
+goes on from the chunks sent, its final counts them, and with a replay continuation the
+engine replays the tokens sent as its first outputs, which are not sent again
+(``kvpush.services.worker.replay``).
 
 Before its first message to the client, the job claims the answer (``kvpush.services.ledger``).
 If a scheduler claimed it first (it retried the request elsewhere, took it over, or ended
@@ -19,7 +25,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +43,7 @@ from kvpush.services.worker import path_report, tool_calling
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import answer_sampling, prompt_report, sampling_params_kwargs, token_logprobs
-from kvpush.shared import wire
+from kvpush.shared import continuation, wire
 from kvpush.shared.errors import EngineFailed, InvalidField, KvTransferFailed, KvpushError, StreamLost, to_error_body
 
 log = structlog.get_logger("kvpush.worker")
@@ -64,6 +70,17 @@ class _Stream:
     kv_policy: str = "recompute"  # what it does if the prompt's KV does not arrive intact
     computed_here: bool = False  # our engine computed the prompt (local, or after a failed transfer)
     cached_here: int | None = None  # then: what our prefix cache held of it
+    sent_here: bool = False  # this job sent a chunk (a migrated one continues another's stream)
+    replay_left: int = 0  # outputs the engine replays (a migrated request's tokens sent): not sent again
+
+    @classmethod
+    def resuming(cls, resume: wire.Resume | None) -> "_Stream":
+        """What the client has already: nothing, or a migrated request's chunks and tokens."""
+        if resume is None:
+            return cls()
+        sent = len(resume.token_ids)
+        return cls(first_at=resume.first_token_at, completion_tokens=sent, first_answer_tokens=sent,
+                   chunks=resume.chunks, replay_left=len(continuation.replayed_tokens(resume)))
 
 
 class _KvNotArrived(Exception):
@@ -155,10 +172,16 @@ class DecodeRole:
         except Exception as exc:
             log.warning("could not report progress", error=str(exc))
 
+    async def _tokens_sent(self, job: wire.DecodeJob, chunk: wire.TokenChunk) -> None:
+        record = wire.TokensSent(request_id=job.request_id, transfer_id=job.transfer_id,
+                                 worker_id=self.worker.worker_id, seq=chunk.seq, token_ids=chunk.token_ids,
+                                 index=chunk.index)
+        await self.worker.bus.nc.publish(wire.TOKENS_SENT(sender=self.worker.worker_id), wire.encode(record))
+
     async def _decode(self, running: RunningJob, received_ns: int, span, probe: str) -> tuple[str, bytes]:
         """(outcome, the final sent to the client or b"")."""
         job: wire.DecodeJob = running.job
-        stream = _Stream()
+        stream = _Stream.resuming(job.resume)
         try:
             await self._stream(running, stream, probe)
         except asyncio.CancelledError:
@@ -178,7 +201,7 @@ class DecodeRole:
         compute the prompt here or fail, per the request's kv_policy."""
         job: wire.DecodeJob = running.job
         engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
-        kwargs = sampling_params_kwargs(job.sampling)
+        kwargs = continuation.resumed_sampling(sampling_params_kwargs(job.sampling), job.resume)
         structured = kwargs.pop("structured_outputs", None)
         if job.sampling.tool_calling is not None:  # as vLLM's server constrains a request with tools
             structured = tool_calling.structured_outputs(job.sampling.tool_calling, structured)
@@ -194,7 +217,7 @@ class DecodeRole:
                 await self._generate(running, stream, probe, engine_request_id, kv_params, kwargs, computing)
                 return
             except _KvNotArrived:
-                if stream.chunks or stream.kv_policy == "fail":
+                if stream.sent_here or stream.kv_policy == "fail":
                     instruments().kv_fallbacks.add(1, {"outcome": "failed"})
                     raise KvTransferFailed(_kv_failed_message(job.kv_policy, stream.chunks)) from None
             # Recompute: nothing was sent; the same request, its prompt computed here.
@@ -215,13 +238,20 @@ class DecodeRole:
 
         job: wire.DecodeJob = running.job
         stream.computed_here = computing
-        # Prompt logprobs come from the engine that computes the prompt: ours only when local.
-        prompt_logprobs = job.sampling.prompt_logprobs if job.mode == "local" else None
+        replayed = continuation.replayed_tokens(job.resume)
+        skip_special = kwargs.get("skip_special_tokens", True)
+
+        def detokenize(token_ids: list[int]) -> str:
+            return self.worker.engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+
+        # Prompt logprobs come from the engine that computes the prompt: ours only when local
+        # (a migrated request's client has them already).
+        prompt_logprobs = job.sampling.prompt_logprobs if job.mode == "local" and job.resume is None else None
         params = SamplingParams(
             **kwargs,
             prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv_params},
+            extra_args={"kv_transfer_params": kv_params, **_replay_args(job.resume)},
         )
         # n > 1: the others are requests of this engine alone, seeded as vLLM's fan-out
         # seeds them; they find the prompt's KV in its prefix cache once the first has it.
@@ -257,25 +287,29 @@ class DecodeRole:
                     if computing:
                         computing = False
                         self.meter.finished(prompt_tokens, time.monotonic())
-                    if stream.first_at is None:
+                    token_ids, text, logprobs = _unreplayed(stream, index, completion, replayed, detokenize)
+                    if not token_ids:
+                        continue  # replayed: its client has it
+                    if not stream.sent_here:
                         if not await self._claim(running):
                             raise _Fenced(job.transfer_id)
-                        stream.first_at = time.time()
+                        stream.sent_here = True
+                        if stream.first_at is None:
+                            stream.first_at = time.time()
                         running.streaming = True
-                        # Before the chunk, on the same connection: the schedulers learn that
-                        # a retry would repeat tokens no later than the client sees one.
-                        await self._progress(job, "streaming")
-                    stream.completion_tokens += len(completion.token_ids)
+                    stream.completion_tokens += len(token_ids)
                     if index == 0:
-                        stream.first_answer_tokens += len(completion.token_ids)
-                    chunk = wire.TokenChunk(job.request_id, list(completion.token_ids), completion.text,
-                                            seq=stream.chunks,
-                                            logprobs=None if completion.logprobs is None
-                                            else token_logprobs(completion.logprobs), index=index)
-                    if index == 0 and stream.first_answer_tokens == len(completion.token_ids) \
+                        stream.first_answer_tokens += len(token_ids)
+                    chunk = wire.TokenChunk(job.request_id, token_ids, text, seq=stream.chunks,
+                                            logprobs=None if logprobs is None else token_logprobs(logprobs),
+                                            index=index)
+                    if index == 0 and stream.first_answer_tokens == len(token_ids) and job.resume is None \
                             and job.sampling.prompt_logprobs is not None:  # the first answer's first chunk
                         chunk.prompt_logprobs = await self._prompt_logprobs(running, stream)
                     stream.chunks += 1
+                    # Before the chunk, on the same connection: the schedulers learn of every
+                    # token no later than the client sees it (a migration resumes after it).
+                    await self._tokens_sent(job, chunk)
                     # Token chunks are not traced one by one; the final reply is. The reply
                     # subject hears "no responders" if the client has gone.
                     await self.worker.bus.nc.publish(job.reply_to, wire.encode_json(chunk), reply=probe)
@@ -417,7 +451,7 @@ class DecodeRole:
         final = wire.FinalReply(
             request_id=job.request_id,
             finish_reason=stream.finish_reason,
-            usage=wire.Usage(len(job.prompt_token_ids), tokens,
+            usage=wire.Usage(_prompt_tokens(job), tokens,
                              cached_tokens=computing_engine.cached_tokens if computing_engine is not None else None),
             timings=timings,
             chunks=stream.chunks,
@@ -438,6 +472,41 @@ def _kv_failed_message(requested: str, chunks: int) -> str:
         "this decode worker fails such requests whatever they ask (--on-kv-failure fail)"
     return (f"the prompt's KV cache did not arrive intact from prefill (its transfer failed or timed out, or it "
             f"differed from prefill's checksum), and {why}; nothing was recomputed")
+
+
+def _replay_args(resume: wire.Resume | None) -> dict:
+    """A migrated request's extra_args for the engine: the tokens it replays, if any."""
+    replayed = continuation.replayed_tokens(resume)
+    return {wire.REPLAY_KEY: replayed} if replayed else {}
+
+
+def _unreplayed(stream: _Stream, index: int, completion, replayed_tokens: list[int],
+                detokenize: Callable[[list[int]], str]) -> tuple[list[int], str, list | None]:
+    """An output's tokens, text and logprobs less what the engine replayed (a migrated
+    request's tokens its client has: ``replayed_tokens``). When the engine's outputs
+    coalesce steps (its consumer was slow), one may straddle the end of the replay; the
+    engine does not say which characters came from which token, so the new tokens' text
+    is the text of all the tokens less that of the replayed ones (``detokenize``)."""
+    token_ids, logprobs = list(completion.token_ids), completion.logprobs
+    if index != 0 or not stream.replay_left:
+        return token_ids, completion.text, logprobs
+    replayed = min(stream.replay_left, len(token_ids))
+    stream.replay_left -= replayed
+    if replayed == len(token_ids):
+        return [], "", None
+    new = token_ids[replayed:]
+    before = detokenize(replayed_tokens)
+    after = detokenize(replayed_tokens + new)
+    text = after[len(before):] if after.startswith(before) else completion.text
+    return new, text, None if logprobs is None else logprobs[replayed:]
+
+
+def _prompt_tokens(job: wire.DecodeJob) -> int:
+    """The request's prompt (a reprefill migration computes the tokens sent as prompt too)."""
+    resume = job.resume
+    if resume is not None and resume.continuation == "reprefill":
+        return len(job.prompt_token_ids) - len(resume.token_ids)
+    return len(job.prompt_token_ids)
 
 
 def _not_ours(running: RunningJob) -> str:

@@ -48,6 +48,8 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         mode=job.mode, chosen_by=route.chosen_by, reason=route.reason,
         prefill_worker="" if local else job.prefill_engine_id, decode_worker=decode_worker,
         attempt=route.attempt, moves=route.moves, takeovers=route.takeovers, kv_policy=kv_policy,
+        migrations=route.migrations, resumed_after=list(route.resumed_after),
+        continuation=job.resume.continuation if job.resume is not None else "",
         prompt_tokens=prompt_tokens,
         prefill_computed_tokens=0 if local else (None if prefill is None else prompt_tokens - prefill.cached_tokens),
         received_tokens=None, received_blocks=None, received_bytes=None, decode_cached_tokens=None,
