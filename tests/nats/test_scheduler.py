@@ -65,7 +65,10 @@ class FakeWorker:
     heartbeating (a worker that died after taking the job); ``"no_ack"`` takes the job and
     never replies; ``"refuse_silently"`` refuses it with no error body; ``"start_then_hold"``
     (decode) claims the answer, sends the first token and waits for ``release``, then
-    finishes. ``subscribe=False``: heartbeats only, no job subscription at all.
+    finishes; ``"stall_mid_stream"`` (decode) claims, sends two tokens, and sends nothing
+    more until it is told to stop: then one more token (it was on its way) before it says
+    it stopped. A decode job that resumes a stream (``job.resume``) goes on from its seq.
+    ``subscribe=False``: heartbeats only, no job subscription at all.
     ``ack_after``: hold the ack until this event is set (at most 3 s). ``running``: the load
     its heartbeats report, to steer the scheduler's choice. A prefill never hands off by
     itself: the test calls ``handoff()``."""
@@ -81,6 +84,7 @@ class FakeWorker:
         self.cancels: list[wire.CancelJob] = []
         self.job_arrived = asyncio.Event()
         self.release = asyncio.Event()
+        self.stopped = asyncio.Event()  # a CancelJob came
         self._answering: set[asyncio.Task] = set()
         self.claims_won: dict[str, bool] = {}  # transfer id -> whether this decode won the answer
         self.nc: nats.NATS | None = None
@@ -133,6 +137,7 @@ class FakeWorker:
         job = wire.decode(msg.data, wire.PrefillMessage if self.role == "prefill" else wire.DecodeMessage)
         if isinstance(job, wire.CancelJob):
             self.cancels.append(job)
+            self.stopped.set()
             return
         self.jobs.append(job)
         self.arrived_at[job.transfer_id] = time.monotonic()
@@ -151,6 +156,24 @@ class FakeWorker:
             await self.answer(job)
         elif self.on_job == "start_then_hold" and self.role == "decode":  # off the callback: cancels still come
             self._answering.add(asyncio.get_running_loop().create_task(self.answer(job, hold=True)))
+        elif self.on_job == "stall_mid_stream" and self.role == "decode":
+            self._answering.add(asyncio.get_running_loop().create_task(self.stall_mid_stream(job)))
+
+    async def send_chunk(self, job: wire.DecodeJob, seq: int, token: int) -> None:
+        """A token chunk as decode sends it: its record to the schedulers first, on the same connection."""
+        record = wire.TokensSent(request_id=job.request_id, transfer_id=job.transfer_id, worker_id=self.worker_id,
+                                 seq=seq, token_ids=[token])
+        await self.nc.publish(wire.TOKENS_SENT(sender=self.worker_id), wire.encode(record))
+        chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26), seq=seq)
+        await self.nc.publish(job.reply_to, wire.encode_json(chunk))
+
+    async def stall_mid_stream(self, job: wire.DecodeJob) -> None:
+        assert (await self.claims.claim(job.transfer_key)).won
+        for seq, token in enumerate(REPLY_TOKENS[:2]):
+            await self.send_chunk(job, seq, token)
+        await asyncio.wait_for(self.stopped.wait(), 30)  # its engine hangs; the fence comes
+        await self.send_chunk(job, 2, REPLY_TOKENS[2])  # the chunk that was on its way
+        await self.progress(job, "ended", "cancelled")
 
     async def answer(self, job: wire.DecodeJob, hold: bool = False) -> None:
         """What services/worker/decode.py sends for a finished decode, in its order: the
@@ -159,11 +182,10 @@ class FakeWorker:
         if not won:
             await self.progress(job, "ended", "fenced")
             return
-        await self.progress(job, "streaming")
+        first_seq = job.resume.chunks if job.resume is not None else 0
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
-        for seq, token in enumerate(tokens):
-            chunk = wire.TokenChunk(job.request_id, [token], chr(ord("a") + token % 26), seq=seq)
-            await self.nc.publish(job.reply_to, wire.encode_json(chunk))
+        for seq, token in enumerate(tokens, start=first_seq):
+            await self.send_chunk(job, seq, token)
             if hold and seq == 0:
                 await asyncio.wait_for(self.release.wait(), 30)
         final = wire.encode_json(self.final_reply(job))
@@ -172,10 +194,11 @@ class FakeWorker:
 
     def final_reply(self, job: wire.DecodeJob) -> wire.FinalReply:
         tokens = REPLY_TOKENS[:job.sampling.max_tokens]
+        sent = job.resume.chunks if job.resume is not None else 0
         return wire.FinalReply(request_id=job.request_id, finish_reason="length",
-                               usage=wire.Usage(len(job.prompt_token_ids), len(tokens)),
+                               usage=wire.Usage(len(job.prompt_token_ids), sent + len(tokens)),
                                timings=wire.Timings(ttft_ms=1.5, tpot_ms=0.5, e2e_ms=2.5),
-                               chunks=len(tokens))
+                               chunks=sent + len(tokens))
 
     async def progress(self, job: wire.DecodeJob, stage: str, outcome: str = "", final: bytes = b"") -> None:
         event = wire.RequestProgress(request_id=job.request_id, transfer_id=job.transfer_id,
@@ -452,6 +475,34 @@ async def test_a_decode_that_went_silent_after_taking_the_job_is_retried_around(
     assert replies[-1] == msgspec.to_builtins(spare.final_reply(second))
     await assert_nothing_more(sched, client, sub)
     assert spare.cancels == []
+
+
+async def test_a_decode_that_stalls_mid_stream_is_fenced_before_its_stream_moves(server, client, running):
+    """A decode streams two tokens, then its engine hangs (its worker heartbeats): past
+    --stall-s the scheduler tells it to stop and, before the stream moves, waits for it to
+    say it did. A chunk it sent meanwhile (here: in answer to the stop, after the
+    scheduler's decision) is on record, so the other decode resumes after it: the client
+    gets every seq once, and the final counts every chunk."""
+    sched = await running(scheduler(server, worker_timeout_s=WORKER_TIMEOUT_S, deadline_s=20, stall_s=0.5))
+    prefill = await running(FakeWorker(server, "prefill"))
+    stalled = await running(FakeWorker(server, "decode", "stall_mid_stream"))
+    spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
+    await workers_seen(client, prefill, stalled, spare)
+
+    sub = await send(client, request_body("r-stalled", max_tokens=10))
+    replies = await replies_to_final(sub)
+
+    [first] = stalled.jobs
+    [second] = spare.jobs
+    assert [c.transfer_id for c in stalled.cancels] == [first.transfer_id] and stalled.cancels[0].error is None
+    assert second.resume == wire.Resume(token_ids=REPLY_TOKENS, chunks=3, first_token_at=second.resume.first_token_at,
+                                        continuation="reprefill")
+    assert second.prompt_token_ids == tokenize("hello") + REPLY_TOKENS  # greedy: the tokens sent are prompt now
+    assert (second.route.migrations, second.route.resumed_after) == (1, [3])
+    assert [r["seq"] for r in replies[:-1]] == list(range(6))
+    assert [r["token_ids"] for r in replies[:-1]] == [[t] for t in REPLY_TOKENS * 2]
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(second)) and replies[-1]["chunks"] == 6
+    await assert_nothing_more(sched, client, sub)
 
 
 @pytest.mark.parametrize("how", ["no_subscription", "no_reply"])

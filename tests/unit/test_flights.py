@@ -131,10 +131,64 @@ def test_decode_lost_before_streaming_is_retried():
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
 
 
-def test_decode_lost_after_streaming_is_lost():
+def test_decode_lost_after_streaming_is_migrated():
     table = FlightTable()
     _placed(table, state=FlightState.STREAMING)
+    assert _verdicts(table, 1.0, _dead("d")) == [("r", "migrate", "d")]
+
+
+def test_decode_lost_after_streaming_past_max_migrations_is_lost():
+    table = FlightTable(max_migrations=1)
+    flight = _placed(table, state=FlightState.STREAMING)
+    flight.tokens_sent(0, 0, [7, 8], now_wall=10.0, now=0.5)
+    flight.migrate()
+    table.bind(flight, "t2")
+    flight.assign_decode(_beat("d", "decode", "inc-d"))
+    flight.tokens_sent(1, 0, [9], now_wall=11.0, now=0.6)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "lost", "d")]
+
+
+def test_a_taken_over_flight_migrates_only_once_its_record_is_proven_whole():
+    """After a takeover the new holder knows the tokens up to the record's resume point; a
+    chunk record right after it proves nothing is missing, a later one does not."""
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.STREAMING)
+    flight.tokens_sent(0, 0, [7], now_wall=10.0, now=0.5)
+    flight.migrate()
+    record = flight.record("s", "i", now_wall=20.0, now=1.0)
+    for first_seq, migratable in ((1, True), (2, False)):
+        taken = Flight.from_record(record, revision=3, now_wall=20.0, now=1.0)
+        assert taken.why_not_migrate(2) is not None  # not known until a record says
+        taken.tokens_sent(first_seq, 0, [9], now_wall=21.0, now=1.1)
+        assert (taken.why_not_migrate(2) is None) == migratable
+        if migratable:
+            assert taken.sent_tokens == [7, 9] and taken.sent_chunks == 2
+
+
+def test_the_record_of_what_was_sent_feeds_the_resume_point():
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.DISPATCHED)
+    flight.tokens_sent(0, 0, [7, 8], now_wall=10.0, now=0.5)
+    flight.tokens_sent(0, 0, [7, 8], now_wall=10.0, now=0.5)  # said twice: kept once
+    flight.tokens_sent(1, 0, [9], now_wall=10.1, now=0.6)
+    assert flight.streaming
+    resume = flight.migrate()
+    assert (resume.token_ids, resume.chunks, resume.first_token_at, resume.continuation, resume.migrations) == \
+        ([7, 8, 9], 2, 10.0, "reprefill", 1)
+    assert flight.attempt_prompt == [1, 2, 3, 7, 8, 9]  # greedy: the tokens sent are prompt now
+    table.bind(flight, "t2")
+    assert not flight.streaming and flight.migrations == 1 and flight.attempt == 2
+
+
+def test_a_streaming_decode_without_a_token_for_stall_s_is_stalled():
+    table = FlightTable(stall_s=5.0)
+    flight = _placed(table, state=FlightState.DISPATCHED)
+    flight.tokens_sent(0, 0, [7], now_wall=10.0, now=1.0)
+    assert _verdicts(table, 5.9, _all_live) == []
+    assert _verdicts(table, 6.1, _all_live) == [("r", "stalled", "d")]
+    flight.migrating = True
+    assert _verdicts(table, 6.1, _all_live) == []  # being migrated: no second verdict
+    assert _verdicts(FlightTable(stall_s=0.0), 60.0, _all_live) == []  # 0: never
 
 
 def test_prefill_lost_before_the_kv_was_pushed_is_retried():
