@@ -108,6 +108,7 @@ class FaultRig:
     conns: dict[str, object] = field(default_factory=dict)
     beats: dict[str, Beat] = field(default_factory=dict)
     progress: list[wire.RequestProgress] = field(default_factory=list)
+    streaming_on: dict[str, str] = field(default_factory=dict)  # request id -> the decode that sent its last chunk
     invalid: list[wire.InvalidMessage] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)  # transfer ids prefill reported written
     written_bytes: Counter = field(default_factory=Counter)  # transfer id -> bytes prefill reported written
@@ -147,6 +148,7 @@ class FaultRig:
         watcher = self.conns["scheduler"]
         await watcher.subscribe(wire.HEARTBEATS.wildcard, cb=self._on_beat)
         await watcher.subscribe(wire.PROGRESS.wildcard, cb=self._on_progress)
+        await watcher.subscribe(wire.TOKENS_SENT.wildcard, cb=self._on_tokens_sent)
         await watcher.subscribe(wire.INVALID_SUBJECT, cb=self._on_invalid)
         await watcher.subscribe(wire.COMPLETION_SUBJECTS, cb=self._on_completion)
         await self.stack.wait_ready(timeout=400)
@@ -205,6 +207,11 @@ class FaultRig:
     async def _on_progress(self, msg) -> None:
         if (event := _trusted(msg, wire.RequestProgress)) is not None:
             self.progress.append(event)
+
+    async def _on_tokens_sent(self, msg) -> None:
+        sent = _trusted(msg, wire.TokensSent)
+        if sent is not None:
+            self.streaming_on[sent.request_id] = sent.worker_id
 
     async def _on_invalid(self, msg) -> None:
         if (event := _decoded(msg, wire.InvalidMessage)) is not None:
@@ -332,12 +339,23 @@ class FaultRig:
     def resume(self, name: str) -> None:
         self._signal_tree(name, signal.SIGCONT)
 
-    def _signal_tree(self, name: str, signum: int) -> None:
+    def pause_engine(self, name: str) -> None:
+        """SIGSTOP only the engine processes of the stack's worker ``name``: its engine
+        hangs while the worker process goes on heartbeating and answering."""
+        self._signal_tree(name, signal.SIGSTOP, engine_only=True)
+
+    def resume_engine(self, name: str) -> None:
+        self._signal_tree(name, signal.SIGCONT, engine_only=True)
+
+    def _signal_tree(self, name: str, signum: int, engine_only: bool = False) -> None:
         import psutil
 
         process = dict(self.stack.children)[name]
         tree = psutil.Process(process.pid)
-        for member in [tree, *tree.children(recursive=True)]:
+        engines = tree.children(recursive=True)
+        if engine_only and not engines:
+            raise AssertionError(f"{name} has no engine process of its own")
+        for member in engines if engine_only else [tree, *engines]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 member.send_signal(signum)
 
@@ -345,6 +363,10 @@ class FaultRig:
         """kill -9 the live worker of ``role`` with its engine processes (a crash of the
         worker's machine or container); returns its stack name."""
         return self._kill(lambda name: name.startswith(role), f"no live {role} process to kill")
+
+    def kill_worker(self, name: str) -> str:
+        """kill -9 the stack's worker ``name`` (``decode-1``) with its engine processes."""
+        return self._kill(lambda n: n == name, f"{name} is not running")
 
     def _kill(self, chosen, missing: str) -> str:
         import psutil
@@ -394,9 +416,9 @@ class FaultRig:
             return None
         return wire.decode(entry.value, wire.FlightRecord) if entry.value else None
 
-    def replace(self, role: str) -> str:
+    def replace(self, role: str, name: str = "") -> str:
         """Start the killed worker again: the same identity (its NATS user), a new incarnation."""
-        name = f"{role}-0"
+        name = name or f"{role}-0"
         self.stack.spawn_worker(role, name)
         return name
 
@@ -521,8 +543,7 @@ class FaultRig:
         """kill -9 ``role``'s worker and start it again (its identity, a new incarnation);
         returns once the new incarnation heartbeats."""
         old = self.live_incarnations(role)
-        self.kill(role)
-        self.replace(role)
+        self.replace(role, self.kill(role))  # the one killed, under its own name
         return await self.wait_for_new_worker(role, old)
 
     async def observe(self, role: str, subject: str, kind=None) -> tuple[list, object]:
