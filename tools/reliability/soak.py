@@ -27,7 +27,8 @@ from kvpush.shared import settings, wire
 
 # Expected ends of a request under faults: an answer, or one of these codes. no_scheduler:
 # the client's request met no subscriber (NATS restarting, schedulers not yet resubscribed);
-# it was never accepted, and the client is told at once.
+# it was never accepted, and the client is told at once. worker_lost only with a single
+# decode: with two, a stream whose decode dies continues on the other (tallied apart).
 EXPECTED_CODES = {"cancelled", "worker_lost", "no_scheduler"}
 MESSAGE_CHAOS = {
     "kvpush.kv.register.": {"drop": 0.2, "duplicate": 0.2, "delay": 0.2, "max_delay_s": 0.4},
@@ -36,7 +37,7 @@ MESSAGE_CHAOS = {
 # The quick ones first, so a short soak (CI's) meets them all; engine kills last.
 FAULT_KINDS = ("cancel", "client_gone", "dropped_final", "kill_scheduler", "kill_scheduler_validating", "malformed",
                "forged_registration", "message_chaos", "fenced_decode", "nats_outage", "nats_restart", "kill_decode",
-               "kill_prefill")
+               "kill_decode_mid_stream", "kill_prefill")
 FENCED_PAUSE_S = 5.0  # a decode stalled longer than the rig's worker timeout (3 s): its requests are retried
 NATS_OUTAGE_S = 5.0  # longer than the rig's worker timeout (3 s)
 
@@ -46,7 +47,11 @@ def soak_prompts(seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     lengths = [1, 5, 127, 128, 129, 600, 1000, 1024, 1700]
     return [{"prompt_token_ids": [rng.randrange(1, 4096) for _ in range(n)], "max_tokens": 24 if n < 1500 else 16,
-             "ignore_eos": True} for n in lengths]
+             "ignore_eos": True} for n in lengths] + [_long_answer(rng)]
+
+
+def _long_answer(rng: random.Random) -> dict:
+    return {"prompt_token_ids": [rng.randrange(1, 4096) for _ in range(300)], "max_tokens": 160, "ignore_eos": True}
 
 
 def reference_outputs(model: str, requests: list[dict], folder: Path, max_model_len: int) -> list[list[int]]:
@@ -68,6 +73,8 @@ class Tally:
     unexpected: list[str] = field(default_factory=list)  # ended with a code the faults do not explain
     faults: Counter = field(default_factory=Counter)
     worst_final_s: float = 0.0
+    migrated: int = 0  # answers whose stream continued on another decode after its own died
+    worker_lost_with_a_decode_alive: list[str] = field(default_factory=list)
     leaked_blocks: dict[str, int] = field(default_factory=dict)
     died: list[str] = field(default_factory=list)
 
@@ -78,6 +85,8 @@ class Tally:
             "requests_sent": self.sent,
             "outcomes": dict(self.outcomes),
             "requests_lost": len(self.lost),
+            "migrated": self.migrated,
+            "worker_lost_with_a_decode_alive": len(self.worker_lost_with_a_decode_alive),
             "wrong_outputs": len(self.wrong),
             "unexpected_errors": len(self.unexpected),
             "leaked_blocks": self.leaked_blocks,
@@ -89,9 +98,11 @@ class Tally:
 
 
 class Soak:
-    def __init__(self, rig: FaultRig, prompts: list[dict], reference: list[list[int]], seed: int = 0):
+    def __init__(self, rig: FaultRig, prompts: list[dict], reference: list[list[int]], seed: int = 0,
+                 long_answer: int | None = None):
         self.rig = rig
         self.prompts = prompts
+        self.long_answer = long_answer  # the prompt mid-stream kills use (not sent otherwise)
         self.reference = reference
         self.rng = random.Random(seed)
         self.tally = Tally()
@@ -117,18 +128,18 @@ class Soak:
         return self.tally
 
     def _send(self) -> str:
-        index = self.rng.randrange(len(self.prompts))
+        index = self.rng.randrange(len(self.prompts) - (self.long_answer is not None))  # it is the last
         request_id = f"soak-{uuid.uuid4().hex[:12]}"
         body = {**self.prompts[index], "request_id": request_id}
         self.tally.sent += 1
         self._in_flight[request_id] = asyncio.create_task(self._one(body, index))
         return request_id
 
-    async def _one(self, body: dict, index: int, drop_final: bool = False) -> None:
+    async def _one(self, body: dict, index: int, drop_final: bool = False, on_reply=None) -> None:
         request_id = body["request_id"]
         started = time.monotonic()
         try:
-            outcome = await self.rig.request(body, timeout=DEADLINE_S + 30, drop_final=drop_final)
+            outcome = await self.rig.request(body, on_reply, timeout=DEADLINE_S + 30, drop_final=drop_final)
         except TimeoutError:
             self.tally.lost.append(request_id)
             return
@@ -143,6 +154,10 @@ class Soak:
         self.tally.worst_final_s = max(self.tally.worst_final_s, outcome.seconds)
         code = outcome.code
         self.tally.outcomes[code or "ok"] += 1
+        if code is None and outcome.final.path is not None and outcome.final.path.migrations:
+            self.tally.migrated += 1
+        if code == "worker_lost" and self.rig.decodes > 1:
+            self.tally.worker_lost_with_a_decode_alive.append(f"{outcome.request_id}: {outcome.final.error.message}")
         if code is None and outcome.tokens != self.reference[index]:
             self.tally.wrong.append(outcome.request_id)
         elif code is not None and code not in EXPECTED_CODES:
@@ -207,6 +222,33 @@ class Soak:
     async def _fault_kill_decode(self) -> None:
         await self.rig.kill_and_replace("decode")
 
+    async def _fault_kill_decode_mid_stream(self) -> None:
+        """kill -9 the decode streaming a long answer once its client has 1-100 tokens;
+        with another decode alive the stream goes on there, token for token."""
+        index = self.long_answer if self.long_answer is not None else len(self.prompts) - 1
+        request_id = f"soak-midstream-{uuid.uuid4().hex[:12]}"
+        after = self.rng.randint(1, 100)
+        counted = asyncio.Event()
+        received = 0
+
+        async def on_reply(reply) -> None:
+            nonlocal received
+            if isinstance(reply, wire.TokenChunk):
+                received += len(reply.token_ids)
+                if received >= after:
+                    counted.set()
+
+        self.tally.sent += 1
+        task = asyncio.create_task(self._one({**self.prompts[index], "request_id": request_id}, index,
+                                             on_reply=on_reply))
+        self._in_flight[request_id] = task
+        await asyncio.wait_for(counted.wait(), timeout=120)
+        name = self.rig.streaming_on[request_id]
+        old = self.rig.live_incarnations("decode")
+        self.rig.kill_worker(name)
+        self.rig.replace("decode", name)
+        await self.rig.wait_for_new_worker("decode", old)
+
     async def _fault_kill_prefill(self) -> None:
         await self.rig.kill_and_replace("prefill")
 
@@ -263,6 +305,8 @@ def markdown(report: dict) -> str:
         ("requests sent", report["requests_sent"]),
         ("outcomes", ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items()))),
         ("requests lost", report["requests_lost"]),
+        ("answers continued on another decode mid-stream", report.get("migrated", 0)),
+        ("worker_lost while another decode was alive", report.get("worker_lost_with_a_decode_alive", 0)),
         ("wrong outputs", report["wrong_outputs"]),
         ("unexpected errors", report["unexpected_errors"]),
         ("leaked KV blocks", ", ".join(f"{k} {v}" for k, v in report["leaked_blocks"].items())),
@@ -275,18 +319,18 @@ def markdown(report: dict) -> str:
 
 
 async def run_soak(model: str, minutes: float, rate: float, out: Path, fault_every_s: float, seed: int,
-                   max_model_len: int = settings.MAX_MODEL_LEN, progress=print) -> dict:
+                   max_model_len: int = settings.MAX_MODEL_LEN, progress=print, decodes: int = 2) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     prompts = soak_prompts(seed)
     progress("computing the reference outputs on a plain vLLM instance")
     reference = reference_outputs(model, prompts, out, max_model_len)
-    rig = FaultRig(out / "rig", model, max_model_len)
-    progress("starting the fault rig (NATS with TLS and per-role users, scheduler, prefill, decode)")
+    rig = FaultRig(out / "rig", model, max_model_len, decodes=decodes)
+    progress(f"starting the fault rig (NATS with TLS and per-role users, two schedulers, a prefill, {decodes} decodes)")
     started = time.monotonic()
     try:
         await rig.start()
         progress(f"soaking for {minutes:g} min at {rate:g} req/s, a fault every {fault_every_s:g} s")
-        soak = Soak(rig, prompts, reference, seed)
+        soak = Soak(rig, prompts, reference, seed, long_answer=len(prompts) - 1)
         begun = time.monotonic()
         tally = await soak.run(minutes * 60, rate, fault_every_s, progress)
         report = tally.as_dict(time.monotonic() - begun, rate)
@@ -306,5 +350,6 @@ def cmd(args) -> int:
     print(markdown(report))
     say(f"results in {args.out}/soak.json")
     clean = not (report["requests_lost"] or report["wrong_outputs"] or report["unexpected_errors"]
-                 or any(report["leaked_blocks"].values()) or report["processes_died_unexpectedly"])
+                 or report.get("worker_lost_with_a_decode_alive") or any(report["leaked_blocks"].values())
+                 or report["processes_died_unexpectedly"])
     return 0 if clean else 1
