@@ -250,8 +250,7 @@ async def test_a_client_can_read_and_cancel_only_its_own_requests(rig, reference
     async with Forgers(rig) as forgers:
         stream = {**_body(4), "max_tokens": 200, "ignore_eos": True, "request_id": f"mine-{uuid.uuid4().hex[:6]}"}
         task = asyncio.create_task(generate_all(rig.conns["client"], stream, timeout=120))
-        await wait_until(lambda: any(p.request_id == stream["request_id"] and p.stage == "streaming"
-                                     for p in rig.progress), 60, "the request streaming")
+        await wait_until(lambda: stream["request_id"] in rig.streaming_on, 60, "the request streaming")
         await forgers.send("client-9", wire.OWNED_CANCEL(client="client-9"),
                            wire.encode_json(wire.CancelRequest(stream["request_id"])))
         tokens, _, final = await task

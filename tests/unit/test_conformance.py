@@ -136,6 +136,7 @@ def test_the_single_vllm_serve_gets_kvpush_engines_arguments_as_flags():
     if "enable_chunked_prefill" in kwargs:  # CPUs: prompts in one step, as kvpush's engines
         assert parsed.enable_chunked_prefill is False and parsed.max_num_batched_tokens == 2048
     assert parsed.structured_outputs_config.disable_any_whitespace is True
+    assert parsed.logits_processors == kwargs["logits_processors"]  # a list: one value each, not its repr
 
 
 def test_the_command_registers_without_importing_vllm():

@@ -33,6 +33,8 @@ def serve_flags(kwargs: dict) -> list[str]:
         elif hasattr(value, "__dataclass_fields__") or hasattr(value, "model_dump"):  # a vLLM config object
             fields = {k: getattr(value, k) for k in ("backend", "disable_any_whitespace")}
             flags += [flag, json.dumps(fields)]
+        elif isinstance(value, list):  # nargs "+" (--logits-processors)
+            flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
     return flags
