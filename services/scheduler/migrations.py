@@ -73,9 +73,8 @@ class Migrations:
                         A.MIGRATED_FROM: decode_id, A.MIGRATION_WHY: why, A.MIGRATION_CONTINUATION: kind},
         ) as span:
             old_transfer = flight.transfer_id
-            fence = asyncio.get_running_loop().create_future()
             if stalled:
-                self._fences[old_transfer] = fence
+                fence = self._fences[old_transfer] = asyncio.get_running_loop().create_future()
             try:
                 self.recovery.stop_attempt(flight)
                 await self.outbox.cancel_jobs(flight, f"migrated: decode {decode_id} {why} mid-stream")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,8 +66,6 @@ class Broken:
 
 
 def _body(mode: str, length: int, seed: int, max_tokens: int, sampling: dict) -> dict:
-    import random
-
     rng = random.Random(seed)
     return {"request_id": f"matrix-{time.monotonic_ns()}", "transfer_mode": mode, "max_tokens": max_tokens,
             "prompt_token_ids": [rng.randrange(1, 4096) for _ in range(length)], **sampling}
