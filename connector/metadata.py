@@ -54,10 +54,11 @@ class PullRead:
     prefill_incarnation: str = ""  # read through that start's agent only
     first_block: int = 0
     block_digests: list[str] = field(default_factory=list)  # prefill's, one per prompt block (none: unchecked)
+    last_block: int | None = None  # a fetch: read only up to here (the holder's lend holds one block more)
 
     @property
     def sources(self) -> list[int]:
-        return self.remote_block_ids[self.first_block:]
+        return self.remote_block_ids[self.first_block:self.last_block]
 
 
 @dataclass

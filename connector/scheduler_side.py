@@ -56,6 +56,15 @@ def prefill_params(params: dict[str, Any] | None) -> wire.PrefillKvParams | None
     return prefill if prefill.do_remote_decode else None
 
 
+def fetch_params(params: dict[str, Any] | None) -> tuple[wire.DecodeKvParams, int] | None:
+    """A request's READ of a prefix from another engine's prefix cache (``wire.Fetch``),
+    if still to come: the read and the prefix's tokens (whole blocks)."""
+    fetch = (params or {}).get(wire.FETCH_KEY)
+    if not isinstance(fetch, dict) or not fetch.get("do_remote_prefill"):
+        return None
+    return wire.DecodeKvParams.of(fetch), int(fetch.get("tokens", 0))
+
+
 def decode_params(params: dict[str, Any] | None) -> wire.DecodeKvParams | None:
     """A request's params if its KV is still to come from a prefill engine."""
     if not params or "do_remote_prefill" not in params:
@@ -69,8 +78,9 @@ class _Received:
     """Decode: where a request's prompt comes from, for its path report."""
 
     local_tokens: int  # found in our own prefix cache
-    tokens: int  # to come from prefill
+    tokens: int  # to come from prefill (a fetch: from the engine holding the prefix)
     blocks: int  # the blocks they fill
+    holder: str = ""  # a fetch: the engine read from
 
 
 @dataclass
@@ -96,6 +106,7 @@ class ConnectorScheduler:
         self._reads: list[PullRead] = []  # decode side, pull: for the next metadata
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
         self._received: dict[str, _Received] = {}  # decode: requests whose KV comes from prefill
+        self._fetched: dict[str, _Received] = {}  # requests whose prefix is read from another engine's cache
         self._verified: set[str] = set()  # of those, the ones whose KV matched prefill's checksum
         self._load_failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed
         self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
@@ -106,6 +117,9 @@ class ConnectorScheduler:
 
     def on_new_request(self, request: "Request") -> None:
         params = decode_params(request.kv_transfer_params)
+        fetch = fetch_params(request.kv_transfer_params)
+        if fetch is not None:  # the holder keeps the prefix's blocks while we renew its lease
+            params = fetch[0]
         if params is not None:
             with self._renewals_lock:
                 self._renewals.start(request.request_id, params.transfer_id, params.prefill_engine_id)
@@ -115,6 +129,12 @@ class ConnectorScheduler:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
+        fetch = fetch_params(request.kv_transfer_params)
+        if fetch is not None:
+            count = fetch[1] - num_computed_tokens
+            if count > 0:
+                return count, True
+            self._stop_renewing([request.request_id])  # our own cache holds it: the holder's lease runs out
         return 0, False
 
     def update_state_after_alloc(
@@ -126,6 +146,14 @@ class ConnectorScheduler:
         prefill = prefill_params(params)
         if prefill is not None and request.request_id not in self._prefills:
             self._prefills[request.request_id] = _Prefill(request, prefill)
+        fetch = fetch_params(params)
+        if fetch is not None and num_external_tokens > 0:
+            read, tokens = fetch
+            first_block, block_ids = self._destinations(request, blocks, num_external_tokens, tokens)
+            self._fetched[request.request_id] = _Received(first_block * self.block_size, num_external_tokens,
+                                                          len(block_ids), holder=read.prefill_engine_id)
+            self._read(request, first_block, block_ids, read, last_block=tokens // self.block_size)
+            params[wire.FETCH_KEY]["do_remote_prefill"] = False  # a re-entry must not read again
         decode = decode_params(params)
         if decode is not None and num_external_tokens > 0:
             first_block, block_ids = self._destinations(request, blocks, num_external_tokens)
@@ -137,12 +165,13 @@ class ConnectorScheduler:
                 self._register(request, first_block, block_ids, decode)
             params["do_remote_prefill"] = False  # a re-entry must not register again
 
-    def _destinations(self, request: "Request", blocks: "KVCacheBlocks",
-                      num_external_tokens: int) -> tuple[int, list[int]]:
+    def _destinations(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int,
+                      end_tokens: int | None = None) -> tuple[int, list[int]]:
         """The prompt's blocks the KV is to fill: after the prefix our own cache holds
-        (``get_num_new_matched_tokens`` asked for everything after it, and a cache hit is
-        whole blocks). Cached blocks are shared with other requests: never a destination."""
-        num_tokens = len(request.prompt_token_ids or ())
+        (``get_num_new_matched_tokens`` asked for everything after it up to ``end_tokens``,
+        the whole prompt unless a fetch's prefix, and a cache hit is whole blocks). Cached
+        blocks are shared with other requests: never a destination."""
+        num_tokens = len(request.prompt_token_ids or ()) if end_tokens is None else end_tokens
         local_tokens = num_tokens - num_external_tokens
         if local_tokens % self.block_size:
             raise RuntimeError(f"a local prefix of {local_tokens} tokens is not whole blocks of {self.block_size}")
@@ -154,7 +183,7 @@ class ConnectorScheduler:
         return first_block, [block.block_id for block in prompt_blocks]
 
     def _read(self, request: "Request", first_block: int, block_ids: list[int],
-              params: wire.DecodeKvParams) -> None:
+              params: wire.DecodeKvParams, last_block: int | None = None) -> None:
         self._reads.append(
             PullRead(
                 request_id=request.request_id,
@@ -167,6 +196,7 @@ class ConnectorScheduler:
                 traceparent=params.traceparent,
                 transfer_key=params.transfer_key,
                 prefill_incarnation=params.prefill_incarnation,
+                last_block=last_block,
             )
         )
 
@@ -232,6 +262,7 @@ class ConnectorScheduler:
         Decode: say where the prompt came from (``wire.RECEIVED_KEY``, for the path
         report); vLLM passes both on in the request's last output."""
         self._stop_renewing([request.request_id])
+        fetched = self._fetched_params(request.request_id)
         recompute_of = (request.kv_transfer_params or {}).get(wire.RECOMPUTE_OF_KEY)
         if isinstance(recompute_of, str):  # decode computed the prompt itself: why its KV did not come
             code, why = self._pop_load_failure(recompute_of)
@@ -246,10 +277,10 @@ class ConnectorScheduler:
                 checksum="verified" if verified else "unchecked").as_params()}
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
-            return False, None
+            return False, fetched or None
         # Blocks stay ours until the worker reports the KV gone (get_finished).
         self._awaiting_send.add(request.request_id)
-        return True, wire.PrefilledKv(
+        return True, fetched | wire.PrefilledKv(
             transfer_id=prefill.params.transfer_id,
             prefill_engine_id=self.engine_id,
             prefill_tp_size=self.tp_size,
@@ -259,6 +290,17 @@ class ConnectorScheduler:
             block_digests=(checksums.PULL_DIGESTS.take(prefill.params.transfer_id) or []
                            if prefill.params.checksum and prefill.params.mode == "pull" else []),
         ).as_params()
+
+    def _fetched_params(self, request_id: str) -> dict[str, Any]:
+        """What came of the request's fetch, for its last output (``wire.FETCHED_KEY``):
+        nothing read if its load failed (vLLM then computed those tokens)."""
+        fetched = self._fetched.pop(request_id, None)
+        if fetched is None:
+            return {}
+        failure = self._load_failures.pop(request_id, None)
+        return {wire.FETCHED_KEY: wire.FetchedKv(
+            tokens=0 if failure else fetched.tokens, blocks=0 if failure else fetched.blocks,
+            holder_engine_id=fetched.holder, asked_tokens=fetched.tokens, failure=f"{failure[0]}: {failure[1]}" if failure else "").as_params()}
 
     def _pop_load_failure(self, engine_request_id: str) -> tuple[str, str]:
         """Why the load of the worker's ``engine_request_id`` failed (vLLM's own id for it

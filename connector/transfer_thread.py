@@ -262,6 +262,7 @@ class TransferThread:
             self._finish(flight, ok=False, error="transfer thread stopped")
 
     def _post(self, job: TransferJob) -> None:
+        chaos.point(f"transfer.posting.{job.op}")  # a test holds a READ (or WRITE) before it starts here
         name = A.KV_WRITE if job.op == "WRITE" else A.KV_READ
         span = _tracer.start_span(name, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
         try:

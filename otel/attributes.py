@@ -30,6 +30,10 @@ MIGRATED_FROM = "kvpush.migration.from"  # the decode a request's stream left mi
 MIGRATION_WHY = "kvpush.migration.why"  # lost (silent) or stalled (no token for --stall-s)
 MIGRATION_CONTINUATION = "kvpush.migration.continuation"  # reprefill or replay (wire.Continuation)
 MIGRATION_SENT_TOKENS = "kvpush.migration.sent_tokens"  # tokens its client had at the break
+PREFIX_CHOICE = "kvpush.prefix.choice"  # held, fetch or recompute: where the prompt's cached prefix comes from
+PREFIX_HOLDER = "kvpush.prefix.holder"  # the engine holding the longest cached prefix
+PREFIX_PREFIX = "kvpush.prefix."  # + the numbers the choice rested on (fetch_s, recompute_s, ...)
+FETCHED_TOKENS = "kvpush.fetched_tokens"  # prompt tokens read from another engine's prefix cache
 PATH_PREFIX = "kvpush.path."  # + each field of the request's path report (wire.PathReport)
 
 ATTRIBUTES: dict[str, str] = {
@@ -50,6 +54,15 @@ ATTRIBUTES: dict[str, str] = {
     TRANSFER_MODE: "push (decode registers, prefill writes), pull (prefill first, decode reads) or local "
                    "(decode computes the prompt)",
     PLACEMENT_REASON: "why the scheduler served the request that way (services/scheduler/placement.py)",
+    PREFIX_CHOICE: "where the prompt's longest cached prefix comes from (services/scheduler/prefix_sources.py): "
+                   "held by the engine computing it, fetched from its holder over NIXL, or recomputed",
+    PREFIX_HOLDER: "the engine whose prefix cache holds the most of the prompt",
+    PREFIX_PREFIX + "held_tokens": "of the prompt, what the holder's prefix cache likely holds",
+    PREFIX_PREFIX + "own_tokens": "of the prompt, what the engine computing it holds itself",
+    PREFIX_PREFIX + "fetch_s": "predicted seconds to fetch the difference: a lend's fixed cost, the holder's queue, "
+                               "the bytes over the link",
+    PREFIX_PREFIX + "recompute_s": "predicted seconds to compute the difference on the engine computing the prompt",
+    FETCHED_TOKENS: "prompt tokens read from another engine's prefix cache (neither computed nor sent again)",
     PLACEMENT_PREFIX + "prefill_finish_s": "predicted seconds until the chosen prefill would compute the prompt",
     PLACEMENT_PREFIX + "prefill_wait_s": "predicted seconds the prompt would queue on that prefill",
     PLACEMENT_PREFIX + "prefill_tokens_per_s": "that prefill's measured throughput",
@@ -83,6 +96,8 @@ SCHEDULER_DISPATCH = "scheduler.dispatch"  # pick workers, send both jobs, get b
 SCHEDULER_WAIT_PREFILL = "scheduler.wait_prefill"  # pull: prefill job sent -> its handoff arrived
 SCHEDULER_TAKEOVER = "scheduler.takeover"  # a flight whose scheduler was lost, taken over by another
 SCHEDULER_MOVE = "scheduler.move"  # push: the transfer moved to another decode before its write
+SCHEDULER_LEND = "scheduler.lend"  # ask the engine holding a prompt's prefix to lend it (its answer)
+LEND = "lend"  # a lend on the holder's worker: hold the prefix's blocks for the reader's READ
 SCHEDULER_MIGRATE = "scheduler.migrate"  # a stream whose decode was lost or stalled, continued on another
 PREFILL = "prefill"  # a prefill job on its worker
 PREFILL_QUEUE = "prefill.queue"  # job received -> vLLM schedules the prompt
@@ -110,6 +125,9 @@ SPANS: dict[str, str] = {
                     "(kvpush.decode_worker) with nothing recomputed, or (kvpush.error.code) could not",
     SCHEDULER_MIGRATE: "mid-stream: its decode was lost or stalled after tokens went out; the old decode "
                        "fenced, a new attempt resumes after the last token its client has",
+    SCHEDULER_LEND: "ask the engine holding the prompt's longest cached prefix to hold it for a READ; its answer",
+    LEND: "the holder's worker: its engine holds the prefix's blocks (cache hits) for the reader's READ, "
+          "or refuses (prefix_not_held) before any READ",
     PREFILL: "a prefill job on its worker",
     PREFILL_QUEUE: "job received -> vLLM schedules the prompt",
     PREFILL_COMPUTE: "vLLM computes the prompt",

@@ -34,7 +34,8 @@
         ├── AgentUnreachable    the peer's NIXL agent could not be had
         ├── WriteFailed         the WRITE failed
         │   └── WriteStuck      ...never ended: it may still land, so decode keeps the blocks
-        └── ReadFailed          pull: the READ failed
+        ├── ReadFailed          pull: the READ failed
+        └── PrefixNotHeld       a lend: the holder no longer has the prefix cached
 
 ``to_error_body`` is the one boundary that turns any exception into an error reply's body
 (``wire.ErrorReply``; a client tells codes apart by these classes' ``code``), and
@@ -211,6 +212,12 @@ class WriteStuck(WriteFailed):
 
 class ReadFailed(TransferError):
     code = "read_failed"
+
+
+class PrefixNotHeld(TransferError):
+    """A lend refused before any READ: the engine asked no longer holds the prefix."""
+
+    code = "prefix_not_held"
 
 
 class ChecksumMismatch(TransferError):

@@ -120,6 +120,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
             publish=[
                 wire.PREFILL_JOBS.wildcard,
                 wire.DECODE_JOBS.wildcard,
+                wire.LEND_JOBS.wildcard,  # ask the engine holding a prefix to lend it
                 wire.KV_MOVES.partly(sender=name),
                 wire.SCHEDULER_HEARTBEATS(sender=name),
                 wire.INTAKE(sender=name),
@@ -134,8 +135,10 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
         return Permissions(
             subscribe=[
                 wire.PREFILL_JOBS(worker_id=name),
+                wire.LEND_JOBS(worker_id=name),
                 wire.KV_CONTROL.partly(engine_id=name),
                 wire.KV_MOVES.partly(engine_id=name),
+                wire.KV_COMPLETIONS.partly(engine_id=name),  # a fetched prefix's holder: its lease ran out
                 wire.KV_AGENT.partly(engine_id=name),
                 wire.KV_AGENTS.wildcard,
                 own_inbox,
@@ -144,6 +147,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.HEARTBEATS(sender=name),
                 wire.CACHE_EVENTS(sender=name),
                 wire.HANDOFFS(sender=name),
+                wire.KV_CONTROL.partly(sender=name),  # renew a fetched prefix's lease on its holder
                 wire.KV_COMPLETIONS.partly(sender=name),
                 wire.KV_AGENTS(sender=name),
                 wire.KV_AGENT.wildcard,  # ask a decode rank for its agent
@@ -155,6 +159,9 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
         return Permissions(
             subscribe=[
                 wire.DECODE_JOBS(worker_id=name),
+                wire.LEND_JOBS(worker_id=name),
+                wire.KV_CONTROL.partly(engine_id=name),  # a reader's lease renewals of a prefix we lent
+                wire.KV_MOVES.partly(engine_id=name),  # (our connector's producer half listens; none come)
                 wire.KV_COMPLETIONS.partly(engine_id=name),
                 wire.KV_AGENT.partly(engine_id=name),
                 wire.KV_AGENTS.wildcard,
@@ -166,7 +173,7 @@ def permissions(role: IdentityRole, name: str) -> Permissions:
                 wire.PROGRESS(sender=name),
                 wire.TOKENS_SENT(sender=name),
                 wire.KV_CONTROL.partly(sender=name),
-                wire.KV_COMPLETIONS(engine_id=name, sender=name),  # its own READ failed
+                wire.KV_COMPLETIONS.partly(sender=name),  # its own READ failed; a lent prefix's lease ran out
                 wire.KV_AGENTS(sender=name),
                 wire.KV_AGENT.wildcard,  # ask a prefill rank for its agent
                 wire.INVALID_SUBJECT,

@@ -50,6 +50,16 @@ HANDOFF_S = 0.03  # what disaggregating adds to a prompt's prefill: dispatch, tr
 DECODE_ROOM = 4  # a decode running fewer requests than this has room to compute a prompt
 PREFIX_WEIGHT = 1.0  # routing: a decode holding a whole prompt cached counts one request less busy
 
+# Prefixes fetched from the engine holding them: services/scheduler/prefix_sources.py
+PREFIX_FETCH = "on"  # a prompt's longest cached prefix, held elsewhere, may be READ from its holder
+FETCH_MIN_TOKENS = 64  # a smaller difference is computed again
+# NIXL over UCX between two engines on one host here: 2.2-5.7 GiB/s for large transfers
+# (docs/benchmarks.md), far less for a few hundred KiB; the low end, to stay honest.
+FETCH_LINK_BYTES_PER_S = 2.0e9
+FETCH_FIXED_S = 0.02  # a lend: NATS round trip, a step of the holder's engine, the READ's setup (p50 measured)
+FETCH_STEP_TOKENS = 2048  # a holder's step computes at most this much of its queue before the lend's
+FETCH_CREDIT = 0.8  # routing: a prefix an engine could fetch counts this much of one it holds
+
 # The workers
 HEARTBEAT_INTERVAL_S = 1.0  # also how often decode renews prefill's leases
 

@@ -219,6 +219,7 @@ KV_MOVES = SubjectTemplate("kvpush.kv.move.{engine_id}.{sender}")
 KV_AGENT = SubjectTemplate("kvpush.kv.agent.{engine_id}.{rank}")
 KV_AGENTS = SubjectTemplate("kvpush.kv.agents.{sender}")
 CACHE_EVENTS = SubjectTemplate("kvpush.cache.{sender}")
+LEND_JOBS = SubjectTemplate("kvpush.lend.{worker_id}")  # scheduler -> holder: lend a cached prefix (request-reply)
 COMPLETION_SUBJECTS = KV_COMPLETIONS.wildcard
 
 
@@ -470,6 +471,12 @@ class PathReport(msgspec.Struct):
     migrations: int = 0
     resumed_after: list[int] = []
     continuation: str = ""
+    # The prompt's longest cached prefix, wherever it was (``PrefixSource.choice``): held by
+    # the engine that computed the prompt, fetched from ``fetched_from`` (``fetched_tokens``
+    # read over NIXL, neither computed nor sent again), or recomputed; "" when no engine held any.
+    prefix_source: str = ""
+    fetched_tokens: int = 0
+    fetched_from: str = ""
 
     @property
     def retries(self) -> int:
@@ -533,6 +540,8 @@ class WorkerHeartbeat(Internal):
     incarnation: str = ""  # new on every start: a restarted worker keeps its id, not its incarnation
     queued_prompt_tokens: int = 0  # prompt tokens of the jobs it holds, not yet computed (decode: local ones)
     prefill_tokens_per_s: float = 0.0  # prompt tokens it computes per second (decode: local ones; 0: unmeasured)
+    lends: bool = False  # its engine lends cached prefixes (LendJob) and fetches them from others (Fetch)
+    kv_bytes_per_block: int = 0  # one block's KV over every layer: what fetching a block moves (0: unknown)
 
 
 class SamplingSpec(msgspec.Struct):
@@ -571,6 +580,32 @@ class PromptReport(msgspec.Struct):
 
     cached_tokens: int
     logprobs: list[list[TokenLogprob] | None] | None = None
+    fetched_tokens: int = 0  # read from another engine's prefix cache before computing the rest (Fetch)
+    fetched_from: str = ""  # that engine
+
+
+class Fetch(msgspec.Struct):
+    """Before computing a prompt, READ its first ``tokens`` (whole blocks) from the engine
+    that holds them in its prefix cache: what ``holder_engine_id``'s engine returned for the
+    lend (``lent``, a ``PrefilledKv``: its blocks, held for us under a lease we renew)."""
+
+    holder_engine_id: str
+    holder_incarnation: str
+    transfer_id: str  # the lend's own, not the request's
+    transfer_key: str  # the lend's secret, shared with the holder only
+    tokens: int
+    lent: dict[str, Any]
+
+
+class PrefixSource(msgspec.Struct):
+    """Where the scheduler meant a prompt's longest cached prefix to come from (``kvpush.services.scheduler.prefix_sources``):
+    ``held`` (the engine computing the prompt has it), ``fetch`` (read from ``holder``),
+    ``recompute`` (another engine holds more, and computing it again is cheaper or fetching is off)."""
+
+    choice: str
+    holder: str = ""
+    held_tokens: int = 0  # the holder's cached prefix of the prompt
+    reason: str = ""
 
 
 class PrefillJob(Internal):
@@ -583,6 +618,7 @@ class PrefillJob(Internal):
     transfer_key: str = ""  # the transfer's secret, shared with its decode only
     prompt_logprobs: int | None = None  # the request's: prefill computes them with the prompt
     kv_checksum: bool = False  # send a checksum of the prompt's KV with it (--kv-checksums)
+    fetch: Fetch | None = None  # read the prompt's first blocks from the engine holding them, then compute the rest
 
 
 class RouteReport(msgspec.Struct):
@@ -596,6 +632,7 @@ class RouteReport(msgspec.Struct):
     takeovers: int = 0
     migrations: int = 0  # times the request moved to another decode mid-stream
     resumed_after: list[int] = []  # at each migration: the tokens its client had
+    prefix: PrefixSource | None = None  # where the prompt's cached prefix was to come from
 
 
 Continuation = Literal["reprefill", "replay"]
@@ -637,6 +674,34 @@ class DecodeJob(Internal):
     # A migrated request: resume after what its client has (``prompt_token_ids`` is then
     # the original prompt, with a reprefill continuation the tokens sent too).
     resume: Resume | None = None
+
+
+class LendJob(Internal):
+    """Scheduler -> the engine holding a prompt's prefix in its prefix cache (request-reply
+    on ``LEND_JOBS``): hold the first ``blocks`` blocks of ``prompt_token_ids`` (the prefix
+    and one token after it, which the engine computes) for ``reader_engine_id`` to READ,
+    under a lease the reader renews. Answered with ``Lent``."""
+
+    request_id: str
+    transfer_id: str
+    prompt_token_ids: list[int]
+    blocks: int
+    reader_engine_id: str
+    transfer_key: str
+
+
+class Lent(Internal):
+    """A holder's answer to a LendJob: where the blocks are (``kv_transfer_params``, a
+    ``PrefilledKv``), or why not (``error``: ``prefix_not_held``, refused before any READ)."""
+
+    sender_field: ClassVar[str] = "holder_engine_id"
+
+    transfer_id: str
+    holder_engine_id: str
+    holder_incarnation: str
+    kv_transfer_params: dict[str, Any] | None = None
+    cached_tokens: int = 0  # of the lend's prompt, found in the holder's prefix cache
+    error: ErrorBody | None = None
 
 
 class CancelJob(Internal):
@@ -946,6 +1011,11 @@ LOAD_FAILURE_KEY = "kvpush_load_failure"
 # A migrated request's SamplingParams.extra_args: the tokens its client already has, which
 # the engine replays as its first outputs (kvpush.services.worker.replay).
 REPLAY_KEY = "kvpush_replay"
+# A request that first READs a prefix from another engine's cache (``Fetch``): its
+# kv_transfer_params carry the read (a DecodeKvParams) under FETCH_KEY, and its last output
+# what came (a FetchedKv) under FETCHED_KEY.
+FETCH_KEY = "kvpush_fetch"
+FETCHED_KEY = "kvpush_fetched"
 
 
 class ReceivedKv(_KvParams, kw_only=True):
@@ -958,6 +1028,17 @@ class ReceivedKv(_KvParams, kw_only=True):
     blocks: int  # the blocks they filled
     bytes: int  # the bytes written (read) into them
     checksum: KvChecksum = "unchecked"  # verified: equal to prefill's checksum before the request ran
+
+
+class FetchedKv(_KvParams, kw_only=True):
+    """What came of a request's fetch (under ``FETCHED_KEY``): the tokens read from the
+    holder into our blocks (0: the read failed and the engine computed them)."""
+
+    tokens: int
+    blocks: int
+    holder_engine_id: str
+    asked_tokens: int = 0  # the tokens asked of the holder (vLLM counts them as cache hits, read or not)
+    failure: str = ""  # why the read failed, when it did
 
 
 class ConnectorConfig(msgspec.Struct, kw_only=True):

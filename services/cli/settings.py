@@ -67,6 +67,10 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--stall-s", "KVPUSH_STALL_S", defaults.STALL_S,
             "a decode streaming a request, its worker still heartbeating, without a token for this long has "
             "stalled: the request continues on another decode (0: never)", float),
+    Setting("--prefix-fetch", "KVPUSH_PREFIX_FETCH", defaults.PREFIX_FETCH,
+            "a prompt's longest cached prefix, held by another engine than the one computing it, is READ from "
+            "that engine's cache (it lends the blocks under a lease) when that should be faster than computing it "
+            "(on), or always computed again (off)", str, ("on", "off")),
     Setting("--local-below-tokens", "KVPUSH_LOCAL_BELOW_TOKENS", defaults.LOCAL_PREFILL_TOKENS,
             "--mode auto: prompts shorter than this are computed by their decode worker", int),
     Setting("--push-within-s", "KVPUSH_PUSH_WITHIN_S", defaults.PUSH_WITHIN_S,

@@ -9,17 +9,21 @@ Local: the decode computes the prompt itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 import time
 import uuid
 
 import structlog
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from kvpush.otel import attributes as A
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight, FlightTable
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.outbox import Outbox
+from kvpush.services.scheduler import prefix_sources
 from kvpush.services.scheduler.placement import Placement, PlacementSettings, place
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.timing import WATCH_INTERVAL_S, Uptime
@@ -28,12 +32,15 @@ from kvpush.shared.errors import EngineFailed, NoWorkers
 
 log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")
+LEND_TIMEOUT_S = 2.0  # a holder that does not answer a lend in this long: the prefill computes the prefix
 
 
 class Attempts:
     def __init__(self, pool: WorkerPool, flights: FlightTable, journal: Journal, outbox: Outbox,
-                 placement: PlacementSettings, uptime: Uptime, kv_checksums: str = settings.KV_CHECKSUMS):
+                 placement: PlacementSettings, uptime: Uptime, kv_checksums: str = settings.KV_CHECKSUMS,
+                 fetch: prefix_sources.FetchSettings | None = None):
         self.pool = pool
+        self.fetch = fetch or prefix_sources.FetchSettings()
         self.kv_checksums = kv_checksums  # which transfers get an end-to-end checksum
         self.flights = flights
         self.journal = journal
@@ -103,6 +110,7 @@ class Attempts:
                                                   prompt=flight.prompt))
         flight.assign_decode(decode)
         trace.get_current_span().set_attributes({A.TRANSFER_ID: flight.transfer_id, A.DECODE_WORKER: decode.worker_id})
+        await self._prefix_source(flight, decode, can_fetch=False)  # a decode computing a prompt does not fetch (yet)
         await self.journal.write_down(flight)
         await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, None))
 
@@ -114,11 +122,12 @@ class Attempts:
         trace.get_current_span().set_attributes(
             {A.TRANSFER_ID: flight.transfer_id, A.PREFILL_WORKER: prefill.worker_id, A.DECODE_WORKER: decode.worker_id}
         )
+        fetch = await self._prefix_source(flight, prefill)
         await self.journal.write_down(flight)
         beat = self.pool.beat(prefill.worker_id)  # as it is now, after the write
         # Both at once: decode registers its blocks while prefill computes.
         await asyncio.gather(
-            self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums)),
+            self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums, fetch)),
             self.outbox.send(decode.worker_id, dispatch.decode_job(flight, beat.kv_params if beat else None)),
         )
 
@@ -134,11 +143,12 @@ class Attempts:
         flight.assign_prefill(prefill)
         span = trace.get_current_span()
         span.set_attributes({A.TRANSFER_ID: transfer_id, A.PREFILL_WORKER: prefill.worker_id})
+        fetch = await self._prefix_source(flight, prefill)
         await self.journal.write_down(flight)
         handoff_arrived = asyncio.get_running_loop().create_future()
         self._handoffs[transfer_id] = handoff_arrived
         try:
-            await self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums))
+            await self.outbox.send(prefill.worker_id, dispatch.prefill_job(flight, self.kv_checksums, fetch))
             with _tracer.start_as_current_span(A.SCHEDULER_WAIT_PREFILL):
                 handoff: wire.Handoff = await handoff_arrived  # the deadline watch bounds this wait
         finally:
@@ -152,3 +162,44 @@ class Attempts:
         await self.journal.write_down(flight)
         # What the prefill engine returned goes to decode as is (vLLM's examples do the same).
         await self.outbox.send(decode.worker_id, dispatch.decode_job(flight, handoff.kv_transfer_params, handoff.prompt))
+
+    async def _prefix_source(self, flight: Flight, target: wire.WorkerHeartbeat,
+                             can_fetch: bool = True) -> wire.Fetch | None:
+        """Where the prompt's longest cached prefix comes from for ``target`` (the engine
+        computing the prompt): held there, recomputed, or fetched from its holder, who is
+        asked to lend it now (``prefix_sources``). The fetch for the job, if any."""
+        flight.prefix = None
+        if flight.prompt is None:
+            return None
+        target_engine = self.pool.engine(target.worker_id, flight.prompt)
+        if target_engine is None:
+            return None
+        if not can_fetch:
+            target_engine = dataclasses.replace(target_engine, lends=False)
+        holder = self.pool.holder(flight.prompt, time.monotonic())
+        plan = prefix_sources.plan(len(flight.attempt_prompt), target_engine, holder, self.fetch)
+        span = trace.get_current_span()
+        span.set_attributes({A.PREFIX_CHOICE: plan.choice, A.PREFIX_HOLDER: plan.holder.worker_id if plan.holder else "",
+                             **{f"{A.PREFIX_PREFIX}{k}": v for k, v in plan.numbers.items()}})
+        flight.prefix = plan.source()
+        if plan.choice != "fetch":
+            return None
+        transfer_id, transfer_key = uuid.uuid4().hex, secrets.token_hex(16)
+        job = dispatch.lend_job(flight, plan, target.worker_id, transfer_id, transfer_key)
+        with _tracer.start_as_current_span(A.SCHEDULER_LEND, attributes={
+                A.TRANSFER_ID: transfer_id, A.PREFIX_HOLDER: plan.holder.worker_id, A.BLOCKS: job.blocks}) as lend:
+            try:
+                lent = await self.outbox.lend(plan.holder.worker_id, job, LEND_TIMEOUT_S)
+            except Exception as exc:  # no answer in time, or a garbled one: compute it
+                why = f"the holder did not answer the lend: {type(exc).__name__}"
+                lend.set_status(Status(StatusCode.ERROR, why))
+                flight.prefix = plan.source("recompute", why)
+                return None
+            if lent.error is not None or not lent.kv_transfer_params:
+                why = f"the holder refused the lend: {lent.error.message if lent.error else 'no blocks'}"
+                lend.set_status(Status(StatusCode.ERROR, why))
+                lend.set_attribute(A.ERROR_CODE, lent.error.code if lent.error else "")
+                flight.prefix = plan.source("recompute", why)
+                return None
+            lend.set_attribute(A.CACHED_TOKENS, lent.cached_tokens)
+        return dispatch.fetch_of(plan, lent, transfer_key)

@@ -13,6 +13,7 @@ import random
 from typing import Any
 
 from kvpush.services.scheduler.flights import Flight
+from kvpush.services.scheduler.prefix_sources import PrefixPlan
 from kvpush.shared import settings, wire
 
 
@@ -27,9 +28,10 @@ def checksum_for(transfer_id: str, setting: str, fraction: float = settings.KV_C
     return random.Random(transfer_id).random() < fraction
 
 
-def prefill_job(flight: Flight, kv_checksums: str = "off") -> wire.PrefillJob:
+def prefill_job(flight: Flight, kv_checksums: str = "off", fetch: wire.Fetch | None = None) -> wire.PrefillJob:
     """Push: decode is already chosen (its registration is the only one prefill may write
-    to). Pull: decode is chosen after prefill. ``kv_checksums``: the scheduler's setting."""
+    to). Pull: decode is chosen after prefill. ``kv_checksums``: the scheduler's setting.
+    ``fetch``: the prompt's first blocks, lent by the engine holding them."""
     return wire.PrefillJob(
         request_id=flight.request_id,
         transfer_id=flight.transfer_id,
@@ -41,6 +43,7 @@ def prefill_job(flight: Flight, kv_checksums: str = "off") -> wire.PrefillJob:
         # a migrated request's client has them already (with its first chunk)
         prompt_logprobs=flight.request.sampling.prompt_logprobs if flight.resume is None else None,
         kv_checksum=checksum_for(flight.transfer_id, kv_checksums),
+        fetch=fetch,
     )
 
 
@@ -66,10 +69,27 @@ def decode_job(flight: Flight, prefill_kv: dict[str, Any] | None,
         prompt=prompt,
         route=wire.RouteReport(chosen_by=flight.mode_chosen_by, reason=flight.mode_reason, attempt=flight.attempt,
                                moves=flight.times_moved, takeovers=flight.takeovers,
-                               migrations=flight.migrations, resumed_after=list(flight.resumed_after)),
+                               migrations=flight.migrations, resumed_after=list(flight.resumed_after),
+                               prefix=flight.prefix),
         kv_policy=flight.kv_policy,
         resume=flight.resume,
     )
+
+
+def lend_job(flight: Flight, plan: PrefixPlan, reader_id: str, transfer_id: str, transfer_key: str) -> wire.LendJob:
+    """Ask the plan's holder to hold the prompt's first ``plan.tokens`` for ``reader_id``'s
+    READ: the prefix and one token more (the holder's engine computes that one)."""
+    return wire.LendJob(request_id=flight.request_id, transfer_id=transfer_id,
+                        prompt_token_ids=flight.attempt_prompt[:plan.tokens + 1],
+                        blocks=plan.tokens // plan.holder.block_size, reader_engine_id=reader_id,
+                        transfer_key=transfer_key)
+
+
+def fetch_of(plan: PrefixPlan, lent: wire.Lent, transfer_key: str) -> wire.Fetch:
+    """The prefill's READ of what the holder lent."""
+    return wire.Fetch(holder_engine_id=lent.holder_engine_id, holder_incarnation=lent.holder_incarnation,
+                      transfer_id=lent.transfer_id, transfer_key=transfer_key, tokens=plan.tokens,
+                      lent=dict(lent.kv_transfer_params or {}))
 
 
 def prompt_ready(flight: Flight, handoff: wire.Handoff) -> wire.PromptReady | None:

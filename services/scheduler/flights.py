@@ -81,6 +81,7 @@ class Flight:
     sent_known: bool = True  # every chunk sent was recorded here (not so after a takeover, until proven)
     resume: wire.Resume | None = None  # migrated: where the current attempt resumes
     resumed_after: list[int] = field(default_factory=list)  # at each migration, the tokens its client had
+    prefix: wire.PrefixSource | None = None  # this attempt: where its cached prefix comes from
     migrating: bool = False  # its old decode is being fenced (``Migrations``): no other verdict meanwhile
 
     @property

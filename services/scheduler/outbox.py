@@ -46,6 +46,14 @@ class Outbox:
             reason = ack.error.message if ack.error is not None else "it gave no reason"
             raise DispatchFailed(f"worker {worker_id} refused the job: {reason}", worker_id)
 
+    async def lend(self, holder_id: str, job: wire.LendJob, timeout_s: float) -> wire.Lent:
+        """Ask ``holder_id`` to lend a cached prefix; its answer (raises on no answer in time)."""
+        reply = await self.bus.request(wire.LEND_JOBS(worker_id=holder_id), wire.encode(job), timeout_s)
+        lent = wire.decode(reply.data, wire.Lent)
+        if lent.holder_engine_id != holder_id or lent.transfer_id != job.transfer_id:
+            raise ValueError(f"a lend answered for {lent.holder_engine_id}/{lent.transfer_id}")
+        return lent
+
     async def prompt_ready(self, flight: Flight, ready: wire.PromptReady) -> None:
         """Push: prefill's word on the prompt, to the attempt's decode (no ack: a decode that
         ended no longer needs it, and one that waits for it is bounded by its own wait)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush.services.scheduler.placement import DecodeLoad, PromptLoad
+from kvpush.services.scheduler.prefix_sources import Engine
 from kvpush.services.scheduler.prefixes import PrefixIndex, Prompt
 from kvpush.shared import settings, wire
 from kvpush.shared.errors import NoWorkers
@@ -42,6 +43,7 @@ class WorkerPool:
                  prefixes: PrefixIndex | None = None, prefix_weight: float = settings.PREFIX_WEIGHT):
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()
         self.prefix_weight = prefix_weight
+        self.fetch_credit = 0.0  # with fetching on: a prefix a prefill could fetch counts this much of one it holds
         self.stale_after_s = stale_after_s
         self.forget_after_s = forget_after_s  # a worker silent this long is dropped from the pool
         self.max_workers = max_workers
@@ -152,10 +154,42 @@ class WorkerPool:
 
     def _best_prefill(self, now: float, prompt: Prompt | None = None) -> _Entry | None:
         """The prefill that would end a new prompt first: the fewest tokens to compute
-        before it and of it (its cache holds some of them), then the fewest requests."""
+        before it and of it (its cache holds some of them, or it could fetch them from the
+        engine that holds the most: ``fetch_credit`` of those), then the fewest requests."""
         prefills = self._pickable("prefill", now)
-        return min(prefills, key=lambda e: (e.queued_tokens() - self._cached_blocks(e, prompt) * e.beat.block_size,
-                                            e.busy(), e.beat.worker_id), default=None)
+        fetchable = 0.0
+        if self.fetch_credit > 0 and prompt is not None:
+            holder = self.holder(prompt, now)
+            fetchable = holder.cached_tokens * self.fetch_credit if holder is not None else 0.0
+
+        def saved(e: _Entry) -> float:
+            own = self._cached_blocks(e, prompt) * e.beat.block_size
+            return max(own, fetchable) if e.beat.lends else own
+
+        return min(prefills, key=lambda e: (e.queued_tokens() - saved(e), e.busy(), e.beat.worker_id), default=None)
+
+    def engine(self, worker_id: str, prompt: Prompt) -> Engine | None:
+        """``worker_id`` as ``prefix_sources`` sees it: its share of the prompt and its load."""
+        entry = self._workers.get(worker_id)
+        return self._engine(entry, prompt) if entry is not None else None
+
+    def _engine(self, entry: _Entry, prompt: Prompt) -> Engine:
+        beat = entry.beat
+        return Engine(beat.worker_id, beat.incarnation, self._cached_blocks(entry, prompt) * beat.block_size,
+                      beat.block_size, entry.queued_tokens(), beat.prefill_tokens_per_s, beat.kv_bytes_per_block,
+                      beat.lends)
+
+    def holder(self, prompt: Prompt, now: float) -> Engine | None:
+        """The live engine, of either role, whose prefix cache likely holds the most of the
+        prompt (among those that lend theirs, first); None if none holds any."""
+        best: _Entry | None = None
+        best_key = (False, 0)
+        for role in ("prefill", "decode"):
+            for entry in self._live_entries(role, now):
+                key = (entry.beat.lends, self._cached_blocks(entry, prompt) * entry.beat.block_size)
+                if key[1] > 0 and key > best_key:
+                    best, best_key = entry, key
+        return self._engine(best, prompt) if best is not None else None
 
     def prefill_load(self, now: float, prompt: Prompt | None = None) -> PromptLoad | None:
         """The load of the prefill ``pick_prefill`` would choose now, if any is live."""

@@ -54,6 +54,7 @@ from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.placement import PlacementSettings
 from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.prefix_sources import FetchSettings
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.takeover import SchedulerLiveness
 from kvpush.services.scheduler.timing import DISPATCH_TIMEOUT_S, INTAKE_GRACE_S, Uptime
@@ -78,7 +79,7 @@ class Scheduler(Service):
                  local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
                  push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY,
                  kv_checksums: str = settings.KV_CHECKSUMS, max_migrations: int = settings.MAX_MIGRATIONS,
-                 stall_s: float = settings.STALL_S):
+                 stall_s: float = settings.STALL_S, prefix_fetch: str = settings.PREFIX_FETCH):
         self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
                                            push_within_s=push_within_s)
         self.mode = mode
@@ -98,7 +99,11 @@ class Scheduler(Service):
         # Tokenizing a long prompt takes a while: off the event loop, one at a time (a
         # Hugging Face tokenizer must not be used from two threads at once).
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        if prefix_fetch not in ("on", "off"):
+            raise ValueError(f"prefix_fetch must be on or off, not {prefix_fetch!r}")
+        self.fetch = FetchSettings(enabled=prefix_fetch == "on")
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
+        self.pool.fetch_credit = settings.FETCH_CREDIT if self.fetch.enabled else 0.0
         self.flights = FlightTable(max_attempts=max_attempts, max_migrations=max_migrations, stall_s=stall_s)
         self.early_cancels = EarlyCancels(keep_s=deadline_s)
         self.incarnation = uuid.uuid4().hex[:12]
@@ -124,7 +129,7 @@ class Scheduler(Service):
         journal = Journal(self.ledger, self.flights, self.scheduler_id, self.incarnation)
         outbox = Outbox(self.bus, self.ledger)
         attempts = Attempts(self.pool, self.flights, journal, outbox, self.placement, self.uptime,
-                            kv_checksums=self.kv_checksums)
+                            kv_checksums=self.kv_checksums, fetch=self.fetch)
         recovery = Recovery(self.ledger, self.pool, self.flights, self._requests, attempts, outbox)
         moves = Moves(self.bus, self.ledger, self.pool, self.flights, journal, outbox, recovery, self.scheduler_id)
         migrations = Migrations(self.pool, self.flights, outbox, recovery)

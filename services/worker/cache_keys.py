@@ -52,6 +52,17 @@ class CacheKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def held_blocks(self, keys: list[bytes]) -> int:
+        """How many of a prompt's first blocks (``block_keys``) the engine holds, as far as
+        its events have told us."""
+        held = set(self._keys.values())
+        count = 0
+        for key in keys:
+            if key not in held:
+                break
+            count += 1
+        return count
+
     def apply(self, events) -> CacheChanges:
         """What a batch of events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
         in order) changed, by our keys."""

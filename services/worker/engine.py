@@ -127,6 +127,21 @@ def _omp_binding(config):
 # --------------------------------------------------------------------------- per connector kind
 # What each kind does is its strategy's (``kvpush.services.worker.kinds``); these pick it by name.
 
+def kv_bytes_per_block(config) -> int:
+    """One KV block's bytes over every layer (K and V), from the engine's config; 0 if it
+    cannot be told. What fetching a block from another engine moves."""
+    try:
+        import torch
+
+        model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
+        dtype = model.dtype if cache.cache_dtype in (None, "auto") else getattr(torch, str(cache.cache_dtype), None)
+        element = torch.tensor([], dtype=dtype).element_size()
+        return (model.get_num_layers(parallel) * 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
+                * element * cache.block_size)
+    except Exception:
+        return 0
+
+
 def wake_engine(engine: EngineSettings) -> None:
     """Tell the engine's connector that a request is being handed to the engine (only
     kvpush's listens: see ``kvpush.connector.engine_wake``)."""

@@ -76,13 +76,16 @@ class KvpushStrategy(KindStrategy):
             "kv_transfer_config": {
                 "kv_connector": "KvpushConnector",
                 "kv_connector_module_path": "kvpush.connector.kvpush_connector",
-                "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
+                # Both halves on every engine: a prefill also READs a prefix another engine
+                # holds (``wire.Fetch``), a decode also lends its cached prefixes (``wire.LendJob``).
+                "kv_role": "kv_both",
                 "engine_id": engine.engine_id,
                 "kv_connector_extra_config": msgspec.to_builtins(connector_config),
-                # vLLM ends a request whose KV did not arrive (an "error" finish) and the decode
-                # worker applies the request's own kv_policy: it computes the prompt itself, or
-                # fails the request (services/worker/decode.py).
-                "kv_load_failure_policy": "fail",
+                # Decode: vLLM ends a request whose KV did not arrive (an "error" finish) and the
+                # decode worker applies the request's own kv_policy: it computes the prompt
+                # itself, or fails the request (services/worker/decode.py). Prefill: a fetched
+                # prefix that did not arrive is computed, as if it had not been fetched.
+                "kv_load_failure_policy": "recompute" if engine.role == "prefill" else "fail",
             },
             "disable_hybrid_kv_cache_manager": True,
         }
@@ -91,7 +94,17 @@ class KvpushStrategy(KindStrategy):
         params = wire.PrefillKvParams(transfer_id=job.transfer_id, mode=job.mode,
                                       decode_engine_id=job.decode_engine_id, traceparent=traceparent,
                                       transfer_key=job.transfer_key, checksum=job.kv_checksum)
-        return f"{job.request_id}-p-{job.transfer_id[:8]}", params.as_params()
+        kv_params = params.as_params()
+        if job.fetch is not None:
+            kv_params[wire.FETCH_KEY] = fetch_params(job.fetch, job.request_id, traceparent)
+        return f"{job.request_id}-p-{job.transfer_id[:8]}", kv_params
+
+    def lend_request(self, job: wire.LendJob, traceparent: str) -> tuple[str, dict]:
+        """A lend: the holder's engine runs the prefix (its cache holds it) as a pull-mode
+        prefill and holds its blocks for the reader's READ, under the reader's lease."""
+        params = wire.PrefillKvParams(transfer_id=job.transfer_id, mode="pull", traceparent=traceparent,
+                                      transfer_key=job.transfer_key)
+        return f"{job.request_id}-x-{job.transfer_id[:8]}", params.as_params()
 
     def remote_decode_request(self, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
         params = wire.DecodeKvParams(transfer_id=job.transfer_id, request_id=job.request_id,
@@ -159,6 +172,16 @@ class VllmNixlPushStrategy(VllmNixlStrategy):
     def remote_decode_request(self, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
         return job.transfer_id, {"do_remote_prefill": True, "remote_request_id": job.transfer_id,
                                  **job.kv_transfer_params}
+
+
+def fetch_params(fetch: wire.Fetch, request_id: str, traceparent: str) -> dict:
+    """The engine request's READ of a prefix from its holder (``wire.FETCH_KEY``)."""
+    lent = wire.PrefilledKv.of(fetch.lent)
+    read = wire.DecodeKvParams(transfer_id=fetch.transfer_id, request_id=request_id,
+                               prefill_engine_id=fetch.holder_engine_id, prefill_tp_size=lent.prefill_tp_size,
+                               mode="pull", remote_block_ids=lent.remote_block_ids, traceparent=traceparent,
+                               transfer_key=fetch.transfer_key, prefill_incarnation=lent.prefill_incarnation)
+    return {**read.as_params(), "tokens": fetch.tokens}
 
 
 STRATEGIES: dict[str, KindStrategy] = {

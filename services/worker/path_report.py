@@ -51,10 +51,15 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         migrations=route.migrations, resumed_after=list(route.resumed_after),
         continuation=job.resume.continuation if job.resume is not None else "",
         prompt_tokens=prompt_tokens,
-        prefill_computed_tokens=0 if local else (None if prefill is None else prompt_tokens - prefill.cached_tokens),
+        prefill_computed_tokens=0 if local else (
+            None if prefill is None else prompt_tokens - prefill.cached_tokens - prefill.fetched_tokens),
         received_tokens=None, received_blocks=None, received_bytes=None, decode_cached_tokens=None,
         decode_computed_tokens=0, recomputed_tokens=0,
     )
+    if route.prefix is not None:
+        report.prefix_source = prefix_source(route.prefix, prefill)
+    if prefill is not None and prefill.fetched_tokens:
+        report.fetched_tokens, report.fetched_from = prefill.fetched_tokens, prefill.fetched_from
     if not local and saw.computed_here:  # the KV did not arrive intact (why, if our connector said)
         report.kv_failure, report.kv_failure_reason = saw.kv_failure or ("kv_load_failed", "")
     if saw.computed_here:
@@ -71,6 +76,14 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         report.decode_cached_tokens = saw.received.local_tokens
         report.kv_checksum = saw.received.checksum
     return report
+
+
+def prefix_source(prefix: wire.PrefixSource, prompt: wire.PromptReport | None) -> str:
+    """Where the prompt's longest cached prefix came from: as the scheduler chose, but a
+    fetch that brought nothing (refused, or its READ failed) was a recompute."""
+    if prefix.choice == "fetch":
+        return "fetched" if prompt is not None and prompt.fetched_tokens else "recomputed"
+    return {"recompute": "recomputed"}.get(prefix.choice, prefix.choice)
 
 
 def load_failure_of(kv_transfer_params: dict | None) -> tuple[str, str] | None:

@@ -77,6 +77,9 @@ class PrefillRole:
             error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
             span.set_status(Status(StatusCode.ERROR, error.message))
         span.set_attribute(A.CACHED_TOKENS, getattr(last, "num_cached_tokens", None) or 0)
+        prompt = prompt_report(last) if error is None and last is not None else None
+        if prompt is not None and job.fetch is not None:
+            prompt = fetched_report(prompt, getattr(last, "kv_transfer_params", None), span)
         stages = EngineStages(last, _tracer)
         stages.record(A.PREFILL_QUEUE, received_ns, stages.scheduled_ns)
         stages.record(A.PREFILL_COMPUTE, stages.scheduled_ns, stages.first_token_ns)
@@ -91,8 +94,25 @@ class PrefillRole:
             prefill_finished_at=time.time(),
             error=error,
             kv_transfer_params=getattr(last, "kv_transfer_params", None),
-            prompt=prompt_report(last) if error is None and last is not None else None,
+            prompt=prompt,
         )
         await self.worker.bus.publish(wire.HANDOFFS(sender=self.worker.worker_id), wire.encode(handoff))
         log.info("prefill finished", transfer_id=job.transfer_id, prompt_tokens=len(job.prompt_token_ids))
         return error is None
+
+
+def fetched_report(prompt: wire.PromptReport, kv_params: dict | None, span) -> wire.PromptReport:
+    """The prompt's report with what its fetch brought (``wire.FETCHED_KEY``): the tokens
+    read from the holder, which vLLM counts as neither cached nor computed here."""
+    fetched = (kv_params or {}).get(wire.FETCHED_KEY)
+    if not isinstance(fetched, dict):
+        return prompt
+    came = wire.FetchedKv.of(fetched)
+    span.set_attribute(A.FETCHED_TOKENS, came.tokens)
+    if came.failure:
+        log.warning("a fetched prefix did not arrive: the engine computed it", holder=came.holder_engine_id,
+                    reason=came.failure)
+    prompt.cached_tokens = max(prompt.cached_tokens - came.asked_tokens, 0)  # its own cache's hits only
+    prompt.fetched_tokens = came.tokens
+    prompt.fetched_from = came.holder_engine_id if came.tokens else ""
+    return prompt

@@ -27,11 +27,13 @@ from kvpush.services.bus import Bus
 from kvpush.services.lifecycle import BackgroundTasks, Service
 from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
 from kvpush.services.worker.decode import DecodeRole
-from kvpush.services.worker.engine import EngineLoad, side_channel, start_engine
+from kvpush.services.worker.engine import EngineLoad, kv_bytes_per_block, side_channel, start_engine
 from kvpush.services.worker.engine_settings import EngineSettings, layer_wise
 from kvpush.services.worker.jobs import JobBook, RunningJob
+from kvpush.services.worker.kinds import strategy
+from kvpush.services.worker.lending import Lender
 from kvpush.services.worker.prefill import PrefillRole
-from kvpush.shared import settings, wire
+from kvpush.shared import connector_kinds, settings, wire
 from kvpush.shared.errors import BadJob
 from kvpush.shared.nats_security import nats_user
 from kvpush.shared.settings import FaultSettings
@@ -95,6 +97,8 @@ class Worker(Service):
         self._requests = BackgroundTasks()
         self._heartbeat: asyncio.Task | None = None
         self._cache_relay: CacheRelay | None = None
+        self.lender: Lender | None = None  # lends the engine's cached prefixes (kvpush's connector, prefix caching on)
+        self.kv_bytes_per_block = 0
         # Keyed by transfer id: one attempt at a request (a retry is a new one).
         self._jobs = JobBook()
         self._job_sub = None
@@ -117,6 +121,10 @@ class Worker(Service):
             self._cache_relay = CacheRelay(self.bus, self.worker_id, self.incarnation, self.block_size,
                                            self.settings.kv_events_endpoint)
             await self._cache_relay.start()
+            if self.connector == connector_kinds.KVPUSH.name:
+                self.lender = Lender(self, self._cache_relay.keys, strategy(self.connector))
+                await self.lender.start()
+        self.kv_bytes_per_block = kv_bytes_per_block(config)
         self._job_sub = await self.bus.subscribe(self.role.job_subject(worker_id=self.worker_id), self._on_job)
         await self.role.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -128,6 +136,8 @@ class Worker(Service):
         self._closed = True
         if self._job_sub is not None:
             await self._job_sub.unsubscribe()  # no new jobs; let the ones under way finish
+        if self.lender is not None:
+            await self.lender.close()
         await self._requests.close(grace_s=SHUTDOWN_GRACE_S)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -157,6 +167,8 @@ class Worker(Service):
                 connector=self.connector,
                 kv_params=self.kv_params,
                 incarnation=self.incarnation,
+                lends=self.lender is not None,
+                kv_bytes_per_block=self.kv_bytes_per_block,
                 **self.role.heartbeat_fields(),
             )
             worker = {A.WORKER_ID: self.worker_id}
@@ -199,6 +211,10 @@ class Worker(Service):
             await self.role.serve(running, received_ns)
         finally:
             self._jobs.ended(running.job.transfer_id)
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """Run ``coroutine`` as one of the worker's requests (closed with them)."""
+        return self._requests.spawn(coroutine)
 
     def cancel(self, transfer_id: str, why: str, detail: str = "", error: wire.ErrorBody | None = None) -> None:
         running = self._jobs.cancelled(transfer_id)

@@ -9,6 +9,8 @@ only; restarting decode leaves a prefix cached on prefill only.
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from kvpush.shared import wire
@@ -41,16 +43,18 @@ async def _serve(rig, reference, name: str, mode: str) -> wire.Registration | No
     assert isinstance(outcome.final, wire.FinalReply), (name, outcome.final)
     assert outcome.tokens == reference[prompts.PREFIX + index], name
     prompt_tokens = len(prompts.PREFIX_CASES[index][1])
-    path = outcome.final.path
+    path = rig.last_path = outcome.final.path
     assert (path.mode, path.chosen_by, path.prompt_tokens, path.attempt, path.recomputed_tokens) == (
         mode, "request", prompt_tokens, 1, 0), name
     if mode == "local":  # decode computed what its prefix cache lacked; nothing came from prefill
         assert (path.prefill_worker, path.prefill_computed_tokens, path.received_tokens) == ("", 0, 0), name
         assert path.decode_cached_tokens + path.decode_computed_tokens == prompt_tokens, name
         return None
-    # Prefill computed what its cache lacked (its count is usage's cached_tokens); decode
-    # received the blocks its own cache lacked.
-    assert path.prefill_computed_tokens == prompt_tokens - outcome.final.usage.cached_tokens, name
+    # Prefill computed what its cache lacked (its count is usage's cached_tokens) and it did
+    # not fetch from the engine holding more of it; decode received the blocks its own cache lacked.
+    assert path.prefill_computed_tokens == prompt_tokens - outcome.final.usage.cached_tokens - path.fetched_tokens, \
+        name
+    assert path.fetched_tokens % BLOCK == 0 and (path.fetched_tokens > 0) == (path.prefix_source == "fetched"), name
     assert path.decode_computed_tokens == 0 and path.decode_cached_tokens % BLOCK == 0, name
     assert path.received_tokens == prompt_tokens - path.decode_cached_tokens, name
     assert path.received_blocks == _prompt_blocks(name) - path.decode_cached_tokens // BLOCK, name
@@ -78,9 +82,16 @@ async def test_no_shared_prefix(rig, reference):
 
 async def test_a_prefix_cached_on_decode_only(rig, reference):
     await _serve(rig, reference, "warm-decode", "local")  # decode computes it: prefill never sees it
+    await wait_until(lambda: rig.cached_blocks_known("decode-0", prompts.PREFIX_CASES[CASES["warm-decode"]][1]) >= 5,
+                     10, "decode's cached blocks relayed")
     registration = await _serve(rig, reference, "cached-on-decode-only", "push")
-    assert registration.first_block == 4  # 512 tokens of OTHER decode holds; prefill computed all
-    # (its path report: 512 found in decode's cache, the rest received; checked in _serve)
+    assert registration.first_block == 4  # 512 tokens of OTHER decode holds
+    # Prefill READ those 512 tokens from decode's prefix cache (decode lent its blocks) and
+    # computed the rest; decode got pushed the blocks it lacked. Checked in _serve: the output
+    # equals the single engine's, and prefill computed only what it neither held nor fetched.
+    path = rig.last_path
+    assert (path.prefix_source, path.fetched_tokens, path.fetched_from) == ("fetched", 512, "decode-0")
+    assert path.prefill_computed_tokens == len(prompts.PREFIX_CASES[CASES["cached-on-decode-only"]][1]) - 512
     assert len(registration.block_ids) == _prompt_blocks("cached-on-decode-only") - 4
     await _serve(rig, reference, "pulled-with-a-decode-hit", "pull")  # decode READs only the blocks it lacks
 
@@ -97,6 +108,30 @@ async def test_a_prefix_cached_on_both_with_different_lengths(rig, reference):
     await _serve(rig, reference, "warm-decode-longer", "local")
     registration = await _serve(rig, reference, "cached-on-both-decode-longer", "push")
     assert registration.first_block == 6  # decode: 6 blocks of OTHER; prefill: 4
+
+
+async def _lend(rig, holder: str, prompt: list[int], blocks: int) -> wire.Lent:
+    """Ask ``holder`` to lend ``prompt``'s first ``blocks`` blocks, as a scheduler does."""
+    job = wire.LendJob(request_id="lend-probe", transfer_id=uuid.uuid4().hex, prompt_token_ids=prompt[:blocks * BLOCK + 1],
+                       blocks=blocks, reader_engine_id="prefill-0", transfer_key=uuid.uuid4().hex)
+    reply = await rig.conns["scheduler"].request(wire.LEND_JOBS(worker_id=holder), wire.encode(job), timeout=10)
+    lent = wire.decode(reply.data, wire.Lent)
+    assert (lent.transfer_id, lent.holder_engine_id) == (job.transfer_id, holder)
+    return lent
+
+
+async def test_a_lend_of_a_prefix_the_engine_does_not_hold_is_refused_before_anything_runs(rig):
+    """A prefix decode's cache never held (or has evicted): refused as prefix_not_held, no
+    blocks named, nothing run on its engine. One it holds is lent: its blocks, all found in
+    its cache; nobody reads them here, so its lease runs out and they come back (checked
+    with every other block at the end, in test_a_prefix_ending_mid_block)."""
+    unheld = await _lend(rig, "decode-0", prompts.token_prompt(5 * BLOCK, 4343), 4)
+    assert unheld.error is not None and unheld.error.code == "prefix_not_held", unheld
+    assert unheld.kv_transfer_params is None
+    held = await _lend(rig, "decode-0", prompts.PREFIX_CASES[CASES["warm-decode-longer"]][1], 6)
+    assert held.error is None, held.error
+    lent = wire.PrefilledKv.of(held.kv_transfer_params)
+    assert len(lent.remote_block_ids) == 7 and held.cached_tokens == 6 * BLOCK  # the 6 blocks were cache hits
 
 
 async def test_a_prefix_ending_mid_block(rig, reference):

@@ -69,12 +69,12 @@ KVPUSH_EXTRA = {"nats_url": "nats://n:4222", "lease_s": 7.0, "kv_wait_s": 90.0, 
 TRANSFER = {
     ("kvpush", "prefill"): {
         "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
-                               "kv_role": "kv_producer", "engine_id": "prefill-e1",
-                               "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "fail"},
+                               "kv_role": "kv_both", "engine_id": "prefill-e1",
+                               "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "recompute"},
         "disable_hybrid_kv_cache_manager": True},
     ("kvpush", "decode"): {
         "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
-                               "kv_role": "kv_consumer", "engine_id": "decode-e1",
+                               "kv_role": "kv_both", "engine_id": "decode-e1",
                                "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "fail"},
         "disable_hybrid_kv_cache_manager": True},
     ("vllm-nixl", "prefill"): {

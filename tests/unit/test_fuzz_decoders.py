@@ -36,7 +36,7 @@ STRUCTS = [
     wire.WorkerHeartbeat, wire.PrefillJob, wire.DecodeJob, wire.CancelJob, wire.RequestProgress, wire.TokensSent, wire.JobAck,
     wire.AgentInfo, wire.Registration, wire.LeaseRenewal, wire.Revoke, wire.Handoff, wire.TransferDone,
     wire.TransferFailed, wire.InvalidMessage, wire.SchedulerHeartbeat, wire.IntakeSettled, wire.FlightRecord, wire.StoredFinal,
-    wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents, wire.PromptReady,
+    wire.MoveTransfer, wire.TransferMoved, wire.CacheEvents, wire.PromptReady, wire.LendJob, wire.Lent,
 ]
 UNIONS = [wire.PrefillMessage, wire.DecodeMessage, wire.KvControl, wire.Completion]
 KINDS = STRUCTS + UNIONS

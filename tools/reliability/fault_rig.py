@@ -33,6 +33,7 @@ from kvpush.client import generate, scheduler_status
 from kvpush.services.launch.natsd import LocalNatsServer
 from kvpush.services.launch.stack import Stack
 from kvpush.shared import wire
+from kvpush.shared.block_keys import block_keys
 from kvpush.shared.nats_security import connect_options, server_urls
 from kvpush.shared.permissions import Identity, literal_password, new_password, render_config
 
@@ -107,6 +108,7 @@ class FaultRig:
     certs: Path | None = None
     conns: dict[str, object] = field(default_factory=dict)
     beats: dict[str, Beat] = field(default_factory=dict)
+    cached_keys: dict[str, set[bytes]] = field(default_factory=dict)  # worker id -> block keys its cache events stored
     progress: list[wire.RequestProgress] = field(default_factory=list)
     streaming_on: dict[str, str] = field(default_factory=dict)  # request id -> the decode that sent its last chunk
     invalid: list[wire.InvalidMessage] = field(default_factory=list)
@@ -151,6 +153,7 @@ class FaultRig:
         await watcher.subscribe(wire.TOKENS_SENT.wildcard, cb=self._on_tokens_sent)
         await watcher.subscribe(wire.INVALID_SUBJECT, cb=self._on_invalid)
         await watcher.subscribe(wire.COMPLETION_SUBJECTS, cb=self._on_completion)
+        await watcher.subscribe(wire.CACHE_EVENTS.wildcard, cb=self._on_cache_events)
         await self.stack.wait_ready(timeout=400)
         for role in ("prefill", "decode"):
             self.start_free[role] = await self.idle_free_blocks(role)
@@ -203,6 +206,26 @@ class FaultRig:
         self.beats[beat.worker_id] = Beat(beat.free_kv_blocks, beat.total_kv_blocks, beat.role, beat.incarnation,
                                           time.monotonic())
         self.incarnations.add((beat.worker_id, beat.incarnation))
+
+    async def _on_cache_events(self, msg) -> None:
+        """What each engine's prefix cache holds, as the schedulers hear it."""
+        if (event := _trusted(msg, wire.CacheEvents)) is None:
+            return
+        held = self.cached_keys.setdefault(event.worker_id, set())
+        if event.cleared:
+            held.clear()
+        held.difference_update(event.removed)
+        held.update(event.stored)
+
+    def cached_blocks_known(self, worker_id: str, prompt: list[int], block_size: int = 128) -> int:
+        """How many of ``prompt``'s first blocks ``worker_id``'s relayed cache events say it holds."""
+        held = self.cached_keys.get(worker_id, set())
+        count = 0
+        for key in block_keys(prompt, block_size):
+            if key not in held:
+                break
+            count += 1
+        return count
 
     async def _on_progress(self, msg) -> None:
         if (event := _trusted(msg, wire.RequestProgress)) is not None:
