@@ -94,6 +94,11 @@ def register_multiturn(sub) -> None:
     multiturn.add_argument("--turn-len", type=int, default=128, help="new tokens of each later turn")
     multiturn.add_argument("--output-len", type=int, default=32)
     multiturn.add_argument("--concurrency", type=int, default=2, help="conversations at once")
+    multiturn.add_argument("--think-s", type=float, default=0.0,
+                           help="mean pause before each next turn (exponential, at most 4x): conversations drift "
+                                "apart, so a turn often meets load away from its history")
+    multiturn.add_argument("--fetch", choices=["on", "off", "both"], default="both",
+                           help="kvpush's prefix fetching in the runs with prefix caching on")
     multiturn.add_argument("--systems", default="kvpush-push",
                            help="kvpush-push|pull|auto|local and vllm-nixl|vllm-nixl-push, comma-separated")
     multiturn.add_argument("--prefill", type=int, default=1)

@@ -29,6 +29,7 @@ class Conversations:
     concurrency: int = 2
     seed: int = 0
     vocab: int = 4096  # token ids are drawn from 1 .. vocab - 1
+    think_s: float = 0.0  # the user's pause before each next turn: exponential with this mean (at most 4x it)
 
 
 @dataclass
@@ -40,6 +41,12 @@ class Turn:
     ttft_ms: float
     e2e_ms: float
     error: str = ""
+    path: dict | None = field(default=None, repr=False)  # kvpush's path report (the stream's last event), if any
+
+    @property
+    def prefix_source(self) -> str:
+        """Where its cached prefix came from (kvpush only): held, fetched, recomputed, or ""."""
+        return (self.path or {}).get("prefix_source", "")
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -66,6 +73,8 @@ async def run(base_url: str, model: str, load: Conversations, extra_body: dict |
                 if turn.error:
                     return
                 prompt = prompt + turn.tokens + _tokens(rng, load.turn_len, load.vocab)
+                if load.think_s > 0:  # the conversations drift apart: the next turn meets other load
+                    await asyncio.sleep(min(rng.expovariate(1 / load.think_s), 4 * load.think_s))
 
     try:
         await asyncio.gather(*(conversation(i) for i in range(load.count)))
@@ -79,12 +88,14 @@ async def _turn(client, model: str, conversation: int, number: int, prompt: list
     started = time.perf_counter()
     first = None
     tokens: list[int] = []
+    path = None
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=load.output_len, temperature=0, stream=True,
             extra_body={"ignore_eos": True, "return_token_ids": True, **extra_body},
             extra_headers={"X-Request-Id": f"{request_prefix}-{conversation}-{number}"})
         async for event in stream:
+            path = (getattr(event, "model_extra", None) or {}).get("kvpush", path)
             for choice in event.choices:
                 ids = getattr(choice, "token_ids", None) or []
                 if ids and first is None:
@@ -97,7 +108,8 @@ async def _turn(client, model: str, conversation: int, number: int, prompt: list
     if len(tokens) != load.output_len:
         return Turn(conversation, number, prompt, tokens, 0.0, (done - started) * 1000,
                     f"{len(tokens)} tokens, not {load.output_len}")
-    return Turn(conversation, number, prompt, tokens, ((first or done) - started) * 1000, (done - started) * 1000)
+    return Turn(conversation, number, prompt, tokens, ((first or done) - started) * 1000, (done - started) * 1000,
+                path=path)
 
 
 def summary(turns: list[Turn]) -> dict:
@@ -107,8 +119,17 @@ def summary(turns: list[Turn]) -> dict:
     def stats(values: list[float]) -> dict:
         return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99), "n": len(values)} if values else {}
 
+    later = [t for t in ok if t.turn > 1]
+    # Turns whose history another engine held (more of it than the one computing them):
+    # fetched, or computed again. The rest found it where they were computed (held).
+    moved = [t for t in later if t.prefix_source in ("fetched", "recomputed")]
+    sources = {source: sum(1 for t in later if t.prefix_source == source) / len(later)
+               for source in ("held", "fetched", "recomputed", "")} if later else {}
     return {"first_turn_ttft_ms": stats([t.ttft_ms for t in ok if t.turn == 1]),
-            "later_turns_ttft_ms": stats([t.ttft_ms for t in ok if t.turn > 1]),
+            "later_turns_ttft_ms": stats([t.ttft_ms for t in later]),
+            "moved_history_ttft_ms": stats([t.ttft_ms for t in moved]),
+            "prefix_sources": {k or "none": round(v, 3) for k, v in sources.items()},
+            "fetched_tokens": sum((t.path or {}).get("fetched_tokens", 0) for t in later),
             "e2e_ms": stats([t.e2e_ms for t in ok]),
             "turns": len(turns), "failed": len(turns) - len(ok),
             "errors": sorted({t.error for t in turns if t.error})[:5]}

@@ -25,10 +25,12 @@ VLLM_BINDING = "split"
 
 
 async def _run_system(system_name: str, model: str, max_model_len: int, topology: Topology, prefix_caching: str,
-                      load: multiturn.Conversations, log_dir: Path, otlp: str) -> list[multiturn.Turn]:
+                      load: multiturn.Conversations, log_dir: Path, otlp: str,
+                      prefix_fetch: str = "on") -> list[multiturn.Turn]:
     name = Path(model).name
     if system_name.startswith("kvpush-"):
-        system = KvpushSystem(model, max_model_len, topology, "auto", log_dir, otlp, prefix_caching=prefix_caching)
+        system = KvpushSystem(model, max_model_len, topology, "auto", log_dir, otlp, prefix_caching=prefix_caching,
+                              engine_env={"KVPUSH_PREFIX_FETCH": prefix_fetch})
         extra = {"transfer_mode": system_name.removeprefix("kvpush-")}
     else:
         system = VllmServeSystem(system_name, model, name, max_model_len, topology, VLLM_BINDING, log_dir,
@@ -52,18 +54,30 @@ def _reference(model: str, max_model_len: int, turns: list[multiturn.Turn], outp
         return json.loads(out.read_text())
 
 
+def configurations(system: str, fetch: str) -> list[tuple[str, str, str]]:
+    """(label, prefix caching, prefix fetching) of each run of ``system``: kvpush with
+    caching on, fetching on and/or off (``fetch``: on, off, both), then caching off; a
+    system of vLLM's with caching on and off."""
+    if not system.startswith("kvpush-"):
+        return [(f"{system} prefix caching {caching}", caching, "off") for caching in ("on", "off")]
+    fetching = ("on", "off") if fetch == "both" else (fetch,)
+    return [*((f"{system} prefix caching on, fetching {f}", "on", f) for f in fetching),
+            (f"{system} prefix caching off", "off", "off")]
+
+
 def bench(model: str, out: Path, load: multiturn.Conversations, max_model_len: int, topology: Topology,
-          systems: tuple[str, ...] = ("kvpush-push",), progress=print) -> dict:
-    """``systems``: kvpush-<mode> (push, pull, auto, local) and vllm-nixl / vllm-nixl-push."""
+          systems: tuple[str, ...] = ("kvpush-push",), progress=print, fetch: str = "both") -> dict:
+    """``systems``: kvpush-<mode> (push, pull, auto, local) and vllm-nixl / vllm-nixl-push;
+    ``fetch``: kvpush's prefix fetching in the runs with prefix caching on (on, off, both)."""
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[multiturn.Turn]] = {}
     with OtlpReceiver() as receiver:
         for system in systems:
-            for caching in ("on", "off"):
-                label = f"{system} prefix caching {caching}"
+            for label, caching, fetching in configurations(system, fetch):
                 progress(f"{label}: {load.count} conversations x {load.turns} turns")
                 runs[label] = asyncio.run(_run_system(system, model, max_model_len, topology, caching, load,
-                                                      out / "logs" / label.replace(" ", "-"), receiver.endpoint))
+                                                      out / "logs" / label.replace(" ", "-").replace(",", ""),
+                                                      receiver.endpoint, prefix_fetch=fetching))
     results = {"load": asdict(load), "topology": topology.label, "runs": {}}
     for label, turns in runs.items():
         ok = [t for t in turns if not t.error]
@@ -82,13 +96,23 @@ def markdown(results: dict) -> str:
     lines = [f"{load['count']} conversations x {load['turns']} turns, {load['first_len']}-token opening, "
              f"{load['turn_len']} new tokens and {load['output_len']} answer tokens a turn, "
              f"{load['concurrency']} at a time ({results['topology']})", "",
-             "| system | turn 1 TTFT p50 | turns 2+ TTFT p50 | turns 2+ TTFT p99 | turns | failed | outputs unlike the reference |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| system | turn 1 TTFT p50 | turns 2+ TTFT p50 | turns 2+ TTFT p99 | history elsewhere: TTFT p50 | p99 "
+             "| turns 2+: held / fetched / recomputed | turns | failed | outputs unlike the reference |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for label, run in results["runs"].items():
-        first, later = run["first_turn_ttft_ms"], run["later_turns_ttft_ms"]
+        first, later, moved = run["first_turn_ttft_ms"], run["later_turns_ttft_ms"], run["moved_history_ttft_ms"]
+        sources = run["prefix_sources"]
+        shares = " / ".join(f"{sources.get(k, 0):.0%}" for k in ("held", "fetched", "recomputed")) \
+            if any(sources.get(k) for k in ("held", "fetched", "recomputed")) else "-"
         lines.append(f"| {label} | {first.get('p50', 0):.0f} ms | {later.get('p50', 0):.0f} ms | "
-                     f"{later.get('p99', 0):.0f} ms | {run['turns']} | {run['failed']} | {len(run['wrong_outputs'])} |")
+                     f"{later.get('p99', 0):.0f} ms | {_ms(moved, 'p50')} (n={moved.get('n', 0)}) | "
+                     f"{_ms(moved, 'p99')} | {shares} | {run['turns']} | {run['failed']} | "
+                     f"{len(run['wrong_outputs'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _ms(stats: dict, key: str) -> str:
+    return f"{stats[key]:.0f} ms" if key in stats else "-"
 
 
 def cmd(args) -> int:
@@ -101,9 +125,9 @@ def cmd(args) -> int:
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
     load = multiturn.Conversations(count=args.conversations, turns=args.turns, first_len=args.first_len,
                                    turn_len=args.turn_len, output_len=args.output_len,
-                                   concurrency=args.concurrency, seed=args.seed)
+                                   concurrency=args.concurrency, seed=args.seed, think_s=args.think_s)
     results = bench(model, Path(args.out), load, args.max_model_len, Topology(args.prefill, args.decode), systems,
-                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+                    progress=lambda line: print(line, file=sys.stderr, flush=True), fetch=args.fetch)
     print(markdown(results))
     wrong = sum(len(run["wrong_outputs"]) + run["failed"] for run in results["runs"].values())
     return 1 if wrong else 0
