@@ -57,7 +57,7 @@ def add_demo(sub) -> None:
 def add_scheduler(sub) -> None:
     scheduler = sub.add_parser("scheduler", help="run one scheduler")
     engine_options(scheduler)
-    cli_settings.add(scheduler, "--mode", "--kv-policy", "--kv-checksums", "--max-migrations", "--stall-s", "--prefix-fetch", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
+    cli_settings.add(scheduler, "--mode", "--kv-policy", "--kv-checksums", "--max-migrations", "--stall-s", "--prefix-fetch", "--fetch-link-gbps", "--local-below-tokens", "--push-within-s", "--log-level", "--metrics-port", "--metrics-host", "--deadline-s", "--worker-timeout-s", "--max-in-flight",
                      "--scheduler-timeout-s", "--jetstream-replicas")
     scheduler.add_argument("--scheduler-id", help="default: the NATS user (--nats-user), else scheduler-<random>")
     scheduler.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_scheduler"))

@@ -62,7 +62,7 @@ def cmd_scheduler(args) -> int:
         scheduler_timeout_s=args.scheduler_timeout_s, ledger_replicas=args.jetstream_replicas,
         local_below_tokens=args.local_below_tokens, push_within_s=args.push_within_s, kv_policy=args.kv_policy,
         kv_checksums=args.kv_checksums, max_migrations=args.max_migrations, stall_s=args.stall_s,
-        prefix_fetch=args.prefix_fetch),
+        prefix_fetch=args.prefix_fetch, fetch_link_gbps=args.fetch_link_gbps),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 

@@ -71,6 +71,10 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "a prompt's longest cached prefix, held by another engine than the one computing it, is READ from "
             "that engine's cache (it lends the blocks under a lease) when that should be faster than computing it "
             "(on), or always computed again (off)", str, ("on", "off")),
+    Setting("--fetch-link-gbps", "KVPUSH_FETCH_LINK_GBPS", defaults.FETCH_LINK_BYTES_PER_S * 8 / 1e9,
+            "--prefix-fetch: the rate NIXL moves KV between engines at, Gbit/s (the default: the low end measured "
+            "between two engines on one host here); with a prefill's measured prompt rate and the holder's queue, "
+            "it decides whether a held prefix is fetched or computed again", float),
     Setting("--local-below-tokens", "KVPUSH_LOCAL_BELOW_TOKENS", defaults.LOCAL_PREFILL_TOKENS,
             "--mode auto: prompts shorter than this are computed by their decode worker", int),
     Setting("--push-within-s", "KVPUSH_PUSH_WITHIN_S", defaults.PUSH_WITHIN_S,

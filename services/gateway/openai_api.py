@@ -547,7 +547,7 @@ PATH_HEADER = "X-Kvpush-Path"
 _HEADER_FIELDS = ("mode", "chosen_by", "prefill_worker", "decode_worker", "attempt", "moves", "takeovers",
                   "kv_policy", "prompt_tokens", "prefill_computed_tokens", "received_tokens", "received_blocks",
                   "received_bytes", "decode_cached_tokens", "decode_computed_tokens", "recomputed_tokens", "kv_checksum",
-                  "kv_failure")
+                  "kv_failure", "prefix_source", "fetched_tokens", "fetched_from")
 
 
 def path_object(final: wire.FinalReply) -> dict | None:

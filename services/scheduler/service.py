@@ -79,7 +79,8 @@ class Scheduler(Service):
                  local_below_tokens: int = settings.LOCAL_PREFILL_TOKENS,
                  push_within_s: float = settings.PUSH_WITHIN_S, kv_policy: str = settings.KV_POLICY,
                  kv_checksums: str = settings.KV_CHECKSUMS, max_migrations: int = settings.MAX_MIGRATIONS,
-                 stall_s: float = settings.STALL_S, prefix_fetch: str = settings.PREFIX_FETCH):
+                 stall_s: float = settings.STALL_S, prefix_fetch: str = settings.PREFIX_FETCH,
+                 fetch_link_gbps: float = settings.FETCH_LINK_BYTES_PER_S * 8 / 1e9):
         self.placement = PlacementSettings(policy=mode, local_below_tokens=local_below_tokens,
                                            push_within_s=push_within_s)
         self.mode = mode
@@ -101,7 +102,7 @@ class Scheduler(Service):
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         if prefix_fetch not in ("on", "off"):
             raise ValueError(f"prefix_fetch must be on or off, not {prefix_fetch!r}")
-        self.fetch = FetchSettings(enabled=prefix_fetch == "on")
+        self.fetch = FetchSettings(enabled=prefix_fetch == "on", link_bytes_per_s=fetch_link_gbps * 1e9 / 8)
         self.pool = WorkerPool(stale_after_s=worker_timeout_s)
         self.pool.fetch_credit = settings.FETCH_CREDIT if self.fetch.enabled else 0.0
         self.flights = FlightTable(max_attempts=max_attempts, max_migrations=max_migrations, stall_s=stall_s)

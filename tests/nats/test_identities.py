@@ -58,6 +58,11 @@ PUBLISH = [
     ("scheduler-0", wire.INTAKE(sender="scheduler-1"), "scheduler-0", False),  # settling another's requests
     ("scheduler-0", wire.prefill_job_subject("prefill-0"), "prefill-0", True),
     ("scheduler-0", wire.registration_subject("prefill-0", "decode-0"), "prefill-0", False),
+    ("scheduler-0", wire.LEND_JOBS(worker_id="decode-0"), "decode-0", True),  # a lend of a cached prefix...
+    ("prefill-9", wire.LEND_JOBS(worker_id="decode-0"), "decode-0", False),  # ...only from a scheduler
+    ("decode-9", wire.LEND_JOBS(worker_id="prefill-0"), "prefill-0", False),
+    ("prefill-0", wire.registration_subject("decode-0", "prefill-0"), "decode-0", True),  # renew a lent prefix
+    ("prefill-9", wire.registration_subject("decode-0", "prefill-0"), "decode-0", False),  # ...as another reader
 ]
 
 # (identity, subscription, may it subscribe)
@@ -77,6 +82,9 @@ SUBSCRIBE = [
     ("decode-9", "_KVPUSH_INBOX.prefill-0.>", False),
     ("decode-9", "_INBOX.client-0.>", False),
     ("scheduler-0", wire.HEARTBEATS.wildcard, True),
+    ("decode-0", wire.LEND_JOBS(worker_id="decode-0"), True),
+    ("decode-9", wire.LEND_JOBS(worker_id="decode-0"), False),  # another engine's lends
+    ("prefill-9", wire.LEND_JOBS.wildcard, False),
 ]
 
 

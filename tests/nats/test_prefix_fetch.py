@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 

@@ -94,3 +94,25 @@ def test_a_faster_gpu_is_faster_and_more_bandwidth_shortens_decode_only():
     assert decode_step_seconds(on_h200, [1000]) < decode_step_seconds(LLAMA, [1000])
     # Same dense FLOP/s on both: a compute-bound prefill takes the same time.
     assert prefill_seconds(on_h200, 8192) == pytest.approx(prefill_seconds(LLAMA, 8192))
+
+
+def test_where_fetching_a_prefix_stops_paying():
+    """At the break-even link rate reading the prefix takes as long as computing it again;
+    the shortest prefix worth fetching is, and one block less is not; a fixed cost longer
+    than the whole recompute never pays."""
+    from kvpush.tools.emulation import catalog
+    from kvpush.tools.emulation.time_model import (fetch_break_even_link, fetch_break_even_tokens, fetch_seconds,
+                                                   recompute_seconds)
+
+    deployment = catalog.deployment("llama-3.1-8b@h100")
+    recompute = recompute_seconds(deployment, 4096, 256)
+    assert 0 < recompute < prefill_seconds(deployment, 4096 + 256)
+    link = fetch_break_even_link(deployment, 4096, 256, fixed_s=0.01)
+    assert fetch_seconds(deployment, 4096, 0.01, link) == pytest.approx(recompute)
+    assert fetch_seconds(deployment, 4096, 0.01, link * 2) < recompute < fetch_seconds(deployment, 4096, 0.01, link / 2)
+    tokens = fetch_break_even_tokens(deployment, 256, fixed_s=0.02)
+    assert tokens % 16 == 0
+    assert fetch_seconds(deployment, tokens, 0.02) < recompute_seconds(deployment, tokens, 256)
+    assert fetch_seconds(deployment, tokens - 16, 0.02) >= recompute_seconds(deployment, tokens - 16, 256)
+    assert fetch_break_even_link(deployment, 1024, 256, fixed_s=10.0) is None
+    assert fetch_break_even_tokens(deployment, 256, fixed_s=10.0, limit=4096) is None

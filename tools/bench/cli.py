@@ -108,6 +108,14 @@ def register_multiturn(sub) -> None:
     multiturn.add_argument("--model", help="a local model folder instead of a built-in profile")
     multiturn.add_argument("--seed", type=int, default=0)
     multiturn.add_argument("--out", default="bench-results/multiturn")
+    multiturn.add_argument("--emulate", metavar="MODEL@GPU",
+                           help="every engine runs the timed model of this deployment (qwen3-32b@p5en, "
+                                "llama-3.1-8b@h100); times reported in emulated time")
+    multiturn.add_argument("--dilation", type=_dilation, default="auto",
+                           help="k: every modeled time and think time is k times longer (auto: from the longest prompt)")
+    multiturn.add_argument("--link", choices=["shaped", "loopback"], default="shaped",
+                           help="emulated: each engine on a host of its own behind a link shaped to the "
+                                "deployment's (root only), or all on loopback")
     multiturn.set_defaults(func=lazy("kvpush.tools.bench.multiturn_run:cmd"))
 
 

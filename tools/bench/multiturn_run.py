@@ -3,6 +3,11 @@
 ``vllm serve`` pair behind its proxy) with prefix caching on and then off, each on a fresh
 stack; every answer checked against one plain vLLM instance given the same prompts
 (prefix caching on there too). Writes ``multiturn.json`` (per turn) and ``multiturn.md``.
+
+With ``--emulate <model>@<gpu>`` every engine runs that deployment's timed model
+(``kvpush.tools.bench.emulation``): forwards and the think time between turns take k times
+their emulated time, each engine sits on a host of its own behind a link shaped to the
+deployment's (every pair of engines, both ways), and every time reported is divided by k.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvpush.services.launch.model import build_model, default_model_dir
-from kvpush.tools.bench import multiturn
+from kvpush.tools.bench import emulation, multiturn
 from kvpush.tools.bench.systems import KvpushSystem, Topology, VllmServeSystem
+from kvpush.tools.emulation.link import EngineHosts
 from kvpush.tools.otlp_receiver import OtlpReceiver
 
 # vLLM's pair at its best binding here (docs/benchmarks.md); kvpush at its default.
@@ -25,22 +31,42 @@ VLLM_BINDING = "split"
 
 
 async def _run_system(system_name: str, model: str, max_model_len: int, topology: Topology, prefix_caching: str,
-                      load: multiturn.Conversations, log_dir: Path, otlp: str,
-                      prefix_fetch: str = "on") -> list[multiturn.Turn]:
+                      load: multiturn.Conversations, log_dir: Path, otlp: str, prefix_fetch: str = "on",
+                      emulated: emulation.Emulation | None = None) -> list[multiturn.Turn]:
     name = Path(model).name
-    if system_name.startswith("kvpush-"):
-        system = KvpushSystem(model, max_model_len, topology, "auto", log_dir, otlp, prefix_caching=prefix_caching,
-                              engine_env={"KVPUSH_PREFIX_FETCH": prefix_fetch})
-        extra = {"transfer_mode": system_name.removeprefix("kvpush-")}
-    else:
-        system = VllmServeSystem(system_name, model, name, max_model_len, topology, VLLM_BINDING, log_dir,
-                                 prefix_caching=prefix_caching)
-        extra = {}
-    await system.start()
+    env = emulated.engine_env(log_dir / "forwards.jsonl") if emulated is not None else {}
+    hosts = receiver = None
+    if emulated is not None and emulated.link == "shaped":
+        hosts = EngineHosts(topology.prefill, topology.decode, emulated.link_bits_per_s).start()
+        receiver = OtlpReceiver(host=EngineHosts.root_address).__enter__()  # the hosts' spans reach it
+        otlp = receiver.endpoint
     try:
-        return await multiturn.run(system.base_url, name, load, extra, request_prefix=f"mt-{prefix_caching}")
+        if system_name.startswith("kvpush-"):
+            system = KvpushSystem(model, max_model_len, topology, "auto", log_dir, otlp,
+                                  prefix_caching=prefix_caching,
+                                  engine_env={**env, "KVPUSH_PREFIX_FETCH": prefix_fetch}, hosts=hosts)
+            extra = {"transfer_mode": system_name.removeprefix("kvpush-")}
+        else:
+            system = VllmServeSystem(system_name, model, name, max_model_len, topology, VLLM_BINDING, log_dir,
+                                     prefix_caching=prefix_caching, engine_env=env or None, hosts=hosts)
+            extra = {}
+        await system.start()
+        try:
+            timeout_s = 900.0 * (emulated.k if emulated is not None else 1.0)
+            turns = await multiturn.run(system.base_url, name, load, extra, request_prefix=f"mt-{prefix_caching}",
+                                        timeout_s=timeout_s)
+        finally:
+            system.stop()
     finally:
-        system.stop()
+        if receiver is not None:
+            receiver.__exit__(None, None, None)
+        if hosts is not None:
+            hosts.stop()
+    if emulated is not None:  # emulated time: every time k times shorter than measured
+        for turn in turns:
+            turn.ttft_ms /= emulated.k
+            turn.e2e_ms /= emulated.k
+    return turns
 
 
 def _reference(model: str, max_model_len: int, turns: list[multiturn.Turn], output_len: int) -> list[list[int]]:
@@ -66,7 +92,8 @@ def configurations(system: str, fetch: str) -> list[tuple[str, str, str]]:
 
 
 def bench(model: str, out: Path, load: multiturn.Conversations, max_model_len: int, topology: Topology,
-          systems: tuple[str, ...] = ("kvpush-push",), progress=print, fetch: str = "both") -> dict:
+          systems: tuple[str, ...] = ("kvpush-push",), progress=print, fetch: str = "both",
+          emulated: emulation.Emulation | None = None) -> dict:
     """``systems``: kvpush-<mode> (push, pull, auto, local) and vllm-nixl / vllm-nixl-push;
     ``fetch``: kvpush's prefix fetching in the runs with prefix caching on (on, off, both)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -75,10 +102,14 @@ def bench(model: str, out: Path, load: multiturn.Conversations, max_model_len: i
         for system in systems:
             for label, caching, fetching in configurations(system, fetch):
                 progress(f"{label}: {load.count} conversations x {load.turns} turns")
-                runs[label] = asyncio.run(_run_system(system, model, max_model_len, topology, caching, load,
+                driven = load if emulated is None else replace(load, think_s=load.think_s * emulated.k)
+                runs[label] = asyncio.run(_run_system(system, model, max_model_len, topology, caching, driven,
                                                       out / "logs" / label.replace(" ", "-").replace(",", ""),
-                                                      receiver.endpoint, prefix_fetch=fetching))
-    results = {"load": asdict(load), "topology": topology.label, "runs": {}}
+                                                      receiver.endpoint, prefix_fetch=fetching, emulated=emulated))
+    results = {"load": asdict(load), "topology": topology.label, "runs": {},
+               "emulated": None if emulated is None else {"target": emulated.target, "dilation": emulated.k,
+                                                          "link": emulated.link,
+                                                          "link_bits_per_s": emulated.link_bits_per_s}}
     for label, turns in runs.items():
         ok = [t for t in turns if not t.error]
         expected = _reference(model, max_model_len, ok, load.output_len) if ok else []
@@ -95,7 +126,9 @@ def markdown(results: dict) -> str:
     load = results["load"]
     lines = [f"{load['count']} conversations x {load['turns']} turns, {load['first_len']}-token opening, "
              f"{load['turn_len']} new tokens and {load['output_len']} answer tokens a turn, "
-             f"{load['concurrency']} at a time ({results['topology']})", "",
+             f"{load['concurrency']} at a time, think time {load.get('think_s', 0):g} s ({results['topology']})"
+             + (f"; emulated {results['emulated']['target']}, k = {results['emulated']['dilation']:g}, "
+                f"link {results['emulated']['link']}, times in emulated time" if results.get("emulated") else ""), "",
              "| system | turn 1 TTFT p50 | turns 2+ TTFT p50 | turns 2+ TTFT p99 | history elsewhere: TTFT p50 | p99 "
              "| turns 2+: held / fetched / recomputed | turns | failed | outputs unlike the reference |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
@@ -122,12 +155,23 @@ def cmd(args) -> int:
     if unknown := [s for s in systems if s not in known]:
         print(f"unknown systems {unknown}; choose from {', '.join(sorted(known))}", file=sys.stderr)
         return 2
+    emulated = None
+    if args.emulate:
+        try:
+            emulated = emulation.Emulation(args.emulate, args.dilation, link=args.link)
+        except ValueError as exc:
+            print(f"--emulate {args.emulate}: {exc}", file=sys.stderr)
+            return 2
+        args.profile = emulated.profile
+        longest = args.first_len + (args.turns - 1) * (args.output_len + args.turn_len)
+        emulated = emulated.for_workload(longest)
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
     load = multiturn.Conversations(count=args.conversations, turns=args.turns, first_len=args.first_len,
                                    turn_len=args.turn_len, output_len=args.output_len,
                                    concurrency=args.concurrency, seed=args.seed, think_s=args.think_s)
     results = bench(model, Path(args.out), load, args.max_model_len, Topology(args.prefill, args.decode), systems,
-                    progress=lambda line: print(line, file=sys.stderr, flush=True), fetch=args.fetch)
+                    progress=lambda line: print(line, file=sys.stderr, flush=True), fetch=args.fetch,
+                    emulated=emulated)
     print(markdown(results))
     wrong = sum(len(run["wrong_outputs"]) + run["failed"] for run in results["runs"].values())
     return 1 if wrong else 0

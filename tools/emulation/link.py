@@ -30,10 +30,9 @@ UCX_OVER_TCP = {**UCX_ON_ETH0, "UCX_TCP_NODELAY": "y", "NIXL_LOG_LEVEL": "WARN"}
 class EngineHosts:
     """One host per engine (``prefill-0`` on 198.18.0.2, the next on .3, ...); everything else
     (NATS, schedulers, gateway, proxies, the client) stays in the root namespace, which the
-    hosts reach as 198.18.0.254. ``rate_bits``: each prefill→decode and decode→prefill
-    direction is shaped to it (per pair, at the sender: a decode fed by two prefills gets
-    twice the rate, where a real decode's one NIC would be shared); None leaves the veths as
-    they are."""
+    hosts reach as 198.18.0.254. ``rate_bits``: each direction between two engine hosts is
+    shaped to it (per pair, at the sender: a decode fed by two prefills gets twice the rate,
+    where a real decode's one NIC would be shared); None leaves the veths as they are."""
 
     root_address = f"{SUBNET_PREFIX}{OPERATOR}"
 
@@ -50,12 +49,12 @@ class EngineHosts:
                 short = name[0] + name.rsplit("-", 1)[1]  # p0, d1: interface names stay short
                 self.hosts[name] = self.network.add_host(short, 2 + index)
             if self.rate_bits is not None:
-                prefills = [h for n, h in self.hosts.items() if n.startswith("prefill")]
-                decodes = [h for n, h in self.hosts.items() if n.startswith("decode")]
-                for prefill in prefills:
-                    for decode in decodes:
-                        prefill.shape(decode, self.rate_bits)
-                        decode.shape(prefill, self.rate_bits)
+                # Every pair, both ways: push and pull cross prefill-decode; a fetched prefix
+                # (wire.Fetch) also prefill-prefill and decode-decode.
+                for name, host in self.hosts.items():
+                    for other, peer in self.hosts.items():
+                        if other != name:
+                            host.shape(peer, self.rate_bits)
         except BaseException:
             self.stop()
             raise
@@ -68,7 +67,7 @@ class EngineHosts:
         return self.hosts[name].exec_prefix()
 
     def kv_bytes(self) -> dict[str, int]:
-        """What each prefill host sent each decode host outside NATS (tc's counters)."""
+        """What each engine host sent each other outside NATS (tc's counters)."""
         sent = {}
         for name, host in self.hosts.items():
             for other, peer in self.hosts.items():

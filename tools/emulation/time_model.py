@@ -162,3 +162,50 @@ def shaped_link_rate(deployment: Deployment, emulating_kv_bytes_per_token: int, 
         raise ValueError("dilation must be positive")
     return (deployment.link_bytes_per_s * emulating_kv_bytes_per_token
             / deployment.model.kv_bytes_per_token / dilation)
+
+
+def recompute_seconds(deployment: Deployment, prefix_tokens: int, suffix_tokens: int) -> float:
+    """What computing a prompt's ``prefix_tokens`` again adds to its step, against reading
+    them from another engine and computing only the ``suffix_tokens`` over them."""
+    total = prefix_tokens + suffix_tokens
+    return (step_time(deployment, [Request(total, total)]).seconds
+            - step_time(deployment, [Request(suffix_tokens, total)]).seconds)
+
+
+def fetch_seconds(deployment: Deployment, prefix_tokens: int, fixed_s: float,
+                  link_bytes_per_s: float | None = None) -> float:
+    """Reading a prefix's KV from the engine holding it: a fixed cost (the lend's round trip
+    and the holder's step) and its bytes over the link (the deployment's unless given)."""
+    rate = link_bytes_per_s or deployment.link_bytes_per_s
+    return fixed_s + prefix_tokens * deployment.model.kv_bytes_per_token / rate
+
+
+def fetch_break_even_link(deployment: Deployment, prefix_tokens: int, suffix_tokens: int,
+                          fixed_s: float = 0.0) -> float | None:
+    """The link rate (bytes/s) below which fetching the prefix takes longer than computing
+    it again; None if the fixed cost alone is longer (fetching never pays)."""
+    spare = recompute_seconds(deployment, prefix_tokens, suffix_tokens) - fixed_s
+    if spare <= 0:
+        return None
+    return prefix_tokens * deployment.model.kv_bytes_per_token / spare
+
+
+def fetch_break_even_tokens(deployment: Deployment, suffix_tokens: int, fixed_s: float,
+                            link_bytes_per_s: float | None = None, limit: int = 1 << 20) -> int | None:
+    """The shortest prefix (a multiple of 16 tokens) that is faster to fetch than to
+    compute again, or None up to ``limit``."""
+    tokens = 16
+    while tokens <= limit:
+        if fetch_seconds(deployment, tokens, fixed_s, link_bytes_per_s) < recompute_seconds(deployment, tokens,
+                                                                                             suffix_tokens):
+            low, high = tokens // 2, tokens
+            while high - low > 16:
+                middle = (low + high) // 32 * 16
+                if fetch_seconds(deployment, middle, fixed_s, link_bytes_per_s) < recompute_seconds(
+                        deployment, middle, suffix_tokens):
+                    high = middle
+                else:
+                    low = middle
+            return high
+        tokens *= 2
+    return None
