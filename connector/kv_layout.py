@@ -51,7 +51,7 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
         block_len = elem
         for size in tensor.shape[block_dim + 1 :]:
             block_len *= size
-        if not tensor[(0,) * (block_dim + 1)].is_contiguous():
+        if not _dense(tensor[(0,) * (block_dim + 1)]):
             raise ValueError(f"layer {name}: a block is not contiguous in memory")
         leading = tensor.shape[:block_dim]
         first = len(regions)
@@ -99,6 +99,19 @@ def copy_problem(layout: KvLayout, remote: AgentInfo, local_blocks: list[int], r
     if problem is None and any(not 0 <= b < layout.num_blocks for b in local_blocks):
         problem = f"local block ids outside 0..{layout.num_blocks - 1}"
     return problem
+
+
+def _dense(block: torch.Tensor) -> bool:
+    """The block's elements fill one range of memory with no gap, in whatever order its
+    dimensions lie (a ``KVCacheLayout`` permutation: LBHNC's view is (N, H, C) over (H, N, C)
+    memory). Its bytes are then copied as they lie: both engines use the same layout."""
+    dims = sorted((stride, size) for stride, size in zip(block.stride(), block.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _merge(buffers: dict[int, int]) -> list[tuple[int, int]]:

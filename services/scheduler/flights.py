@@ -61,6 +61,9 @@ class Flight:
     state: FlightState = FlightState.DISPATCHING
     moves: int = 0  # tries at moving this attempt's transfer to another decode (declined ones too)
     times_moved: int = 0  # of those, the ones that moved it (the path report's)
+    # The decodes this attempt's transfer moved away from: never moved back to (each was
+    # told to drop the transfer, and drops a job for it that comes again).
+    left_decodes: set[str] = field(default_factory=set)
     # A move is under way (``start_move`` .. ``move_settled``): apart from ``state``, since
     # the KV can land, or the answer start, while prefill is asked to move the transfer.
     moving: bool = False
@@ -110,6 +113,7 @@ class Flight:
         self.state = FlightState.DISPATCHING
         self.moving = False
         self.moves = self.times_moved = 0
+        self.left_decodes = set()
         self.last_token_at = 0.0  # the new decode's first token starts its stall clock
 
     def _reach(self, state: FlightState) -> None:
@@ -201,6 +205,7 @@ class Flight:
         """The transfer moved to that start of ``decode_id``, under a new secret."""
         self.moves += 1
         self.times_moved += 1
+        self.left_decodes.add(self.decode_id)
         self.transfer_key = transfer_key
         self.decode_id, self.decode_incarnation = decode_id, decode_incarnation
 

@@ -83,10 +83,12 @@ class Moves:
         if not self.pool.is_live(lost, flight.decode_incarnation, now):
             self.pool.forget(lost)
         try:
+            # Never back to a decode this transfer left: it drops a job for a transfer it
+            # was told to drop, and the request would wait for its deadline.
             decode = self.pool.pick_decode(len(flight.request.prompt_token_ids), now, prompt=flight.prompt,
-                                           exclude=lost)
+                                           exclude=flight.left_decodes | {lost})
         except NoWorkers:
-            return "no other decode worker is live"
+            return "no other decode worker is live that this transfer has not left"
         new_key = secrets.token_hex(16)
         moved = await self._ask_prefill(flight, decode.worker_id, new_key)
         if isinstance(moved, str):

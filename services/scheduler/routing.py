@@ -217,8 +217,9 @@ class WorkerPool:
         return any(e.beat.waiting == 0 for e in self._live_entries("decode", now) if e.beat.worker_id != decode_id)
 
     def pick_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
-                    exclude: str = "") -> wire.WorkerHeartbeat:
-        """The decode for a prompt of ``num_prompt_tokens`` (not ``exclude``), counted as sent to it."""
+                    exclude: str | set[str] = "") -> wire.WorkerHeartbeat:
+        """The decode for a prompt of ``num_prompt_tokens`` (not ``exclude``: one id or
+        several), counted as sent to it."""
         decode = self._best_decode(num_prompt_tokens, now, prompt, exclude)
         if decode is None:
             raise NoWorkers("no live decode worker to serve the request")
@@ -226,8 +227,9 @@ class WorkerPool:
         return decode.beat
 
     def _best_decode(self, num_prompt_tokens: int, now: float, prompt: Prompt | None = None,
-                     exclude: str = "") -> _Entry | None:
-        decodes = [e for e in self._pickable("decode", now) if e.beat.worker_id != exclude]
+                     exclude: str | set[str] = "") -> _Entry | None:
+        excluded = {exclude} if isinstance(exclude, str) else exclude
+        decodes = [e for e in self._pickable("decode", now) if e.beat.worker_id not in excluded]
         if not decodes:
             return None
 

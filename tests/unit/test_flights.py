@@ -359,6 +359,29 @@ def test_no_move_when_the_prefill_is_lost_too_or_after_max_moves():
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "retry", "d")]
 
 
+def test_a_transfer_never_moves_back_to_a_decode_it_left():
+    """Seen in the 2P2D multi-turn bench: moved d -> d2 (d overloaded), then d2 overloaded
+    and d idle, moved back to d; but d had been told to drop that transfer, dropped the job
+    that came again for it, and the request waited for its deadline. The decodes an
+    attempt left are out of the pick; a new attempt starts afresh."""
+    import pytest
+
+    from kvpush.shared.errors import NoWorkers
+
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.DISPATCHED)
+    flight.moved("d2", "inc-d2", "key-2")
+    assert (flight.decode_id, flight.left_decodes) == ("d2", {"d"})
+    pool = WorkerPool(stale_after_s=5.0)
+    for worker in ("d", "d2"):
+        pool.observe(_beat(worker, "decode", f"inc-{worker}"), 0.0)
+    with pytest.raises(NoWorkers):  # d2 is overloaded now: the only other decode is d, which it left
+        pool.pick_decode(3, 1.0, exclude=flight.left_decodes | {"d2"})
+    assert pool.pick_decode(3, 1.0, exclude={"d2"}).worker_id == "d"  # without the memory: back to d
+    flight.new_attempt("t2")
+    assert flight.left_decodes == set()
+
+
 def test_a_flight_being_moved_gets_no_verdict_but_its_deadline():
     table = FlightTable()
     _placed(table, state=FlightState.DISPATCHED, moving=True)
