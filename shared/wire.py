@@ -477,6 +477,7 @@ class PathReport(msgspec.Struct):
     prefix_source: str = ""
     fetched_tokens: int = 0
     fetched_from: str = ""
+    prefix_reason: str = ""  # why the scheduler chose that source (its costs), or why a fetch did not happen
 
     @property
     def retries(self) -> int:

@@ -176,8 +176,8 @@ class Attempts:
             return None
         if not can_fetch:
             target_engine = dataclasses.replace(target_engine, lends=False)
-        holder = self.pool.holder(flight.prompt, time.monotonic())
-        plan = prefix_sources.plan(len(flight.attempt_prompt), target_engine, holder, self.fetch)
+        holders = self.pool.holders(flight.prompt, time.monotonic())
+        plan = prefix_sources.plan(len(flight.attempt_prompt), target_engine, holders, self.fetch)
         span = trace.get_current_span()
         span.set_attributes({A.PREFIX_CHOICE: plan.choice, A.PREFIX_HOLDER: plan.holder.worker_id if plan.holder else "",
                              **{f"{A.PREFIX_PREFIX}{k}": v for k, v in plan.numbers.items()}})

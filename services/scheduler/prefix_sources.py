@@ -79,37 +79,65 @@ def fetchable_tokens(prompt_tokens: int, held_tokens: int, block_size: int) -> i
     return min(held_tokens, (prompt_tokens - 1) // block_size * block_size) // block_size * block_size
 
 
-def plan(prompt_tokens: int, target: Engine, holder: Engine | None, config: FetchSettings) -> PrefixPlan:
+def plan(prompt_tokens: int, target: Engine, holders: Engine | list[Engine] | None,
+         config: FetchSettings) -> PrefixPlan:
     """Where the prefix of a prompt of ``prompt_tokens`` comes from, for ``target`` (the
-    engine computing it) given ``holder`` (the live engine holding the most of it)."""
+    engine computing it) given ``holders`` (the live engines holding some of it; one, or
+    none). Among the holders that hold more than ``target``, the fetch that saves the most
+    time; a holder busy with a long step saves less than an idle one holding as much."""
+    candidates = [holders] if isinstance(holders, Engine) else list(holders or [])
+    candidates = [h for h in candidates if h.worker_id != target.worker_id]
     own = target.cached_tokens
-    if holder is None or holder.cached_tokens <= own or holder.worker_id == target.worker_id:
+    richer = sorted((h for h in candidates if h.cached_tokens > own), key=lambda h: -h.cached_tokens)
+    if not richer:
         if own == 0:
             return PrefixPlan("none", "no engine holds a prefix of it")
-        return PrefixPlan("held", "the engine computing it holds the longest cached prefix", holder or target,
+        return PrefixPlan("held", "the engine computing it holds the longest cached prefix", target,
                           numbers={"own_tokens": own, "held_tokens": own})
+    top = richer[0]
+    numbers: dict[str, float] = {"own_tokens": own, "held_tokens": top.cached_tokens}
+    if not config.enabled:
+        return PrefixPlan("recompute", "fetching is off", top, numbers=numbers)
+    lenders = [h for h in richer if h.lends and h.block_size == target.block_size] if target.lends else []
+    if not lenders:
+        return PrefixPlan("recompute", "no engine holding more of it can lend it to this engine", top,
+                          numbers=numbers)
+    options = [_fetch_option(prompt_tokens, own, target, holder, config) for holder in lenders]
+    worth = [o for o in options if o.gain >= max(config.min_tokens, 1)]
+    if not worth:
+        best = max(options, key=lambda o: o.gain)
+        return PrefixPlan("recompute", f"{max(best.gain, 0)} tokens more: under {config.min_tokens} to fetch",
+                          best.holder, numbers={**numbers, "fetch_tokens": best.gain})
+    if target.tokens_per_s <= 0:  # the most tokens, then the quickest fetch
+        best = max(worth, key=lambda o: (o.gain, -o.fetch_s))
+        return PrefixPlan("fetch", f"{best.gain} tokens held by {best.holder.worker_id}; this engine's rate is "
+                                   f"not measured yet", best.holder, best.tokens, {**numbers, **best.numbers})
+    best = max(worth, key=lambda o: o.gain / target.tokens_per_s - o.fetch_s)
+    recompute_s = best.gain / target.tokens_per_s
+    numbers = {**numbers, **best.numbers, "held_tokens": best.holder.cached_tokens, "recompute_s": round(recompute_s, 4)}
+    if best.fetch_s < recompute_s:
+        return PrefixPlan("fetch", f"fetching {best.gain} tokens from {best.holder.worker_id} should take "
+                                   f"{best.fetch_s:.3f} s, computing them {recompute_s:.3f} s", best.holder, best.tokens,
+                          numbers)
+    return PrefixPlan("recompute", f"computing {best.gain} tokens should take {recompute_s:.3f} s, fetching them "
+                                   f"from {best.holder.worker_id} {best.fetch_s:.3f} s", best.holder, numbers=numbers)
+
+
+@dataclass(frozen=True)
+class _Option:
+    holder: Engine
+    tokens: int  # the holder's prefix, whole blocks, to lend
+    gain: int  # of those, the tokens the target lacks
+    fetch_s: float
+    numbers: dict[str, float]
+
+
+def _fetch_option(prompt_tokens: int, own: int, target: Engine, holder: Engine, config: FetchSettings) -> _Option:
     tokens = fetchable_tokens(prompt_tokens, holder.cached_tokens, holder.block_size)
     gain = tokens - own
-    numbers: dict[str, float] = {"own_tokens": own, "held_tokens": holder.cached_tokens, "fetch_tokens": gain}
-    if not config.enabled:
-        return PrefixPlan("recompute", "fetching is off", holder, numbers=numbers)
-    if not (holder.lends and target.lends) or holder.block_size != target.block_size:
-        return PrefixPlan("recompute", "the holder cannot lend it to this engine", holder, numbers=numbers)
-    if gain < max(config.min_tokens, 1):
-        return PrefixPlan("recompute", f"{max(gain, 0)} tokens more: under {config.min_tokens} to fetch", holder,
-                          numbers=numbers)
-    blocks = gain // holder.block_size
     holder_step_s = min(holder.queued_tokens, config.step_tokens) / holder.tokens_per_s \
         if holder.tokens_per_s > 0 else 0.0
+    blocks = max(gain, 0) // holder.block_size
     fetch_s = config.fixed_s + holder_step_s + blocks * holder.kv_bytes_per_block / config.link_bytes_per_s
-    numbers.update(fetch_s=round(fetch_s, 4), holder_step_s=round(holder_step_s, 4))
-    if target.tokens_per_s <= 0:
-        return PrefixPlan("fetch", f"{gain} tokens held elsewhere; this engine's rate is not measured yet",
-                          holder, tokens, numbers)
-    recompute_s = gain / target.tokens_per_s
-    numbers.update(recompute_s=round(recompute_s, 4))
-    if fetch_s < recompute_s:
-        return PrefixPlan("fetch", f"fetching {gain} tokens should take {fetch_s:.3f} s, computing them "
-                                   f"{recompute_s:.3f} s", holder, tokens, numbers)
-    return PrefixPlan("recompute", f"computing {gain} tokens should take {recompute_s:.3f} s, fetching them "
-                                   f"{fetch_s:.3f} s", holder, numbers=numbers)
+    return _Option(holder, tokens, gain, fetch_s, {"fetch_tokens": gain, "fetch_s": round(fetch_s, 4),
+                                                   "holder_step_s": round(holder_step_s, 4)})

@@ -179,17 +179,20 @@ class WorkerPool:
                       beat.block_size, entry.queued_tokens(), beat.prefill_tokens_per_s, beat.kv_bytes_per_block,
                       beat.lends)
 
+    def holders(self, prompt: Prompt, now: float) -> list[Engine]:
+        """The live engines, of either role, whose prefix caches likely hold some of the
+        prompt, the most first."""
+        held = [(self._cached_blocks(e, prompt) * e.beat.block_size, e)
+                for role in ("prefill", "decode") for e in self._live_entries(role, now)]
+        return [self._engine(e, prompt) for tokens, e in sorted(held, key=lambda t: (-t[0], t[1].beat.worker_id))
+                if tokens > 0]
+
     def holder(self, prompt: Prompt, now: float) -> Engine | None:
-        """The live engine, of either role, whose prefix cache likely holds the most of the
-        prompt (among those that lend theirs, first); None if none holds any."""
-        best: _Entry | None = None
-        best_key = (False, 0)
-        for role in ("prefill", "decode"):
-            for entry in self._live_entries(role, now):
-                key = (entry.beat.lends, self._cached_blocks(entry, prompt) * entry.beat.block_size)
-                if key[1] > 0 and key > best_key:
-                    best, best_key = entry, key
-        return self._engine(best, prompt) if best is not None else None
+        """The live engine holding the most of the prompt (among those that lend theirs,
+        first); None if none holds any."""
+        holders = self.holders(prompt, now)
+        lending = [h for h in holders if h.lends]
+        return (lending or holders or [None])[0]
 
     def prefill_load(self, now: float, prompt: Prompt | None = None) -> PromptLoad | None:
         """The load of the prefill ``pick_prefill`` would choose now, if any is live."""

@@ -58,6 +58,7 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
     )
     if route.prefix is not None:
         report.prefix_source = prefix_source(route.prefix, prefill)
+        report.prefix_reason = route.prefix.reason
     if prefill is not None and prefill.fetched_tokens:
         report.fetched_tokens, report.fetched_from = prefill.fetched_tokens, prefill.fetched_from
     if not local and saw.computed_here:  # the KV did not arrive intact (why, if our connector said)

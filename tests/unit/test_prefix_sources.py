@@ -65,6 +65,18 @@ def test_fetching_off_too_little_or_a_holder_that_does_not_lend_means_recompute(
     assert plan(1200, _engine("p1", 0, lends=False), _engine("d0", 1024), ON).choice == "recompute"
 
 
+def test_of_two_holders_holding_as_much_the_idle_one_lends():
+    """A busy prefill and an idle decode hold the same history: waiting for the prefill's
+    step would cost more than computing, the decode's does not."""
+    busy = _engine("p0", 1024, queued=4000, rate=10_000.0)
+    idle = _engine("d0", 1024, queued=0)
+    fetched = plan(1200, _engine("p1", 0), [busy, idle], ON)
+    assert (fetched.choice, fetched.holder.worker_id) == ("fetch", "d0")
+    assert plan(1200, _engine("p1", 0), [busy], ON).choice == "recompute"
+    longer = plan(1200, _engine("p1", 0), [_engine("d0", 512), _engine("d1", 1024)], ON)
+    assert (longer.holder.worker_id, longer.tokens) == ("d1", 1024)  # the larger saving
+
+
 def test_an_unmeasured_engine_fetches_what_is_worth_fetching():
     assert plan(1200, _engine("p1", 0, rate=0.0), _engine("d0", 1024), ON).choice == "fetch"
 
