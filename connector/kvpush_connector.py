@@ -74,7 +74,9 @@ class KvpushConnector(KVConnectorBase_V1):
         FaultSettings(lease_s=config.lease_s, kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)  # checks
         engine_id = transfer_config.engine_id
         # The engine core is a process of its own: its metrics get a port of their own.
-        otel_setup.configure(f"kvpush-{SIDES[transfer_config.kv_role]}-connector",
+        # Named by the worker's role: every kvpush engine runs kv_both (a prefill also reads
+        # prefixes it fetches, a decode also lends its own).
+        otel_setup.configure(f"kvpush-{config.role or SIDES[transfer_config.kv_role]}-connector",
                              port=otel_setup.engine_metrics_port())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         bridge = NatsBridge.shared(config.nats_url, name=engine_id)

@@ -61,6 +61,9 @@ ATTRIBUTES: dict[str, str] = {
     PREFIX_PREFIX + "own_tokens": "of the prompt, what the engine computing it holds itself",
     PREFIX_PREFIX + "fetch_s": "predicted seconds to fetch the difference: a lend's fixed cost, the holder's queue, "
                                "the bytes over the link",
+    PREFIX_PREFIX + "fetch_tokens": "the tokens a fetch would bring: the holder's whole blocks the engine lacks",
+    PREFIX_PREFIX + "holder_step_s": "predicted seconds the holder's engine takes before it runs the lend (its queue, "
+                                     "up to a step's worth, at its rate)",
     PREFIX_PREFIX + "recompute_s": "predicted seconds to compute the difference on the engine computing the prompt",
     FETCHED_TOKENS: "prompt tokens read from another engine's prefix cache (neither computed nor sent again)",
     PLACEMENT_PREFIX + "prefill_finish_s": "predicted seconds until the chosen prefill would compute the prompt",

@@ -36,14 +36,21 @@ WORK=$(mktemp -d)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$PY" --version
 } | tee "$OUT/machine.txt"
-"$PY" -m venv --system-site-packages --without-pip "$WORK/venv"
-VPY="$WORK/venv/bin/python"
-SITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if "$PY" -m venv --system-site-packages --without-pip "$WORK/venv" 2>/dev/null; then
+  VPY="$WORK/venv/bin/python"
+  SITE=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  EXTRA=""
+else  # no venv module (Debian without python3-venv): a folder on PYTHONPATH instead
+  echo "[gpu-check] no venv module: the packages go on PYTHONPATH"
+  VPY="$PY"
+  SITE="$WORK/site"
+  EXTRA=":$SITE"
+fi
 "$VPY" tools/gpu_check/pack.py unpack --carry "$CARRY" --site-packages "$SITE" | sed 's/^/[gpu-check] unpacked /'
 "$VPY" tools/gpu_check/pack.py kvpush-path --repository "$ROOT" --into "$WORK/path" >/dev/null
-"$VPY" -c 'import torch; print("[gpu-check] torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' | tee -a "$OUT/machine.txt"
+PYTHONPATH="${EXTRA#:}" "$VPY" -c 'import torch; print("[gpu-check] torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' | tee -a "$OUT/machine.txt"
 # From outside the repository: python -m puts the working folder first, and the root's
 # kvpush/ (the client alone) would hide the package made of its folders.
 cd "$WORK"
-PYTHONPATH="$WORK/path" timeout 480 "$VPY" -m kvpush.tools.gpu_check.check --device cuda --out "$OUT" 2>&1 \
+PYTHONPATH="$WORK/path$EXTRA" timeout 480 "$VPY" -m kvpush.tools.gpu_check.check --device cuda --out "$OUT" 2>&1 \
   | tee "$OUT/check.log"

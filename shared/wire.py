@@ -1052,6 +1052,7 @@ class ConnectorConfig(msgspec.Struct, kw_only=True):
     quarantine_s: float
     incarnation: str = ""  # the worker's start: carried by this engine's agents and registrations
     push_by_layer: bool = False  # prefill: write each layer's KV as the forward finishes it (connector/layer_writes.py)
+    role: str = ""  # the worker's (prefill, decode): its connector's service name; every kvpush engine is kv_both
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -71,7 +71,8 @@ class KvpushStrategy(KindStrategy):
         faults = engine.faults
         connector_config = wire.ConnectorConfig(nats_url=engine.nats_url, lease_s=faults.lease_s,
                                                 kv_wait_s=faults.kv_wait_s, quarantine_s=faults.quarantine_s,
-                                                incarnation=engine.incarnation, push_by_layer=engine.push_by_layer)
+                                                incarnation=engine.incarnation, push_by_layer=engine.push_by_layer,
+                                                role=engine.role)
         return {
             "kv_transfer_config": {
                 "kv_connector": "KvpushConnector",

@@ -70,12 +70,12 @@ TRANSFER = {
     ("kvpush", "prefill"): {
         "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                                "kv_role": "kv_both", "engine_id": "prefill-e1",
-                               "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "recompute"},
+                               "kv_connector_extra_config": {**KVPUSH_EXTRA, "role": "prefill"}, "kv_load_failure_policy": "recompute"},
         "disable_hybrid_kv_cache_manager": True},
     ("kvpush", "decode"): {
         "kv_transfer_config": {"kv_connector": "KvpushConnector", "kv_connector_module_path": "kvpush.connector.kvpush_connector",
                                "kv_role": "kv_both", "engine_id": "decode-e1",
-                               "kv_connector_extra_config": KVPUSH_EXTRA, "kv_load_failure_policy": "fail"},
+                               "kv_connector_extra_config": {**KVPUSH_EXTRA, "role": "decode"}, "kv_load_failure_policy": "fail"},
         "disable_hybrid_kv_cache_manager": True},
     ("vllm-nixl", "prefill"): {
         "kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": "prefill-e1"}},
@@ -102,7 +102,8 @@ def test_kvpush_without_a_nats_url_or_fault_settings_gets_the_defaults():
     engine = EngineSettings(model="m", role="decode", engine_id="x", nats_url=None, max_model_len=2048,
                             connector="kvpush", faults=FaultSettings(), prefix_caching=False)
     same(engine_kwargs(engine)["kv_transfer_config"]["kv_connector_extra_config"],
-         {"nats_url": None, "lease_s": 10.0, "kv_wait_s": 120.0, "quarantine_s": 15.0, "incarnation": "", "push_by_layer": False})
+         {"nats_url": None, "lease_s": 10.0, "kv_wait_s": 120.0, "quarantine_s": 15.0, "incarnation": "", "push_by_layer": False,
+          "role": "decode"})
     # vLLM fails a request whose KV did not come; decode applies the request's kv_policy itself.
     assert engine_kwargs(engine)["kv_transfer_config"]["kv_load_failure_policy"] == "fail"
 
