@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import array
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 KEY_BYTES = 16
 
@@ -34,3 +34,14 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: bytes | None =
         parent = next_key(parent, token_ids[end - block_size:end])
         keys.append(parent)
     return keys
+
+
+def leading_held(keys: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of a prompt's first blocks (its ``block_keys``, in order) are in ``held``:
+    a prefix cache holds a block only with every block before it."""
+    count = 0
+    for key in keys:
+        if key not in held:
+            break
+        count += 1
+    return count

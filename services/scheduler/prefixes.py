@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvpush.shared.block_keys import block_keys
+from kvpush.shared.block_keys import block_keys, leading_held
 
 MAX_BLOCKS = 200_000  # (worker, block) entries kept in all: ~30 MB at most
 
@@ -66,13 +66,7 @@ class PrefixIndex:
 
     def cached_blocks(self, worker_id: str, keys: list[bytes]) -> int:
         """How many of a prompt's first blocks (``block_keys``) ``worker_id`` likely holds."""
-        held = self._held.get(worker_id, {})
-        count = 0
-        for key in keys:
-            if key not in held:
-                break
-            count += 1
-        return count
+        return leading_held(keys, self._held.get(worker_id, {}))
 
     def forget(self, worker_id: str) -> None:
         """A worker's engine cleared its cache, restarted (a new incarnation) or left."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpush.shared.block_keys import next_key
+from kvpush.shared.block_keys import leading_held, next_key
 
 
 @dataclass
@@ -55,13 +55,7 @@ class CacheKeys:
     def held_blocks(self, keys: list[bytes]) -> int:
         """How many of a prompt's first blocks (``block_keys``) the engine holds, as far as
         its events have told us."""
-        held = set(self._keys.values())
-        count = 0
-        for key in keys:
-            if key not in held:
-                break
-            count += 1
-        return count
+        return leading_held(keys, set(self._keys.values()))
 
     def apply(self, events) -> CacheChanges:
         """What a batch of events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
