@@ -86,6 +86,9 @@ class Flight:
     resumed_after: list[int] = field(default_factory=list)  # at each migration, the tokens its client had
     prefix: wire.PrefixSource | None = None  # this attempt: where its cached prefix comes from
     migrating: bool = False  # its old decode is being fenced (``Migrations``): no other verdict meanwhile
+    # A retry of this attempt is under way (``Recovery.retry``): its dispatch's own failure
+    # and the liveness watch can both ask for one, and only the first may start an attempt.
+    retrying: bool = False
 
     @property
     def request_id(self) -> str:
@@ -114,6 +117,7 @@ class Flight:
         self.moving = False
         self.moves = self.times_moved = 0
         self.left_decodes = set()
+        self.retrying = False
         self.last_token_at = 0.0  # the new decode's first token starts its stall clock
 
     def _reach(self, state: FlightState) -> None:
@@ -327,7 +331,7 @@ class FlightTable:
             if now >= flight.deadline:
                 verdicts.append((flight, "deadline", ""))
                 continue
-            if flight.moving or flight.migrating:
+            if flight.moving or flight.migrating or flight.retrying:
                 continue
             lost = ""
             if flight.decode_id and not is_live(flight.decode_id, flight.decode_incarnation):

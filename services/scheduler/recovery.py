@@ -76,28 +76,43 @@ class Recovery:
     async def retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool = False) -> None:
         """A new attempt elsewhere, once the old one is fenced. ``decode_gave_up``: its
         decode said it will send nothing (it could not learn whether it won the claim), so
-        even a claim it holds does not answer the client."""
+        even a claim it holds does not answer the client. One retry per attempt: a second
+        ask while one is under way (the dispatch's own failure and the liveness watch can
+        both ask) does nothing; the new attempt clears the mark. So does an ask about a
+        worker the current attempt does not use (a verdict made before that attempt began)."""
+        if flight.retrying or lost_worker not in (flight.prefill_id, flight.decode_id):
+            return
+        flight.retrying = True
+        retried = False
+        try:
+            retried = await self._retry(flight, lost_worker, decode_gave_up)
+        finally:
+            if not retried:
+                flight.retrying = False
+
+    async def _retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool) -> bool:
+        """True if it started a new attempt."""
         # Fence the attempt first: once we hold its claim, its decode can never answer.
         claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.state is ClaimState.UNKNOWN:
-            return  # JetStream cannot say: the next check tries again
+            return False  # JetStream cannot say: the next check tries again
         if claim.by_decode and not decode_gave_up:  # the decode answers already: tokens may be out
             if lost_worker == flight.decode_id:
                 flight.streaming_started()
                 if self.migrate is not None:  # after what the client has (its token records), elsewhere
                     flight.migrating = True
                     flight.track(self.tasks.spawn(self.migrate(flight, lost_worker, False)))
-                    return
+                    return False
                 await self.end(flight, WorkerLost(
                     f"worker {lost_worker} went silent after the answer had started; "
                     "the request was not retried, since that would repeat tokens"), decode_lost=True)
             else:
                 flight.streaming_started()  # it has the KV: the lost prefill no longer matters
-            return
+            return False
         if not claim.won and not claim.by_decode:  # another scheduler fenced it: the flight is its now
             self.flights.remove(flight)
             self.stop_attempt(flight)
-            return
+            return False
         log.warning("worker lost, retrying elsewhere", request_id=flight.request_id, worker=lost_worker,
                     attempt=flight.attempt)
         instruments().failures.add(1, {"reason": "worker_lost_retried"})
@@ -105,6 +120,7 @@ class Recovery:
         self.stop_attempt(flight)
         await self.outbox.cancel_jobs(flight, f"retried: worker {lost_worker} was lost")
         self.attempt_again(flight)
+        return True
 
     async def end(self, flight: Flight, error: BaseException, decode_lost: bool = False) -> None:
         """End the flight: the workers drop the request and the client gets ``error``, from

@@ -547,6 +547,42 @@ async def test_a_decode_that_does_not_ack_is_retried_around(server, client, runn
     await assert_nothing_more(sched, client, sub)
 
 
+@pytest.mark.parametrize("second_ask", ["while_retrying", "after_the_new_attempt"])
+async def test_one_attempt_is_retried_once_however_often_it_is_asked(server, client, running, second_ask):
+    """The dispatch's own failure (its decode never acked) and the liveness watch can both
+    ask to retry one attempt; a CI run saw the second ask start a third attempt that
+    cancelled the second one on the spare. ``while_retrying``: the second ask comes before
+    the new attempt has begun; ``after_the_new_attempt``: it comes once the new attempt's
+    jobs are out, its decode not yet answering (a verdict the watch made before that
+    attempt began). Either way it does nothing: one new attempt, answered by the spare."""
+    sched = await running(scheduler(server, deadline_s=4 * timing.DISPATCH_TIMEOUT_S))
+    prefill = await running(FakeWorker(server, "prefill"))
+    mute = await running(FakeWorker(server, "decode", "no_ack"))
+    spare_acks = asyncio.Event()
+    spare = await running(FakeWorker(server, "decode", ack_after=spare_acks, running=5))  # busier: picked second
+    await workers_seen(client, prefill, mute, spare)
+
+    sub = await send(client, request_body(f"r-{second_ask}"))
+    await until(lambda: mute.jobs and prefill.jobs, what="the first attempt's jobs out")
+    await mute.stop_heartbeats()  # no heartbeat puts it back in the pool
+    [flight] = list(sched.flights)
+    recovery = sched.flight_watch.recovery
+    await recovery.retry(flight, mute.worker_id)  # the new attempt is spawned, not yet begun
+    if second_ask == "after_the_new_attempt":
+        await until(lambda: spare.jobs, what="the new attempt's decode job out")
+    await recovery.retry(flight, mute.worker_id)
+    spare_acks.set()
+    replies = await replies_to_final(sub)
+
+    [first] = mute.jobs
+    [answered] = spare.jobs
+    assert [job.transfer_id for job in prefill.jobs] == [first.transfer_id, answered.transfer_id]
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(answered))
+    assert {c.transfer_id for c in mute.cancels} == {first.transfer_id}
+    assert answered.transfer_id not in {c.transfer_id for c in spare.cancels}
+    await assert_nothing_more(sched, client, sub)
+
+
 async def test_a_decode_that_refuses_without_a_reason_is_retried_around(server, client, running):
     sched = await running(scheduler(server))
     prefill = await running(FakeWorker(server, "prefill"))
