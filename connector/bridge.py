@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterable
 import msgspec
 import nats
 
-from kvpush.connector.chaos import Chaos
 from kvpush.otel.messaging import TEMPORARY, consumer, producer, template_of
 from kvpush.otel.metrics import instruments
 from kvpush.shared import errors, wire
+from kvpush.shared.chaos import Chaos
 from kvpush.shared.nats_security import connect_options, error_logger, server_urls
 
 log = logging.getLogger("kvpush.bridge")

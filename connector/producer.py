@@ -36,7 +36,7 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from kvpush.connector import chaos, kv_layout
+from kvpush.connector import kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector import checksums
@@ -50,7 +50,7 @@ from kvpush.connector.transfer_thread import TransferJob, TransferResult, Transf
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import context_from_traceparent
 from kvpush.otel.metrics import instruments
-from kvpush.shared import wire
+from kvpush.shared import chaos, wire
 from kvpush.shared.errors import (
     AgentUnreachable,
     BadRegistration,

@@ -24,10 +24,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from kvpush.connector import chaos
 from kvpush.connector.block_ranges import byte_ranges, coalesce
 from kvpush.connector.kv_layout import KvLayout
 from kvpush.otel import attributes as A
+from kvpush.shared import chaos
 from kvpush.shared.wire import AgentInfo
 
 log = logging.getLogger("kvpush.transfer")

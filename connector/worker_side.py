@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from kvpush.connector import chaos, kv_layout
+from kvpush.connector import kv_layout
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.completion import parse_notification
@@ -23,7 +23,7 @@ from kvpush.connector.engine_wake import WakeClock, WakeListener
 from kvpush.connector.metadata import KvpushMetadata, KvpushWorkerMeta
 from kvpush.connector.producer import Producer
 from kvpush.connector.transfer_thread import TransferThread
-from kvpush.shared import wire
+from kvpush.shared import chaos, wire
 
 log = logging.getLogger("kvpush.connector")
 

@@ -14,7 +14,7 @@ import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from kvpush.connector import chaos
+from kvpush.shared import chaos
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import consumer, current_traceparent
 from kvpush.otel.metrics import instruments

@@ -415,7 +415,7 @@ def test_a_revoke_between_a_match_and_its_write_is_answered_only_once_no_write_c
     before any write is posted; the Revoke arrives then. Answering it at once would let
     decode free the blocks while the WRITE is still to be posted into them. The answer
     must wait until the write is given up (here: decode's agent cannot be reached)."""
-    from kvpush.connector import chaos
+    from kvpush.shared import chaos
 
     prefill_id, decode_id = _id("prefill"), _id("decode")
     bridge = NatsBridge(nats_server.url, name=prefill_id)
@@ -771,7 +771,8 @@ def _noticing_decode_side(conn, url: str, engine_id: str, idle: bool) -> None:
     notice the KV (and, on UCX's TCP and shared-memory transports, its polls are also what
     lets the connection and the notification through). Idle: one idle step, whose wait is
     an hour long; the KV's arrival must end it."""
-    from kvpush.connector import chaos, transfer_thread
+    from kvpush.connector import transfer_thread
+    from kvpush.shared import chaos
 
     if not idle:
         transfer_thread.EXPECT_POLL_S = transfer_thread.IDLE_POLL_S = 3600.0

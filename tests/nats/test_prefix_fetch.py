@@ -25,7 +25,6 @@ from types import SimpleNamespace
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from kvpush.connector import chaos
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.consumer import Consumer
@@ -33,7 +32,7 @@ from kvpush.connector.metadata import KvpushMetadata, ReadyPrefill
 from kvpush.connector.producer import Producer
 from kvpush.connector.scheduler_side import ConnectorScheduler
 from kvpush.connector.worker_side import ConnectorWorker
-from kvpush.shared import wire
+from kvpush.shared import chaos, wire
 from kvpush.shared.errors import LeaseExpired
 from tests.nats.test_connector_worker import (BLOCK_SIZE, NUM_BLOCKS, WAIT_S, _assert_copied, _id, _key, _kv_caches,
                                               _producer, _until)

@@ -1,5 +1,5 @@
 """End-to-end KV checksums catch corrupted KV (issue 29). A chaos point in decode's
-connector (``kv.flip``, connector/chaos.py) flips one byte of one destination block of
+connector (``kv.flip``, shared/chaos.py) flips one byte of one destination block of
 every transfer after it landed and before the request runs. With ``--kv-checksums
 full`` every flip is caught: the transfer fails, decode computes the prompt itself
 (``kv_policy: recompute``), and no answer is wrong; in push, pull and layer-wise push.

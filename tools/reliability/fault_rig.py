@@ -27,12 +27,11 @@ from pathlib import Path
 import msgspec
 import nats
 
-from kvpush.connector import chaos
 from kvpush.tools import dev_certs
 from kvpush.client import generate, scheduler_status
 from kvpush.services.launch.natsd import LocalNatsServer
 from kvpush.services.launch.stack import Stack
-from kvpush.shared import wire
+from kvpush.shared import chaos, wire
 from kvpush.shared.block_keys import block_keys
 from kvpush.shared.nats_security import connect_options, server_urls
 from kvpush.shared.permissions import Identity, literal_password, new_password, render_config
@@ -256,7 +255,7 @@ class FaultRig:
 
     @property
     def holds(self) -> Path:
-        """The file naming the connector's points (``kvpush.connector.chaos.point``) where every
+        """The file naming the connector's points (``kvpush.shared.chaos.point``) where every
         engine's threads stop until it no longer names them."""
         return self.folder / "holds"
 

@@ -15,7 +15,8 @@ fixes the dice; ``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault,
 subject) a ``flip`` rate corrupts one byte of a transfer's blocks on decode once they
 landed (``flips``): what end-to-end KV checksums must catch.
 
-No NATS: the bridge asks ``delays(subject)`` and sends accordingly.
+No NATS: the bridge asks ``delays(subject)`` and sends accordingly. Standard library
+only, and in ``shared`` because both the connector and the scheduler have hold points.
 """
 
 from __future__ import annotations
@@ -119,11 +120,11 @@ class Chaos:
 
 
 # --------------------------------------------------------------------------- hold points
-# A race test holds a thread at a named point in the connector, does what must happen in
-# between (say, deliver a Revoke), and lets it go: the interleaving is then certain, not
-# a matter of sleeps. In-process with ``hold``; across processes (an engine the test
-# started), while the file named by KVPUSH_HOLD_FILE lists the point's name. When no test
-# holds one, ``point`` is a dict lookup and returns at once.
+# A race test holds a thread at a named point in the connector or the scheduler, does what
+# must happen in between (say, deliver a Revoke), and lets it go: the interleaving is then
+# certain, not a matter of sleeps. In-process with ``hold``; across processes (an engine the
+# test started), while the file named by KVPUSH_HOLD_FILE lists the point's name. When no
+# test holds one, ``point`` is a dict lookup and returns at once.
 
 class Gate:
     def __init__(self) -> None:
