@@ -269,7 +269,7 @@ class Consumer:
                           f"({len(wrong)} of {len(checks)} checksums)")
                 log.error("transfer %s: %s", transfer_id, reason)
                 instruments().checksum_mismatches.add(1)
-                self._waits.prefill_gave_up(transfer_id, reason)
+                self._waits.prefill_gave_up(transfer_id, reason, code=ChecksumMismatch.code)
                 self._wake()
                 return
             wait = self._waits.get(transfer_id)
@@ -309,9 +309,9 @@ class Consumer:
                           "or %s is gone", event.prefill_engine_id, event.transfer_id, event.prefill_engine_id)
             return
         if wait.stuck is not None:
-            self._waits.write_ended(event.transfer_id, reason)
+            self._waits.write_ended(event.transfer_id, reason, code=event.code)
         else:
-            self._waits.prefill_gave_up(event.transfer_id, reason)
+            self._waits.prefill_gave_up(event.transfer_id, reason, code=event.code)
         self._wake()
 
     # ---------------------------------------------------------------- waits and reads
@@ -372,7 +372,8 @@ class Consumer:
 
     def _read_failed(self, read: PullRead, why: str) -> None:
         error = ReadFailed(why)
-        self._waits.prefill_gave_up(read.transfer_id, f"{error.code}: {why}")  # nothing of ours is in flight
+        # nothing of ours is in flight
+        self._waits.prefill_gave_up(read.transfer_id, f"{error.code}: {why}", code=error.code)
         self._wake()
         report_failure(self.bridge, self.engine_id, self.rank, read.transfer_id, self.engine_id, error)
 

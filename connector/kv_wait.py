@@ -19,15 +19,25 @@ A wait ends in one of three ways:
   timer frees the blocks then. They stay held until prefill answers again (the write
   ended) or its process is proven gone (``prefill_gone``); ``stuck()`` lists them, for
   a metric and an alert.
+
+Each end carries a short code, decided where the end is decided (``Released.code``): the
+load-failure metric's label and the path report's ``kv_failure``. Prefill's answers bring
+prefill's error code (``kvpush.shared.errors``); decode's own ends have ``OwnCode``s.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvpush.shared import settings
+
+# Decode's own codes for why it stopped waiting for the KV: it waited ``kv_wait_s`` in vain,
+# vLLM finished (aborted) the request, or prefill's write is stuck (such a wait ends with
+# prefill's later answer, and its code); and for a load that failed with no code of
+# prefill's to name it (prefill's process is gone, or its answer named no code).
+OwnCode = Literal["kv_wait_expired", "aborted", "write_stuck", "kv_load_failed"]
 
 
 @dataclass(slots=True)
@@ -39,7 +49,9 @@ class Waiting:
     arrived: bool = False
     arrived_at: float | None = None  # the caller's timestamp of the arrival
     prefill_answered: str | None = None  # prefill said no write will land, and why
+    prefill_code: str = ""  # ...and prefill's error code for it
     given_up: str | None = None  # decode revoked the transfer, and why
+    given_up_code: OwnCode | None = None  # ...and decode's code for it
     revoked_at: float | None = None
     request_finished: bool = False  # vLLM finished (aborted) the request while it waited
     stuck: str | None = None  # prefill's write into the blocks is stuck: held until it answers again
@@ -52,6 +64,9 @@ class Released:
     transfer_id: str
     arrived: bool
     reason: str  # "" when arrived
+    # Why, as a short code ("" when arrived): the error code prefill (or our own check)
+    # answered with, or decode's own (``OwnCode``) when decode gave the wait up first.
+    code: str
     request_finished: bool
     context: Any = None
     arrived_at: float | None = None
@@ -61,19 +76,6 @@ class Released:
         """A live request whose KV will not come: vLLM must recompute it or fail it."""
         return not self.arrived and not self.request_finished
 
-    @property
-    def code(self) -> str:
-        """Why, as a short code: the error code prefill (or our own check) answered with,
-        ``kv_wait_expired`` when decode gave the wait up, ``write_stuck`` for a stuck write."""
-        head, _, _ = self.reason.partition(":")
-        if head.isidentifier() and head != "prefill's":
-            return head
-        if self.reason.startswith("no KV within"):
-            return "kv_wait_expired"
-        if self.reason.startswith("prefill's write is stuck"):
-            return "write_stuck"
-        return "kv_load_failed"
-
 
 @dataclass
 class KvWaits:
@@ -81,7 +83,8 @@ class KvWaits:
     quarantine_s: float = settings.FAULTS.quarantine_s
     max_early: int = 10_000
     _waits: dict[str, Waiting] = field(default_factory=dict)
-    _early: dict[str, tuple[float | None, str | None]] = field(default_factory=dict)  # tid -> (arrived at, why it failed)
+    # tid -> (arrived at, (code, why) it failed): what came before the wait started
+    _early: dict[str, tuple[float | None, tuple[str, str] | None]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # protects _waits and _early
 
     def start(self, request_id: str, transfer_id: str, now: float, context: Any = None) -> Waiting:
@@ -91,7 +94,8 @@ class KvWaits:
             if transfer_id in self._early:
                 arrived_at, failure = self._early.pop(transfer_id)
                 wait.arrived, wait.arrived_at = failure is None, arrived_at
-                wait.prefill_answered = failure
+                if failure is not None:
+                    wait.prefill_code, wait.prefill_answered = failure
             return wait
 
     def arrived(self, transfer_id: str, at: float | None = None) -> bool:
@@ -105,14 +109,16 @@ class KvWaits:
             wait.arrived, wait.arrived_at = True, at
             return True
 
-    def prefill_gave_up(self, transfer_id: str, reason: str) -> None:
-        """Prefill answered: no write of its will land in the blocks."""
+    def prefill_gave_up(self, transfer_id: str, reason: str, *, code: str) -> None:
+        """Prefill answered: no write of its will land in the blocks (``code``: prefill's
+        error code for why, or our own check's)."""
+        code = _prefill_code(code)
         with self._lock:
             wait = self._waits.get(transfer_id)
             if wait is None:
-                self._remember_early(transfer_id, (None, reason))
+                self._remember_early(transfer_id, (None, (code, reason)))
             elif wait.prefill_answered is None:
-                wait.prefill_answered = reason
+                wait.prefill_code, wait.prefill_answered = code, reason
 
     def write_stuck(self, transfer_id: str, reason: str, now: float) -> bool:
         """Prefill's write into the blocks is posted and will not end soon: stop waiting
@@ -124,18 +130,17 @@ class KvWaits:
             wait.stuck = reason
             if wait.given_up is None:
                 wait.given_up, wait.revoked_at = f"prefill's write is stuck: {reason}", now
+                wait.given_up_code = "write_stuck"
             return True
 
-    def write_ended(self, transfer_id: str, reason: str) -> None:
-        """Prefill's stuck write ended after all (it answers for the blocks now)."""
-        with self._lock:
-            wait = self._waits.get(transfer_id)
-            if wait is not None and wait.stuck is not None and wait.prefill_answered is None:
-                wait.prefill_answered = reason
+    def write_ended(self, transfer_id: str, reason: str, *, code: str) -> None:
+        """Prefill's stuck write ended after all (it answers for the blocks now, with
+        ``code``)."""
+        self._stuck_write_answered(transfer_id, _prefill_code(code), reason)
 
     def prefill_gone(self, transfer_id: str, proof: str) -> None:
         """The process that posted a stuck write is gone: nothing of it can land any more."""
-        self.write_ended(transfer_id, f"prefill is gone ({proof})")
+        self._stuck_write_answered(transfer_id, "kv_load_failed", f"prefill is gone ({proof})")
 
     def stuck(self) -> list[Waiting]:
         with self._lock:
@@ -148,7 +153,7 @@ class KvWaits:
             for wait in self._waits.values():
                 if wait.request_id in request_ids and not wait.request_finished:
                     wait.request_finished = True
-                    if self._give_up(wait, "aborted", now):
+                    if self._give_up(wait, "aborted", "aborted", now):
                         to_revoke.append(wait)
         return to_revoke
 
@@ -159,15 +164,16 @@ class KvWaits:
         with self._lock:
             for transfer_id, wait in list(self._waits.items()):
                 if not wait.arrived and wait.prefill_answered is None and now >= wait.deadline:
-                    if self._give_up(wait, f"no KV within {self.kv_wait_s:g} s", now):
+                    if self._give_up(wait, "kv_wait_expired", f"no KV within {self.kv_wait_s:g} s", now):
                         to_revoke.append(wait)
-                ended = self._end_reason(wait, now)
+                ended = self._end(wait, now)
                 if ended is None:
                     continue
+                code, reason = ended
                 del self._waits[transfer_id]
                 released.append(
-                    Released(wait.request_id, transfer_id, wait.arrived, ended, wait.request_finished, wait.context,
-                             wait.arrived_at)
+                    Released(wait.request_id, transfer_id, wait.arrived, reason, code, wait.request_finished,
+                             wait.context, wait.arrived_at)
                 )
         return to_revoke, released
 
@@ -203,25 +209,40 @@ class KvWaits:
         with self._lock:
             return len(self._waits)
 
-    def _give_up(self, wait: Waiting, why: str, now: float) -> bool:
+    def _stuck_write_answered(self, transfer_id: str, code: str, reason: str) -> None:
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is not None and wait.stuck is not None and wait.prefill_answered is None:
+                wait.prefill_code, wait.prefill_answered = code, reason
+
+    def _give_up(self, wait: Waiting, code: OwnCode, why: str, now: float) -> bool:
         if wait.arrived or wait.prefill_answered is not None or wait.given_up is not None:
             return False
-        wait.given_up, wait.revoked_at = why, now
+        wait.given_up, wait.given_up_code, wait.revoked_at = why, code, now
         wait.last_sent = now  # the Revoke goes out now
         return True
 
-    def _end_reason(self, wait: Waiting, now: float) -> str | None:
+    def _end(self, wait: Waiting, now: float) -> tuple[str, str] | None:
+        """(code, why) the wait ends now, or None while it goes on."""
         if wait.arrived:
-            return ""
+            return "", ""
         if wait.prefill_answered is not None:
-            return wait.prefill_answered if wait.stuck else (wait.given_up or wait.prefill_answered)
+            if wait.stuck or wait.given_up is None:
+                return wait.prefill_code, wait.prefill_answered
+            return wait.given_up_code, wait.given_up  # decode had given up first: its reason stands
         if wait.stuck is not None:
             return None  # a write may still land: only prefill's answer or its end frees the blocks
         if wait.revoked_at is not None and now >= wait.revoked_at + self.quarantine_s:
-            return f"{wait.given_up}; prefill silent for {self.quarantine_s:g} s"
+            return wait.given_up_code, f"{wait.given_up}; prefill silent for {self.quarantine_s:g} s"
         return None
 
-    def _remember_early(self, transfer_id: str, what: tuple[float | None, str | None]) -> None:
+    def _remember_early(self, transfer_id: str, what: tuple[float | None, tuple[str, str] | None]) -> None:
         self._early[transfer_id] = what
         while len(self._early) > self.max_early:
             del self._early[next(iter(self._early))]
+
+
+def _prefill_code(code: str) -> str:
+    """Prefill's error code as a wait's code: one that is not a code (a peer's bad field)
+    counts as ``kv_load_failed``, so the metric's label stays one of a known few."""
+    return code if code.isidentifier() else "kv_load_failed"

@@ -1,17 +1,15 @@
 """End-to-end KV checksums (connector/checksums.py) over real KV tensors laid out as
 vLLM's CPU engine lays them out, the notification that carries them
-(connector/completion.py), which transfers get one (services/scheduler/dispatch.py), and
-how a failed load is named (connector/kv_wait.py). Against real engines and NIXL:
+(connector/completion.py), and which transfers get one (services/scheduler/dispatch.py);
+how a failed load is named: tests/unit/test_kv_wait.py. Against real engines and NIXL:
 tests/stack/test_checksums.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvpush.connector import checksums, kv_layout
 from kvpush.connector.completion import block_tag, notification, parse_notification, tag_matches
-from kvpush.connector.kv_wait import Released
 from kvpush.services.scheduler.dispatch import checksum_for
 
 NUM_BLOCKS = 12
@@ -85,14 +83,3 @@ def test_pull_digests_wait_for_their_handoff_bounded():
     for name in "abc":
         book.put(name, [name])
     assert (book.take("a"), book.take("c"), book.take("c")) == (None, ["c"], None)
-
-
-@pytest.mark.parametrize("reason,code", [
-    ("checksum_mismatch: the KV that landed differs", "checksum_mismatch"),
-    ("lease_expired: prefill freed them", "lease_expired"),
-    ("no KV within 15 s; prefill silent for 5 s", "kv_wait_expired"),
-    ("prefill's write is stuck: posted 30 s ago", "write_stuck"),
-    ("prefill is gone (no responders)", "kv_load_failed"),
-])
-def test_a_failed_load_is_named_by_a_short_code(reason, code):
-    assert Released("r", "t", arrived=False, reason=reason, request_finished=False).code == code

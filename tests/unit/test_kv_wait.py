@@ -3,7 +3,9 @@ revoked transfer's quarantine passed; it never releases blocks a write may still
 
 from __future__ import annotations
 
-from kvpush.connector.kv_wait import KvWaits
+import pytest
+
+from kvpush.connector.kv_wait import KvWaits, Released
 
 
 def _waits() -> KvWaits:
@@ -35,7 +37,7 @@ def test_an_arrival_before_start_counts():
 def test_prefill_giving_up_releases_the_request_as_failed():
     waits = _waits()
     waits.start("r", "t", now=0.0)
-    waits.prefill_gave_up("t", "lease_expired")
+    waits.prefill_gave_up("t", "lease_expired", code="lease_expired")
     to_revoke, [done] = waits.tick(1.0)
     assert to_revoke == []
     assert (done.arrived, done.failed, done.request_finished, done.reason) == (False, True, False, "lease_expired")
@@ -43,7 +45,7 @@ def test_prefill_giving_up_releases_the_request_as_failed():
 
 def test_prefill_giving_up_before_start_counts():
     waits = _waits()
-    waits.prefill_gave_up("t", "prefill failed")
+    waits.prefill_gave_up("t", "prefill failed", code="engine_failed")
     waits.start("r", "t", now=0.0)
     [done] = waits.tick(0.0)[1]
     assert (done.failed, done.reason) == (True, "prefill failed")
@@ -52,8 +54,8 @@ def test_prefill_giving_up_before_start_counts():
 def test_the_first_answer_of_prefill_is_kept():
     waits = _waits()
     waits.start("r", "t", now=0.0)
-    waits.prefill_gave_up("t", "first")
-    waits.prefill_gave_up("t", "second")
+    waits.prefill_gave_up("t", "first", code="write_failed")
+    waits.prefill_gave_up("t", "second", code="revoked")
     [done] = waits.tick(0.0)[1]
     assert done.reason == "first"
 
@@ -87,7 +89,7 @@ def test_prefill_answering_a_revoke_releases_at_once():
     waits = _waits()
     waits.start("r", "t", now=0.0)
     waits.tick(120.0)
-    waits.prefill_gave_up("t", "revoked")
+    waits.prefill_gave_up("t", "revoked", code="revoked")
     [done] = waits.tick(121.0)[1]
     assert done.failed is True
     assert "120" in done.reason  # decode's own reason for giving up
@@ -117,7 +119,7 @@ def test_a_finished_request_is_released_when_prefill_answers():
     waits = _waits()
     waits.start("r", "t", now=0.0)
     waits.requests_finished({"r"}, now=5.0)
-    waits.prefill_gave_up("t", "revoked")
+    waits.prefill_gave_up("t", "revoked", code="revoked")
     [done] = waits.tick(5.1)[1]
     assert (done.request_finished, done.failed, done.reason) == (True, False, "aborted")
 
@@ -172,13 +174,13 @@ def test_nothing_is_released_twice():
     waits.start("r2", "t2", now=0.0)
     waits.start("r3", "t3", now=0.0)
     waits.arrived("t1", at=1.0)
-    waits.prefill_gave_up("t2", "failed")
+    waits.prefill_gave_up("t2", "failed", code="write_failed")
     released = []
     for now in (1.0, 2.0, 120.0, 121.0, 130.0, 200.0, 500.0):
         _, ended = waits.tick(now)
         # late answers for waits already ended start nothing new
         waits.arrived("t1", at=now)
-        waits.prefill_gave_up("t2", "again")
+        waits.prefill_gave_up("t2", "again", code="write_failed")
         released += ended
     assert sorted(r.transfer_id for r in released) == ["t1", "t2", "t3"]
     assert waits.waiting() == 0
@@ -200,7 +202,7 @@ def test_a_revoke_is_sent_again_until_prefill_answers():
     assert [w.transfer_id for w in waits.revokes_due(121.0, every_s=1.0)] == ["t"]  # it may have been lost
     assert waits.revokes_due(121.5, every_s=1.0) == []
     assert [w.transfer_id for w in waits.revokes_due(122.0, every_s=1.0)] == ["t"]
-    waits.prefill_gave_up("t", "revoked: decode gave the transfer up")  # the answer
+    waits.prefill_gave_up("t", "revoked: decode gave the transfer up", code="revoked")  # the answer
     assert waits.revokes_due(130.0, every_s=1.0) == []
 
 
@@ -221,7 +223,7 @@ def test_a_stuck_write_keeps_the_blocks_past_every_timer_until_prefill_answers()
     assert waits.tick(10_000.0) == ([], [])
     assert [w.transfer_id for w in waits.stuck()] == ["t"]
     assert waits.revokes_due(10_000.0, 1.0) == []  # prefill knows: its answer is the write's end
-    waits.write_ended("t", "write_failed: it ended after all")
+    waits.write_ended("t", "write_failed: it ended after all", code="write_failed")
     [done] = waits.tick(10_001.0)[1]
     assert (done.arrived, done.failed) == (False, True)
     assert waits.stuck() == []
@@ -253,3 +255,85 @@ def test_a_stuck_report_for_a_wait_that_already_ended_changes_nothing():
     assert waits.write_stuck("unknown", "late", now=2.0) is False
     [done] = waits.tick(3.0)[1]
     assert done.arrived
+
+
+# Each way a wait ends, as a function of a fresh KvWaits: the waits that ended.
+def _kv_arrived(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.arrived("t", at=1.0)
+    return waits.tick(1.0)[1]
+
+
+def _prefill_answered(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.prefill_gave_up("t", "checksum_mismatch: the KV that landed differs", code="checksum_mismatch")
+    return waits.tick(1.0)[1]
+
+
+def _prefill_answered_before_the_wait_started(waits: KvWaits) -> list[Released]:
+    waits.prefill_gave_up("t", "lease_expired: prefill freed them", code="lease_expired")
+    waits.start("r", "t", now=0.0)
+    return waits.tick(0.0)[1]
+
+
+def _prefill_answered_with_no_code(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.prefill_gave_up("t", "a peer's answer", code="not a code: at all")
+    return waits.tick(1.0)[1]
+
+
+def _kv_overdue_then_prefill_silent(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.tick(120.0)
+    return waits.tick(130.0)[1]
+
+
+def _kv_overdue_then_prefill_answered(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.tick(120.0)
+    waits.prefill_gave_up("t", "revoked: decode gave the transfer up", code="revoked")
+    return waits.tick(121.0)[1]
+
+
+def _aborted_then_prefill_silent(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.requests_finished({"r"}, now=5.0)
+    return waits.tick(15.0)[1]
+
+
+def _aborted_then_prefill_answered(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.requests_finished({"r"}, now=5.0)
+    waits.prefill_gave_up("t", "revoked: decode gave the transfer up", code="revoked")
+    return waits.tick(6.0)[1]
+
+
+def _stuck_write_ended(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.write_stuck("t", "write_stuck: WRITE still running after 30 s", now=30.0)
+    waits.write_ended("t", "write_failed: it ended after all", code="write_failed")
+    return waits.tick(31.0)[1]
+
+
+def _stuck_write_of_a_prefill_gone(waits: KvWaits) -> list[Released]:
+    waits.start("r", "t", now=0.0)
+    waits.write_stuck("t", "write_stuck: WRITE still running after 30 s", now=30.0)
+    waits.prefill_gone("t", "no responders on its agent subject")
+    return waits.tick(31.0)[1]
+
+
+@pytest.mark.parametrize("ending,code", [
+    (_kv_arrived, ""),
+    (_prefill_answered, "checksum_mismatch"),
+    (_prefill_answered_before_the_wait_started, "lease_expired"),
+    (_prefill_answered_with_no_code, "kv_load_failed"),
+    (_kv_overdue_then_prefill_silent, "kv_wait_expired"),
+    (_kv_overdue_then_prefill_answered, "kv_wait_expired"),  # decode gave up first: its code stands
+    (_aborted_then_prefill_silent, "aborted"),
+    (_aborted_then_prefill_answered, "aborted"),
+    (_stuck_write_ended, "write_failed"),
+    (_stuck_write_of_a_prefill_gone, "kv_load_failed"),
+], ids=lambda value: value.__name__.strip("_") if callable(value) else None)
+def test_each_way_a_wait_ends_carries_its_code(ending, code):
+    [done] = ending(_waits())
+    assert done.code == code
