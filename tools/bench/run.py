@@ -43,6 +43,7 @@ from kvpush.tools.bench.results import Point
 from kvpush.tools.bench.stats import percentile
 from kvpush.tools.bench.systems import BINDINGS, KvpushSystem, Topology, VllmServeSystem
 from kvpush.tools.emulation.link import EngineHosts
+from kvpush.tools.machine import cpu_model
 from kvpush.tools.otlp_receiver import OtlpReceiver
 
 VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
@@ -492,7 +493,7 @@ class Bench:
         c = self.config
         c.out.mkdir(parents=True, exist_ok=True)
         machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                   "processor": _cpu_model()}
+                   "processor": cpu_model()}
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(c).items()}
         (c.out / "results.json").write_text(json.dumps(
             {"machine": machine, "config": config, "errors": self.errors, "bindings": c.bindings,
@@ -651,16 +652,6 @@ def _prompt_tokens(trace: list[dict]) -> int:
         if tokens:
             return int(tokens)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _f(value) -> str:

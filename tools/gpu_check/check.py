@@ -36,6 +36,8 @@ import time
 import uuid
 from pathlib import Path
 
+from kvpush.tools.machine import cpu_model
+
 SWEEP_LAYOUT = "LBNHC"
 TRANSPORTS = ("cuda_ipc", "cuda_copy", "gdr_copy", "rc_mlx5", "rc_verbs", "dc_mlx5", "ud_mlx5", "ud_verbs", "tcp",
               "sysv", "posix", "cma", "knem", "xpmem", "self")
@@ -279,7 +281,7 @@ def _environment(device: str) -> dict:
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-           "cpu": _cpu_model()}
+           "cpu": cpu_model()}
     try:
         from importlib.metadata import version
 
@@ -300,16 +302,6 @@ def _has(distribution: str) -> bool:
         return True
     except PackageNotFoundError:
         return False
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def run(device: str, out: Path, layers: int, blocks: int, max_mib: int, repeats: int, progress=print) -> dict:
