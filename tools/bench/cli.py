@@ -22,6 +22,20 @@ def _dilation(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number (k) or auto") from None
 
 
+def _model_arguments(parser, out: str) -> None:
+    """The model the engines serve (a built-in profile, or a folder), the prompts' seed, and
+    the results' folder: the same for every benchmark that starts engines."""
+    parser.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
+    parser.add_argument("--model", help="a local model folder instead of a built-in profile")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=out)
+
+
+def _link_argument(parser, help: str) -> None:
+    """How emulated engines reach each other: ``kvpush.tools.emulation.link``'s two ways."""
+    parser.add_argument("--link", choices=["shaped", "loopback"], default="shaped", help=help)
+
+
 def register_bench(sub) -> None:
     bench = sub.add_parser("bench", help="kvpush push/pull against vLLM's own disaggregated serving, one client "
                                          "(vllm bench serve) for all")
@@ -53,10 +67,7 @@ def register_bench(sub) -> None:
     bench.add_argument("--sampling-flags", default="",
                        help="vllm bench serve's sampling flags for every point, e.g. \"--temperature 0.7 --top-p 0.9\" "
                             "(default: none, its own defaults)")
-    bench.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
-    bench.add_argument("--model", help="a local model folder instead of a built-in profile")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--out", default="bench-results")
+    _model_arguments(bench, out="bench-results")
     emulated = bench.add_argument_group("emulated GPUs (docs/benchmarks.md, \"Emulated GPUs\")")
     emulated.add_argument("--emulate", metavar="MODEL@GPU",
                           help="every engine runs the timed model of this deployment (qwen3-32b@p5en, "
@@ -76,9 +87,8 @@ def register_bench(sub) -> None:
     emulated.add_argument("--nixl-progress-thread", choices=["on", "paced"], default="paced",
                           help="vLLM's NIXL agents' progress thread: NIXL's own (spins a core at rest) or "
                                "paced (1 ms between rounds)")
-    emulated.add_argument("--link", choices=["shaped", "loopback"], default="shaped",
-                          help="each engine on a network-namespace host of its own, NIXL over UCX TCP through a "
-                               "link shaped to the deployment's (root only), or all on loopback")
+    _link_argument(emulated, "each engine on a network-namespace host of its own, NIXL over UCX TCP through a "
+                             "link shaped to the deployment's (root only), or all on loopback")
     emulated.add_argument("--pacing", choices=["layers", "every-layer", "step"], default="layers",
                           help="the timed model's waits: by layer in steps with prompt tokens and once in "
                                "decode-only steps (layers), by layer always, or once per step")
@@ -104,18 +114,14 @@ def register_multiturn(sub) -> None:
     multiturn.add_argument("--prefill", type=int, default=1)
     multiturn.add_argument("--decode", type=int, default=1)
     multiturn.add_argument("--max-model-len", type=int, default=4096)
-    multiturn.add_argument("--profile", default="kv-heavy", choices=["small", "kv-heavy"])
-    multiturn.add_argument("--model", help="a local model folder instead of a built-in profile")
-    multiturn.add_argument("--seed", type=int, default=0)
-    multiturn.add_argument("--out", default="bench-results/multiturn")
+    _model_arguments(multiturn, out="bench-results/multiturn")
     multiturn.add_argument("--emulate", metavar="MODEL@GPU",
                            help="every engine runs the timed model of this deployment (qwen3-32b@p5en, "
                                 "llama-3.1-8b@h100); times reported in emulated time")
     multiturn.add_argument("--dilation", type=_dilation, default="auto",
                            help="k: every modeled time and think time is k times longer (auto: from the longest prompt)")
-    multiturn.add_argument("--link", choices=["shaped", "loopback"], default="shaped",
-                           help="emulated: each engine on a host of its own behind a link shaped to the "
-                                "deployment's (root only), or all on loopback")
+    _link_argument(multiturn, "emulated: each engine on a host of its own behind a link shaped to the "
+                              "deployment's (root only), or all on loopback")
     multiturn.set_defaults(func=lazy("kvpush.tools.bench.multiturn_run:cmd"))
 
 
