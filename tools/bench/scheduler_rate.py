@@ -55,6 +55,7 @@ import tempfile
 import time
 import uuid
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpush.otel.messaging import TEMPORARY
@@ -93,6 +94,7 @@ class _IdleWorker:
     connection, heartbeats, the agent announcement and the job subscription."""
 
     role = ""
+    job_type: object = None  # the union its job subject carries (its jobs and CancelJob): set by each role
 
     def __init__(self, url: str, worker_id: str, vocab: int, block_size: int = BLOCK_SIZE):
         self.url = url
@@ -189,6 +191,22 @@ class _IdleWorker:
             await self.bus.publish(msg.reply, wire.encode(wire.JobAck(accepted=True)), template=TEMPORARY)
 
     async def _on_job(self, msg) -> None:
+        """A job or a CancelJob, on this worker's job subject: as the workers' job intake does,
+        a job is acked and then taken (``_take``), a cancel is counted and done (``_cancel``)."""
+        job = await self.bus.decoded(msg, self.job_type, refuse_as=BadJob, nack=True)
+        if job is None:
+            return
+        if isinstance(job, wire.CancelJob):
+            self.cancels += 1
+            self._cancel(job)
+            return
+        await self._ack(msg)
+        await self._take(job, _traceparent(msg))
+
+    def _cancel(self, cancel: wire.CancelJob) -> None:
+        raise NotImplementedError
+
+    async def _take(self, job, traceparent: str) -> None:
         raise NotImplementedError
 
     async def _connector_publish(self, subject: str, data: bytes, traceparent: str = "") -> None:
@@ -206,6 +224,7 @@ class IdlePrefill(_IdleWorker):
     the decode the scheduler chose."""
 
     role = "prefill"
+    job_type = wire.PrefillMessage
 
     def __init__(self, url: str, worker_id: str, vocab: int, block_size: int = BLOCK_SIZE):
         super().__init__(url, worker_id, vocab, block_size)
@@ -229,18 +248,12 @@ class IdlePrefill(_IdleWorker):
     async def _subscribe_connector(self) -> None:
         await self.kv.subscribe(wire.KV_CONTROL.partly(engine_id=self.worker_id), cb=self._on_kv_control)
 
-    async def _on_job(self, msg) -> None:
-        job = await self.bus.decoded(msg, wire.PrefillMessage, refuse_as=BadJob, nack=True)
-        if job is None:
-            return
-        if isinstance(job, wire.CancelJob):
-            self.cancels += 1
-            self._prompts.pop(job.transfer_id, None)
-            self._registrations.pop(job.transfer_id, None)
-            return
-        await self._ack(msg)
+    def _cancel(self, cancel: wire.CancelJob) -> None:
+        self._prompts.pop(cancel.transfer_id, None)
+        self._registrations.pop(cancel.transfer_id, None)
+
+    async def _take(self, job, traceparent: str) -> None:
         self.jobs += 1
-        traceparent = _traceparent(msg)
         if job.mode == "push":  # the prompt is computed: offered to the rendezvous
             registration = self._registrations.pop(job.transfer_id, None)
             if registration is not None:
@@ -323,6 +336,7 @@ class IdleDecode(_IdleWorker):
     the final, and say "ended" with the final. A claim lost to a scheduler sends nothing."""
 
     role = "decode"
+    job_type = wire.DecodeMessage
 
     def __init__(self, url: str, worker_id: str, vocab: int, output_tokens: int = 1,
                  block_size: int = BLOCK_SIZE):
@@ -388,24 +402,19 @@ class IdleDecode(_IdleWorker):
                                                 transfer_ids=transfer_ids[start:start + 2000])
                     await self.kv.publish(wire.registration_subject(prefill_id, self.worker_id), wire.encode(renewal))
 
-    async def _on_job(self, msg) -> None:
-        job = await self.bus.decoded(msg, wire.DecodeMessage, refuse_as=BadJob, nack=True)
-        if job is None:
-            return
-        if isinstance(job, wire.CancelJob):
-            self.cancels += 1
-            self._cancelled[job.transfer_id] = job
-            while len(self._cancelled) > 10_000:
-                self._cancelled.popitem(last=False)
-            task = self._running.get(job.transfer_id)
-            if task is not None:
-                task.cancel()
-            return
-        await self._ack(msg)
+    def _cancel(self, cancel: wire.CancelJob) -> None:
+        self._cancelled[cancel.transfer_id] = cancel
+        while len(self._cancelled) > 10_000:
+            self._cancelled.popitem(last=False)
+        task = self._running.get(cancel.transfer_id)
+        if task is not None:
+            task.cancel()
+
+    async def _take(self, job, traceparent: str) -> None:
         if job.transfer_id in self._cancelled:
             return
         self.jobs += 1
-        self._running[job.transfer_id] = self._spawn(self._serve(job, _traceparent(msg)))
+        self._running[job.transfer_id] = self._spawn(self._serve(job, traceparent))
 
     async def _serve(self, job, traceparent: str) -> None:
         self.active += 1
@@ -677,11 +686,14 @@ async def _wait_for_workers(nc, prefill_ids: list[str], decode_ids: list[str], p
         await asyncio.sleep(0.2)
 
 
-async def _drive(nc, prompts: list[list[int]], start: int, concurrency: int, deadline: float, output_tokens: int,
-                 vocab: int, request_timeout_s: float, run_tag: str, keep: list | None) -> dict:
-    """Send ``prompts`` (ids ``start``..) through the real client, ``concurrency`` in flight,
-    none started after ``deadline`` (monotonic). What came back, checked."""
+async def _drive(nc, prompts: list[list[int]], start: int, load: _Load, keep: list | None) -> dict:
+    """Send ``prompts`` (ids ``start``..) through the real client, ``load.concurrency`` in
+    flight, none started after ``load.time_limit_s`` from now. What came back, checked."""
     import msgspec
+
+    deadline = time.monotonic() + load.time_limit_s
+    concurrency, output_tokens, vocab = load.concurrency, load.output_tokens, load.vocab
+    request_timeout_s, run_tag = load.request_timeout_s, load.run_tag
 
     latencies: list[float] = []
     sent_at: dict[str, float] = {}
@@ -835,140 +847,219 @@ async def run_point(model: str, prefill: int, decode: int, concurrency: int, req
     ``concurrency`` in flight, on a fresh nats-server. Bounded: no request starts after
     ``time_limit_s`` of load, and none waits longer than ``request_timeout_s``."""
     import nats
-    import psutil
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(warmup + requests)]
     run_tag = f"sr{uuid.uuid4().hex[:6]}"
+    load = _Load(concurrency, time_limit_s, output_tokens, vocab, request_timeout_s, run_tag)
     before_setup = machine_state()
     with tempfile.TemporaryDirectory(prefix="kvpush-bench-scheduler-") as tmp, LocalNatsServer() as server:
-        env = {**os.environ, "KVPUSH_TRACE_DIR": str(Path(tmp) / "traces"), "KVPUSH_LOG_LEVEL": "INFO"}
-        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-        if quiet_scheduler:
-            env.update(KVPUSH_LOG_LEVEL="WARNING", OTEL_SDK_DISABLED="true")
-        scheduler_ids = [f"bench-scheduler-{run_tag}-{n}" for n in range(schedulers)]
-        log_paths = [Path(tmp) / f"{scheduler_id}.log" for scheduler_id in scheduler_ids]
-        processes = []
-        for scheduler_id, log_path in zip(scheduler_ids, log_paths):
-            with open(log_path, "wb") as log:
-                processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvpush.services.cli.main", "scheduler", "--nats-url", server.url, "--model",
-                     model, "--scheduler-id", scheduler_id, "--log-level", env["KVPUSH_LOG_LEVEL"]],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
-        workers: list[_IdleWorker] = []
-        nc = counter_nc = None
+        rig = _Rig(*_start_schedulers(server.url, Path(tmp), run_tag, schedulers, model, quiet_scheduler))
         try:
-            workers = [IdlePrefill(server.url, f"prefill-{i}", vocab, block_size) for i in range(prefill)]
-            workers += [IdleDecode(server.url, f"decode-{i}", vocab, output_tokens, block_size)
-                        for i in range(decode)]
+            rig.workers = [IdlePrefill(server.url, f"prefill-{i}", vocab, block_size) for i in range(prefill)]
+            rig.workers += [IdleDecode(server.url, f"decode-{i}", vocab, output_tokens, block_size)
+                            for i in range(decode)]
             nc = await nats.connect(server.url, name="bench-client")
-            await _wait_for_workers_started(workers)
-            await _wait_for_workers(nc, [w.worker_id for w in workers if w.role == "prefill"],
-                                    [w.worker_id for w in workers if w.role == "decode"], processes, timeout=90.0)
+            rig.connections.append(nc)
+            await _wait_for_workers_started(rig.workers)
+            await _wait_for_workers(nc, [w.worker_id for w in rig.workers if w.role == "prefill"],
+                                    [w.worker_id for w in rig.workers if w.role == "decode"], rig.processes,
+                                    timeout=90.0)
             progress(f"{prefill}P{decode}D c={concurrency}: scheduler ready, warming up ({warmup} requests)")
             if warmup:
-                warm = await _drive(nc, prompts[:warmup], 0, concurrency, time.monotonic() + time_limit_s,
-                                    output_tokens, vocab, request_timeout_s, run_tag, None)
+                warm = await _drive(nc, prompts[:warmup], 0, load, None)
                 if warm["errors"] or warm["wrong"]:
                     raise RuntimeError(f"warm-up requests failed: {warm['errors']} wrong {warm['wrong'][:5]}")
-            ledger = _LedgerWatch(run_tag)  # when the scheduler is done with each request: its flight deleted
-            await ledger.start(nc)
-            counter = None
-            if count_subjects:
-                counter = SubjectCounter()
-                counter_nc = await nats.connect(server.url, name="bench-counter")
-                await counter.start(counter_nc)
-                await counter_nc.flush()
-            await asyncio.sleep(1.5)  # the warm-up's last JetStream writes land before the count starts
-            jobs_before = {w.worker_id: w.jobs for w in workers}
-            buckets_before = await _bucket_state(nc)
-            sched_procs = [psutil.Process(process.pid) for process in processes]
-            nats_proc, me = psutil.Process(server.process.pid), psutil.Process()
-
-            def cpu_now() -> tuple[float, float, float, list[float]]:
-                each = [_cpu_s(proc) for proc in sched_procs]
-                return sum(each), _cpu_s(nats_proc), _cpu_s(me), each
-
-            before = machine_state()
-            cpu_before = cpu_now()
-            busy_before = _busy_s()
-            if counter is not None:
-                counter.active = True
-            counted_from = time.monotonic()
-            keep = [] if keep_requests else None
-            ledger.since(time.monotonic())
-            measured = await asyncio.wait_for(
-                _drive(nc, prompts[warmup:], warmup, concurrency, time.monotonic() + time_limit_s, output_tokens,
-                       vocab, request_timeout_s, run_tag, keep),
-                time_limit_s + request_timeout_s + 30)
-            cpu_at_last_final = cpu_now()
-            measured_ids = set(measured["ok_ids"])  # refused ones have no flight to end
-            behind_at_last_final = len(measured_ids) - ledger.done_count(measured_ids)
-            drained = await ledger.wait_all(measured_ids, timeout=DRAIN_TIMEOUT_S)
-            cpu_after = cpu_now()
-            busy_after = _busy_s()
-            after = machine_state()
-            if counter is not None:
-                await asyncio.sleep(1.0)  # the last requests' trailing writes (final kept, flight deleted)
-                counter.active = False
-                counted_s = time.monotonic() - counted_from
-            buckets_after = await _bucket_state(nc)
-            for process in processes:
+            measured = await _measure(rig, server, nc, prompts[warmup:], warmup, load, count_subjects, keep_requests)
+            for process in rig.processes:
                 if process.poll() is not None:
                     raise RuntimeError(f"a scheduler exited with {process.returncode} during the run")
         except BaseException:
-            for log_path in log_paths:
+            for log_path in rig.log_paths:
                 tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
                 progress(f"{log_path.stem} log tail:\n{tail}")
             raise
         finally:
-            for worker in workers:
-                try:
-                    await worker.close()
-                except Exception:
-                    pass
-            for conn in (nc, counter_nc):
-                if conn is not None and not conn.is_closed:
-                    await conn.close()
-            for process in processes:
-                if process.poll() is None:
-                    process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            await rig.close()
+    shape = {"topology": f"{prefill}P{decode}D", "prefill": prefill, "decode": decode, "concurrency": concurrency,
+             "requests": requests, "warmup": warmup, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+             "block_size": block_size, "time_limit_s": time_limit_s}
+    return _point(shape, measured, rig, quiet_scheduler, before_setup)
+
+
+@dataclass(frozen=True)
+class _Load:
+    """How a point's client sends its requests (``_drive``)."""
+
+    concurrency: int
+    time_limit_s: float  # no request starts after this many seconds of the load
+    output_tokens: int
+    vocab: int
+    request_timeout_s: float
+    run_tag: str  # request ids are <run tag>-<n>
+
+
+@dataclass
+class _Rig:
+    """One point's scheduler processes (and their logs), stand-ins and connections;
+    ``close`` stops them all."""
+
+    scheduler_ids: list[str]
+    log_paths: list[Path]
+    processes: list[subprocess.Popen]
+    workers: list[_IdleWorker] = field(default_factory=list)
+    connections: list = field(default_factory=list)
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            try:
+                await worker.close()
+            except Exception:
+                pass
+        for conn in self.connections:
+            if not conn.is_closed:
+                await conn.close()
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _start_schedulers(url: str, tmp: Path, run_tag: str, schedulers: int, model: str,
+                      quiet: bool) -> tuple[list[str], list[Path], list[subprocess.Popen]]:
+    """``schedulers`` ``kvpush scheduler`` processes, each logging to a file under ``tmp``:
+    (their ids, their logs, the processes)."""
+    env = {**os.environ, "KVPUSH_TRACE_DIR": str(tmp / "traces"), "KVPUSH_LOG_LEVEL": "INFO"}
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    if quiet:
+        env.update(KVPUSH_LOG_LEVEL="WARNING", OTEL_SDK_DISABLED="true")
+    scheduler_ids = [f"bench-scheduler-{run_tag}-{n}" for n in range(schedulers)]
+    log_paths = [tmp / f"{scheduler_id}.log" for scheduler_id in scheduler_ids]
+    processes = []
+    for scheduler_id, log_path in zip(scheduler_ids, log_paths):
+        with open(log_path, "wb") as log:
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "kvpush.services.cli.main", "scheduler", "--nats-url", url, "--model",
+                 model, "--scheduler-id", scheduler_id, "--log-level", env["KVPUSH_LOG_LEVEL"]],
+                env=env, stdout=log, stderr=subprocess.STDOUT))
+    return scheduler_ids, log_paths, processes
+
+
+class _CpuClock:
+    """CPU seconds used so far: (the schedulers' sum, nats-server's, this bench's, each scheduler's)."""
+
+    def __init__(self, scheduler_pids: list[int], nats_pid: int):
+        import psutil
+
+        self._schedulers = [psutil.Process(pid) for pid in scheduler_pids]
+        self._nats, self._me = psutil.Process(nats_pid), psutil.Process()
+
+    def now(self) -> tuple[float, float, float, list[float]]:
+        each = [_cpu_s(proc) for proc in self._schedulers]
+        return sum(each), _cpu_s(self._nats), _cpu_s(self._me), each
+
+
+@dataclass
+class _Measured:
+    """What a point's measured requests did, and what the machine spent on them."""
+
+    requests: dict  # _drive's account
+    ids: set[str]  # the requests answered right (refused ones have no flight to end)
+    ledger: _LedgerWatch
+    drained: bool  # the schedulers were done with every request within DRAIN_TIMEOUT_S
+    behind_at_last_final: int  # requests the schedulers were not done with at the client's last final
+    cpu_before: tuple
+    cpu_at_last_final: tuple
+    cpu_after: tuple
+    busy_s: float  # the whole machine's busy CPU seconds over the span
+    machine_start: dict
+    machine_end: dict
+    jobs_before: dict[str, int]
+    buckets_before: dict
+    buckets_after: dict
+    subjects: dict | None  # SubjectCounter's report, when counted
+    detail: list | None  # every request, when kept
+
+
+async def _measure(rig: _Rig, server, nc, prompts: list[list[int]], first: int, load: _Load,
+                   count_subjects: bool, keep_requests: bool) -> _Measured:
+    """Send the measured requests (ids from ``first``) and wait until the schedulers are done
+    with them, measuring the CPU the schedulers, nats-server and this bench spent."""
+    import nats
+
+    ledger = _LedgerWatch(load.run_tag)  # when the scheduler is done with each request: its flight deleted
+    await ledger.start(nc)
+    counter = None
+    if count_subjects:
+        counter = SubjectCounter()
+        counter_nc = await nats.connect(server.url, name="bench-counter")
+        rig.connections.append(counter_nc)
+        await counter.start(counter_nc)
+        await counter_nc.flush()
+    await asyncio.sleep(1.5)  # the warm-up's last JetStream writes land before the count starts
+    jobs_before = {w.worker_id: w.jobs for w in rig.workers}
+    buckets_before = await _bucket_state(nc)
+    clock = _CpuClock([process.pid for process in rig.processes], server.process.pid)
+    machine_start, cpu_before, busy_before = machine_state(), clock.now(), _busy_s()
+    if counter is not None:
+        counter.active = True
+    counted_from = time.monotonic()
+    keep = [] if keep_requests else None
+    ledger.since(time.monotonic())
+    measured = await asyncio.wait_for(_drive(nc, prompts, first, load, keep),
+                                      load.time_limit_s + load.request_timeout_s + 30)
+    cpu_at_last_final = clock.now()
+    ids = set(measured["ok_ids"])
+    behind_at_last_final = len(ids) - ledger.done_count(ids)
+    drained = await ledger.wait_all(ids, timeout=DRAIN_TIMEOUT_S)
+    cpu_after, busy_after, machine_end = clock.now(), _busy_s(), machine_state()
+    subjects = None
+    if counter is not None:
+        await asyncio.sleep(1.0)  # the last requests' trailing writes (final kept, flight deleted)
+        counter.active = False
+        subjects = counter.report(max(len(measured["latencies"]), 1), time.monotonic() - counted_from)
+    buckets_after = await _bucket_state(nc)
+    return _Measured(measured, ids, ledger, drained, behind_at_last_final, cpu_before, cpu_at_last_final, cpu_after,
+                     busy_after - busy_before, machine_start, machine_end, jobs_before, buckets_before, buckets_after,
+                     subjects, keep)
+
+
+def _point(shape: dict, m: _Measured, rig: _Rig, quiet_scheduler: bool, before_setup: dict) -> dict:
+    """A point's result: ``shape`` (what was asked), then what was measured."""
+    measured = m.requests
     ok = len(measured["latencies"])
     wall = measured["wall_s"]
-    done_wall = ledger.last_done_s(measured_ids) if drained else None
-    per_scheduler = [round(a - b, 3) for a, b in zip(cpu_after[3], cpu_before[3])]
-    cpu = [a - b for a, b in zip(cpu_after[:3], cpu_before[:3])]
-    others_s = max(0.0, busy_after - busy_before - sum(cpu))
-    done_ms = ledger.done_latencies_ms(measured["sent_at"])
+    done_wall = m.ledger.last_done_s(m.ids) if m.drained else None
+    per_scheduler = [round(a - b, 3) for a, b in zip(m.cpu_after[3], m.cpu_before[3])]
+    cpu = [a - b for a, b in zip(m.cpu_after[:3], m.cpu_before[:3])]
+    others_s = max(0.0, m.busy_s - sum(cpu))
+    done_ms = m.ledger.done_latencies_ms(measured["sent_at"])
     point = {
-        "topology": f"{prefill}P{decode}D", "prefill": prefill, "decode": decode, "concurrency": concurrency,
-        "requests": requests, "warmup": warmup, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        "block_size": block_size,
-        "time_limit_s": time_limit_s, "stopped_by": measured["stopped_by"], "started": measured["started"],
+        **shape,
+        "stopped_by": measured["stopped_by"], "started": measured["started"],
         "ok": ok, "errors": measured["errors"], "wrong": len(measured["wrong"]), "wrong_ids": measured["wrong"][:20],
         "wall_s": round(wall, 3), "rate_rps": round(ok / wall, 2) if wall > 0 else 0.0,
         "scheduler_done": {
             "what": "the scheduler is done with a request when it deleted its flight record (after keeping its "
                     "final): the client has its final earlier, from the decode",
-            "all_done": drained, "wall_s": round(done_wall, 3) if done_wall else None,
+            "all_done": m.drained, "wall_s": round(done_wall, 3) if done_wall else None,
             "rate_rps": round(ok / done_wall, 2) if done_wall else None,
-            "behind_at_last_final": behind_at_last_final,
+            "behind_at_last_final": m.behind_at_last_final,
             "latency_ms": {"p50": percentile(done_ms, 0.5), "p99": percentile(done_ms, 0.99)},
-            "max_flights_in_heartbeats": ledger.max_flights,
-            "max_flights_by_scheduler": ledger.max_by_scheduler},
+            "max_flights_in_heartbeats": m.ledger.max_flights,
+            "max_flights_by_scheduler": m.ledger.max_by_scheduler},
         "latency_ms": {"p50": percentile(measured["latencies"], 0.5), "p90": percentile(measured["latencies"], 0.9),
                        "p99": percentile(measured["latencies"], 0.99),
                        "max": round(max(measured["latencies"]), 3) if ok else None},
         "cpu_s_at_last_final": {name: round(a - b, 3) for name, a, b in
-                                zip(("scheduler", "nats_server", "bench_driver"), cpu_at_last_final[:3],
-                                    cpu_before[:3])},
-        "schedulers": schedulers, "cpu_s_per_scheduler": dict(zip(scheduler_ids, per_scheduler)),
+                                zip(("scheduler", "nats_server", "bench_driver"), m.cpu_at_last_final[:3],
+                                    m.cpu_before[:3])},
+        "schedulers": len(rig.scheduler_ids), "cpu_s_per_scheduler": dict(zip(rig.scheduler_ids, per_scheduler)),
         "cpu_s": {"scheduler": round(cpu[0], 3), "nats_server": round(cpu[1], 3), "bench_driver": round(cpu[2], 3)},
         "cpu_ms_per_request": {name: round(value * 1000 / ok, 3) if ok else None
                                for name, value in zip(("scheduler", "nats_server", "bench_driver"), cpu)},
@@ -984,15 +1075,15 @@ async def run_point(model: str, prefill: int, decode: int, concurrency: int, req
                            "per request: over the requests answered right",
         "scheduler_config": "quiet: log level WARNING, OTEL_SDK_DISABLED=true" if quiet_scheduler else
                             "as shipped: log level INFO, spans to local files (no OTLP endpoint)",
-        "jobs_per_worker": {w.worker_id: w.jobs - jobs_before[w.worker_id] for w in workers},
-        "stand_ins": {w.worker_id: _stand_in_counts(w) for w in workers},
-        "jetstream_before": buckets_before, "jetstream_after": buckets_after,
-        "machine_before_setup": before_setup, "machine_start": before, "machine_end": after,
+        "jobs_per_worker": {w.worker_id: w.jobs - m.jobs_before[w.worker_id] for w in rig.workers},
+        "stand_ins": {w.worker_id: _stand_in_counts(w) for w in rig.workers},
+        "jetstream_before": m.buckets_before, "jetstream_after": m.buckets_after,
+        "machine_before_setup": before_setup, "machine_start": m.machine_start, "machine_end": m.machine_end,
     }
-    if counter is not None:
-        point["subjects"] = counter.report(max(ok, 1), counted_s)
-    if keep is not None:
-        point["detail"] = keep
+    if m.subjects is not None:
+        point["subjects"] = m.subjects
+    if m.detail is not None:
+        point["detail"] = m.detail
     return point
 
 
