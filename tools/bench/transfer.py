@@ -60,14 +60,88 @@ def _blocks(num_blocks: int, scattered: bool, rng: random.Random) -> list[int]:
     return rng.sample(range(NUM_BLOCKS), num_blocks)
 
 
+class _Initiator:
+    """This process's side: one pool registered in our TransferThread and in a bare NIXL
+    agent, each writing into the target's blocks."""
+
+    def __init__(self, remote: AgentInfo):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        # lazy, as torch: kv_layout and the transfer thread import it
+        from kvpush.connector.kv_layout import describe
+        from kvpush.connector.transfer_thread import TransferThread
+
+        self.remote = remote
+        self._pool, caches = _pool()  # kept while the agents have its memory registered
+        self.layout = describe(caches, NUM_BLOCKS)
+        self.ours = TransferThread("bench-ours", 0, self.layout)
+        self.ours.start()
+        self.raw = nixl_agent(f"bench-raw-{uuid.uuid4().hex[:6]}",
+                              nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.raw.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+        self.raw.register_memory([(a, n, 0, "") for a, n in self.layout.buffers], "DRAM")
+        self.raw.add_remote_agent(remote.agent_metadata)
+
+    def ours_once(self, src: list[int], dst: list[int]) -> float:
+        """Seconds from submitting a WRITE to our thread to its on_done callback."""
+        from kvpush.connector.transfer_thread import TransferJob
+
+        done = threading.Event()
+        result = []
+        started = time.perf_counter()
+        self.ours.submit(TransferJob("WRITE", "bench", self.remote, src, dst, b"bench",
+                                     lambda r: (result.append(r), done.set())))
+        done.wait(60)
+        elapsed = time.perf_counter() - started
+        assert result and result[0].ok, result
+        return elapsed
+
+    def raw_once(self, src: list[int], dst: list[int]) -> tuple[float, int]:
+        """(seconds from posting a prepared raw WRITE to DONE, its descriptors)."""
+        import numpy as np
+
+        raw, remote = self.raw, self.remote
+        local, far = byte_ranges(coalesce(src, dst), self.layout.regions, remote.regions)
+        local_descs = raw.get_xfer_descs(np.array([(a, n, 0) for a, n in local], dtype=np.uint64), "DRAM")
+        remote_descs = raw.get_xfer_descs(np.array([(a, n, 0) for a, n in far], dtype=np.uint64), "DRAM")
+        handle = raw.initialize_xfer("WRITE", local_descs, remote_descs, remote.agent_name, b"raw")
+        started = time.perf_counter()
+        raw.transfer(handle)
+        while raw.check_xfer_state(handle) == "PROC":
+            pass
+        elapsed = time.perf_counter() - started
+        raw.release_xfer_handle(handle)
+        return elapsed, len(local)
+
+    def stop(self) -> None:
+        self.ours.stop()
+
+
+def _row(initiator: _Initiator, size: int, scattered: bool, rng: random.Random) -> dict:
+    """One size and layout: the median of REPEATS of ours and of raw, after a warm-up each."""
+    blocks = size * 1024 * 1024 // (BLOCK_LEN * REGIONS)
+    src = _blocks(blocks, scattered, rng)
+    dst = _blocks(blocks, scattered, rng)
+    initiator.ours_once(src, dst), initiator.raw_once(src, dst)  # warm-up
+    ours_times = [initiator.ours_once(src, dst) for _ in range(REPEATS)]
+    raw_runs = [initiator.raw_once(src, dst) for _ in range(REPEATS)]
+    nbytes = blocks * BLOCK_LEN * REGIONS
+    ours_s = statistics.median(ours_times)
+    raw_s = statistics.median(t for t, _ in raw_runs)
+    return {
+        "layout": "scattered" if scattered else "contiguous",
+        "mib": size,
+        "descriptors": raw_runs[0][1],
+        "ours_ms": ours_s * 1000,
+        "raw_ms": raw_s * 1000,
+        "ours_gib_s": nbytes / ours_s / 2**30,
+        "raw_gib_s": nbytes / raw_s / 2**30,
+        "ratio": raw_s / ours_s,
+    }
+
+
 def run(progress=print) -> list[dict]:
     import msgspec
-    import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    # lazy, as torch: kv_layout and the transfer thread import it
-    from kvpush.connector.kv_layout import describe
-    from kvpush.connector.transfer_thread import TransferJob, TransferThread
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -75,68 +149,18 @@ def run(progress=print) -> list[dict]:
     target.start()
     rows: list[dict] = []
     try:
-        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
-        pool, caches = _pool()
-        layout = describe(caches, NUM_BLOCKS)
-        ours = TransferThread("bench-ours", 0, layout)
-        ours.start()
-        raw = nixl_agent(f"bench-raw-{uuid.uuid4().hex[:6]}", nixl_agent_config(enable_prog_thread=False, backends=[]))
-        raw.create_backend("UCX", {"ucx_error_handling_mode": "none"})
-        raw.register_memory([(a, n, 0, "") for a, n in layout.buffers], "DRAM")
-        raw.add_remote_agent(remote.agent_metadata)
+        initiator = _Initiator(msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo))
         rng = random.Random(0)
-
-        def ours_once(src: list[int], dst: list[int]) -> float:
-            done = threading.Event()
-            result = []
-            started = time.perf_counter()
-            ours.submit(TransferJob("WRITE", "bench", remote, src, dst, b"bench", lambda r: (result.append(r), done.set())))
-            done.wait(60)
-            elapsed = time.perf_counter() - started
-            assert result and result[0].ok, result
-            return elapsed
-
-        def raw_once(src: list[int], dst: list[int]) -> tuple[float, int]:
-            local, far = byte_ranges(coalesce(src, dst), layout.regions, remote.regions)
-            local_descs = raw.get_xfer_descs(np.array([(a, n, 0) for a, n in local], dtype=np.uint64), "DRAM")
-            remote_descs = raw.get_xfer_descs(np.array([(a, n, 0) for a, n in far], dtype=np.uint64), "DRAM")
-            handle = raw.initialize_xfer("WRITE", local_descs, remote_descs, remote.agent_name, b"raw")
-            started = time.perf_counter()
-            raw.transfer(handle)
-            while raw.check_xfer_state(handle) == "PROC":
-                pass
-            elapsed = time.perf_counter() - started
-            raw.release_xfer_handle(handle)
-            return elapsed, len(local)
-
         for scattered in (False, True):
             for size in SIZES_MIB:
-                blocks = size * 1024 * 1024 // (BLOCK_LEN * REGIONS)
-                src = _blocks(blocks, scattered, rng)
-                dst = _blocks(blocks, scattered, rng)
-                ours_once(src, dst), raw_once(src, dst)  # warm-up
-                ours_times = [ours_once(src, dst) for _ in range(REPEATS)]
-                raw_runs = [raw_once(src, dst) for _ in range(REPEATS)]
-                nbytes = blocks * BLOCK_LEN * REGIONS
-                ours_s = statistics.median(ours_times)
-                raw_s = statistics.median(t for t, _ in raw_runs)
-                row = {
-                    "layout": "scattered" if scattered else "contiguous",
-                    "mib": size,
-                    "descriptors": raw_runs[0][1],
-                    "ours_ms": ours_s * 1000,
-                    "raw_ms": raw_s * 1000,
-                    "ours_gib_s": nbytes / ours_s / 2**30,
-                    "raw_gib_s": nbytes / raw_s / 2**30,
-                    "ratio": raw_s / ours_s,
-                }
+                row = _row(initiator, size, scattered, rng)
                 rows.append(row)
                 progress(
                     f"{row['layout']:>10} {size:4d} MiB  {row['descriptors']:5d} descriptors  ours "
                     f"{row['ours_gib_s']:6.2f} GiB/s ({row['ours_ms']:7.2f} ms)  raw {row['raw_gib_s']:6.2f} GiB/s "
                     f"({row['raw_ms']:7.2f} ms)  ours/raw {100 * row['ratio']:5.1f}%"
                 )
-        ours.stop()
+        initiator.stop()
     finally:
         parent.send("stop")
         target.join(timeout=30)

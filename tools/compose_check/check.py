@@ -402,11 +402,9 @@ class Check:
         return found
 
     def _requests(self, expected: list[list[int]]) -> None:
-        import msgspec
+        """Every one of REQUESTS, through the gateway (OpenAI's client) or on NATS
+        (``kvpush.generate``), answers the reference's tokens."""
         import openai
-
-        from kvpush.client import generate_all
-        from kvpush.shared import wire
 
         gateway = f"http://{self.published('gateway', 8000)}/v1"
         nats_url = f"tls://{self.published('nats', 4222)}"
@@ -415,37 +413,6 @@ class Check:
         model = client.models.list().data[0].id
         tag = f"{os.getpid()}-{int(time.time())}"
         results = []
-
-        def openai_request(how: str, what: dict, request_id: str) -> list[int]:
-            common = dict(model=model, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True},
-                          extra_headers={"X-Request-Id": request_id})
-            if how.startswith("openai-chat"):
-                events = client.chat.completions.create(messages=what["messages"], max_completion_tokens=MAX_TOKENS,
-                                                        stream=True, **common)
-                return [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
-            if how == "openai-stream":
-                events = client.completions.create(prompt=what["prompt"], max_tokens=MAX_TOKENS, stream=True, **common)
-                return [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
-            reply = client.completions.create(prompt=what["prompt"], max_tokens=MAX_TOKENS, **common)
-            return list(reply.choices[0].token_ids)
-
-        async def nats_requests(jobs):
-            import nats
-
-            from kvpush.shared.nats_security import connect_options
-
-            nc = await nats.connect(nats_url, connect_timeout=10, **connect_options(self._client_login()))
-            try:
-                out = {}
-                for request_id, what in jobs:
-                    body = {**what, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                            "request_id": request_id}
-                    ids, _, final = await generate_all(nc, body, timeout=180)
-                    out[request_id] = (ids, final)
-                return out
-            finally:
-                await nc.close()
-
         nats_jobs = []
         for index, (name, how, what) in enumerate(REQUESTS):
             request_id = f"compose-check-{name}-{tag}"
@@ -457,13 +424,28 @@ class Check:
                 continue
             start = time.monotonic()
             try:
-                row["token_ids"] = openai_request(how, what, request_id)
+                row["token_ids"] = _openai_tokens(client, model, how, what, request_id)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
             row["seconds"] = round(time.monotonic() - start, 2)
+        self._nats_requests(nats_url, nats_jobs, results)
+        for row in results:
+            row["equal"] = row.get("token_ids") == row["reference"]
+            if not row["equal"]:
+                self.fail(f"{row['name']} via {row['via']}: {row.get('error') or 'output differs from the reference'}"
+                          f" (got {row.get('token_ids')}, reference {row['reference']})")
+        self.report["requests"] = results
+
+    def _nats_requests(self, nats_url: str, jobs: list[tuple[str, dict]], results: list[dict]) -> None:
+        """Send ``jobs`` on NATS as compose.yaml's client-0 and fill in their ``results``
+        rows: the tokens, or why not."""
+        import msgspec
+
+        from kvpush.shared import wire
+
         start = time.monotonic()
         try:
-            answers = asyncio.run(nats_requests(nats_jobs))
+            answers = asyncio.run(_nats_answers(nats_url, self._client_login(), jobs))
         except Exception as exc:
             answers = {}
             for row in results:
@@ -473,15 +455,9 @@ class Check:
             if row["request_id"] in answers:
                 ids, final = answers[row["request_id"]]
                 row["token_ids"] = ids
-                row["seconds"] = round((time.monotonic() - start) / max(1, len(nats_jobs)), 2)
+                row["seconds"] = round((time.monotonic() - start) / max(1, len(jobs)), 2)
                 if isinstance(final, wire.ErrorReply):
                     row["error"] = msgspec.to_builtins(final.error)
-        for row in results:
-            row["equal"] = row.get("token_ids") == row["reference"]
-            if not row["equal"]:
-                self.fail(f"{row['name']} via {row['via']}: {row.get('error') or 'output differs from the reference'}"
-                          f" (got {row.get('token_ids')}, reference {row['reference']})")
-        self.report["requests"] = results
 
     def _client_login(self) -> dict[str, str]:
         """compose.yaml's client-0, as its header tells a user to take it: ``docker compose
@@ -645,11 +621,11 @@ class Check:
             self.fail(f"could not remove {self.work}")
 
 
-# The tokenizer's corpus (kvpush.services.launch.model), summed up where it is built.
+# The tokenizer's corpus (kvpush.services.launch.tokenizer), summed up where it is built.
 _CORPUS = r"""
 import hashlib, json, sys
-from kvpush.services.launch.model import _corpus_files
-files = _corpus_files()
+from kvpush.services.launch.tokenizer import corpus_files
+files = corpus_files()
 h = hashlib.sha256()
 for f in files:
     h.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -697,3 +673,40 @@ def start_order(events: list[list[str]]) -> dict:
         if not seen[f"{service} after {needs} healthy"]:
             problems.append(f"{service} started (event {started}) before {needs} was healthy (event {healthy})")
     return {"rules": seen, "problems": problems}
+
+
+def _openai_tokens(client, model: str, how: str, what: dict, request_id: str) -> list[int]:
+    """One of REQUESTS through the gateway, as ``how`` says (chat or completions, streamed
+    or not): the answer's token ids."""
+    common = dict(model=model, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True},
+                  extra_headers={"X-Request-Id": request_id})
+    if how.startswith("openai-chat"):
+        events = client.chat.completions.create(messages=what["messages"], max_completion_tokens=MAX_TOKENS,
+                                                stream=True, **common)
+        return [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
+    if how == "openai-stream":
+        events = client.completions.create(prompt=what["prompt"], max_tokens=MAX_TOKENS, stream=True, **common)
+        return [t for e in events for c in e.choices for t in (getattr(c, "token_ids", None) or [])]
+    reply = client.completions.create(prompt=what["prompt"], max_tokens=MAX_TOKENS, **common)
+    return list(reply.choices[0].token_ids)
+
+
+async def _nats_answers(nats_url: str, login: dict[str, str], jobs: list[tuple[str, dict]]) -> dict:
+    """Each (request id, request) of ``jobs`` sent on ``kvpush.generate`` in turn, logged in
+    as ``login`` says: request id -> (token ids, last message)."""
+    import nats
+
+    from kvpush.client import generate_all
+    from kvpush.shared.nats_security import connect_options
+
+    nc = await nats.connect(nats_url, connect_timeout=10, **connect_options(login))
+    try:
+        out = {}
+        for request_id, what in jobs:
+            body = {**what, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "request_id": request_id}
+            ids, _, final = await generate_all(nc, body, timeout=180)
+            out[request_id] = (ids, final)
+        return out
+    finally:
+        await nc.close()
