@@ -21,6 +21,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from kvpush.otel.files import flat_spans, hex_ids
 
 
+def answer(handler: BaseHTTPRequestHandler, content_type: str, body: bytes) -> None:
+    """Answer the handler's request 200 with ``body``."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class OtlpReceiver:
     def __init__(self, host: str = "127.0.0.1") -> None:
         """``host``: the one address it listens on (the benchmark's emulated link puts engines
@@ -54,12 +63,7 @@ class OtlpReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                data = reply.SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, "application/x-protobuf", reply.SerializeToString())
 
             def log_message(self, *args):
                 pass

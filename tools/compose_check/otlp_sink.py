@@ -13,7 +13,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kvpush.tools.otlp_receiver import OtlpReceiver
+from kvpush.tools.otlp_receiver import OtlpReceiver, answer
 
 OTLP_PORT = 4318  # Jaeger's OTLP/HTTP port, where compose.yaml points the services
 SPANS_PORT = 16686  # Jaeger's UI port, published by compose.yaml
@@ -34,12 +34,7 @@ def serve(otlp_port: int = OTLP_PORT, spans_port: int = SPANS_PORT, host: str = 
                 self.send_response(404)
                 self.end_headers()
                 return
-            body = json.dumps(list(receiver.spans)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, "application/json", json.dumps(list(receiver.spans)).encode())
 
         def log_message(self, *args):
             pass
