@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.connector.kv_wait import KvWaits, Released
+from kvpush.connector.kv_wait import KvWaits
 
 
 def _waits() -> KvWaits:
@@ -257,83 +257,37 @@ def test_a_stuck_report_for_a_wait_that_already_ended_changes_nothing():
     assert done.arrived
 
 
-# Each way a wait ends, as a function of a fresh KvWaits: the waits that ended.
-def _kv_arrived(waits: KvWaits) -> list[Released]:
+REVOKED = "revoked: decode gave the transfer up"
+STUCK = "write_stuck: WRITE still running after 30 s"
+
+
+# Each way a wait ends: what happens before the wait starts (at 0 s) and after, and when it ends.
+@pytest.mark.parametrize("before,after,ends_at,code", [
+    pytest.param(None, lambda w: w.arrived("t", at=1.0), 1.0, "", id="kv arrived"),
+    pytest.param(None, lambda w: w.prefill_gave_up("t", "checksum_mismatch: it differs", code="checksum_mismatch"),
+                 1.0, "checksum_mismatch", id="prefill answered"),
+    pytest.param(lambda w: w.prefill_gave_up("t", "lease_expired: prefill freed them", code="lease_expired"), None,
+                 0.0, "lease_expired", id="prefill answered before the wait started"),
+    pytest.param(None, lambda w: w.prefill_gave_up("t", "a peer's answer", code="not a code: at all"),
+                 1.0, "kv_load_failed", id="prefill answered with no code"),
+    pytest.param(None, lambda w: w.tick(120.0), 130.0, "kv_wait_expired", id="kv overdue, prefill silent"),
+    pytest.param(None, lambda w: (w.tick(120.0), w.prefill_gave_up("t", REVOKED, code="revoked")),
+                 121.0, "kv_wait_expired", id="kv overdue, prefill answered"),  # decode gave up first: its code
+    pytest.param(None, lambda w: w.requests_finished({"r"}, now=5.0), 15.0, "aborted", id="aborted, prefill silent"),
+    pytest.param(None, lambda w: (w.requests_finished({"r"}, now=5.0), w.prefill_gave_up("t", REVOKED, code="revoked")),
+                 6.0, "aborted", id="aborted, prefill answered"),
+    pytest.param(None, lambda w: (w.write_stuck("t", STUCK, now=30.0),
+                                  w.write_ended("t", "write_failed: it ended after all", code="write_failed")),
+                 31.0, "write_failed", id="stuck write ended"),
+    pytest.param(None, lambda w: (w.write_stuck("t", STUCK, now=30.0), w.prefill_gone("t", "no responders")),
+                 31.0, "kv_load_failed", id="stuck write, prefill gone"),
+])
+def test_each_way_a_wait_ends_carries_its_code(before, after, ends_at, code):
+    waits = _waits()
+    if before is not None:
+        before(waits)
     waits.start("r", "t", now=0.0)
-    waits.arrived("t", at=1.0)
-    return waits.tick(1.0)[1]
-
-
-def _prefill_answered(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.prefill_gave_up("t", "checksum_mismatch: the KV that landed differs", code="checksum_mismatch")
-    return waits.tick(1.0)[1]
-
-
-def _prefill_answered_before_the_wait_started(waits: KvWaits) -> list[Released]:
-    waits.prefill_gave_up("t", "lease_expired: prefill freed them", code="lease_expired")
-    waits.start("r", "t", now=0.0)
-    return waits.tick(0.0)[1]
-
-
-def _prefill_answered_with_no_code(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.prefill_gave_up("t", "a peer's answer", code="not a code: at all")
-    return waits.tick(1.0)[1]
-
-
-def _kv_overdue_then_prefill_silent(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.tick(120.0)
-    return waits.tick(130.0)[1]
-
-
-def _kv_overdue_then_prefill_answered(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.tick(120.0)
-    waits.prefill_gave_up("t", "revoked: decode gave the transfer up", code="revoked")
-    return waits.tick(121.0)[1]
-
-
-def _aborted_then_prefill_silent(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.requests_finished({"r"}, now=5.0)
-    return waits.tick(15.0)[1]
-
-
-def _aborted_then_prefill_answered(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.requests_finished({"r"}, now=5.0)
-    waits.prefill_gave_up("t", "revoked: decode gave the transfer up", code="revoked")
-    return waits.tick(6.0)[1]
-
-
-def _stuck_write_ended(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.write_stuck("t", "write_stuck: WRITE still running after 30 s", now=30.0)
-    waits.write_ended("t", "write_failed: it ended after all", code="write_failed")
-    return waits.tick(31.0)[1]
-
-
-def _stuck_write_of_a_prefill_gone(waits: KvWaits) -> list[Released]:
-    waits.start("r", "t", now=0.0)
-    waits.write_stuck("t", "write_stuck: WRITE still running after 30 s", now=30.0)
-    waits.prefill_gone("t", "no responders on its agent subject")
-    return waits.tick(31.0)[1]
-
-
-@pytest.mark.parametrize("ending,code", [
-    (_kv_arrived, ""),
-    (_prefill_answered, "checksum_mismatch"),
-    (_prefill_answered_before_the_wait_started, "lease_expired"),
-    (_prefill_answered_with_no_code, "kv_load_failed"),
-    (_kv_overdue_then_prefill_silent, "kv_wait_expired"),
-    (_kv_overdue_then_prefill_answered, "kv_wait_expired"),  # decode gave up first: its code stands
-    (_aborted_then_prefill_silent, "aborted"),
-    (_aborted_then_prefill_answered, "aborted"),
-    (_stuck_write_ended, "write_failed"),
-    (_stuck_write_of_a_prefill_gone, "kv_load_failed"),
-], ids=lambda value: value.__name__.strip("_") if callable(value) else None)
-def test_each_way_a_wait_ends_carries_its_code(ending, code):
-    [done] = ending(_waits())
+    if after is not None:
+        after(waits)
+    [done] = waits.tick(ends_at)[1]
     assert done.code == code
