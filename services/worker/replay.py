@@ -1,7 +1,7 @@
 """Replaying the tokens a client already has, inside the engine: a vLLM logits processor
 that forces a request's first outputs to be given tokens.
 
-A request migrated mid-stream (``kvpush.services.scheduler.migration``) whose continuation
+A request migrated mid-stream (``kvpush.services.scheduler.migrations``) whose continuation
 depends on more than the text so far (a seed, a grammar, stop strings, penalties on the
 output) cannot restart from "the prompt plus the tokens sent" as a new prompt: the seeded
 generator would start over, the grammar would start at its root, a stop string spanning
