@@ -9,7 +9,7 @@ Why static per-identity users, and not JWTs or an auth callout. Permission templ
 for JWT users or users an auth callout issues; JWTs need the ``nkeys`` and ``nats-jwt``
 packages and an operator toolchain (no ``nsc`` here), and a callout is one more service on
 the login path of every process. Static users need nothing but the server: each is
-spelled out below, the server checks every publish and subscribe, and adding a worker is
+spelled out in the file, the server checks every publish and subscribe, and adding a worker is
 a config reload (``nats-server --signal reload``, or SIGHUP), which keeps every
 connection. ``render_config`` writes the file; ``kvpush nats-config`` calls it.
 
@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 from kvpush.shared import wire
 
-IdentityRole = Literal["scheduler", "prefill", "decode", "client"]
+IdentityRole = wire.IdentityRole
 
 
 @dataclass(frozen=True)
@@ -60,133 +60,41 @@ def client_inbox(name: str) -> str:
     return f"{wire.CLIENT_INBOX_PREFIX}.{name}"
 
 
-# Schedulers are trusted with JetStream: they make the buckets and the claims stream, write
-# flights and finals, watch them, and read claims. Nobody else may touch a ``$KV.`` subject
-# or the JetStream API, but for a decode's direct get of its own claims (below).
-JETSTREAM_FOR_SCHEDULERS = [
-    "$JS.API.>",
-    "$JS.FC.>",  # flow control of the flights watch
-    "$JS.ACK.>",
-    *(f"$KV.{bucket}.>" for bucket in (wire.FLIGHTS_BUCKET, wire.FINALS_BUCKET)),
-]
-
-
-def claim_subjects(role: IdentityRole, name: str) -> list[str]:
-    """Where ``name`` may publish claims (``wire.Claimant``): under its own name only, and a
-    decode only in its own stream (``wire.claims_stream``), so that claims it floods fill
-    only that. A decode may also read its own claim messages, one subject at a time (a
-    direct get by subject; the query form, which could walk the stream, is not allowed)."""
-    if role == "scheduler":
-        return [f"{wire.CLAIMS_SUBJECT_PREFIX}.*.*.scheduler.{name}.*"]
-    if role == "decode":  # only in its own stream, for attempts that are its own
-        own = f"{wire.CLAIMS_SUBJECT_PREFIX}.{name}.*.decode.{name}"
-        return [own, f"$JS.API.DIRECT.GET.{wire.claims_stream(name)}.{own}"]
-    return []
-
-
-# Where a worker answers a request (a job's ack, its agent's metadata): the asking service's
-# inbox. Not ``allow_responses``: with it, a worker could publish once on whatever reply
-# subject a message it receives names, and it receives its own agent announcements, so it
-# could name ``$JS.API...PURGE`` or any ``$KV.`` subject and answer itself there (a deny
-# list does not stop a response). Workers answer only services, never clients.
-SERVICE_REPLIES = wire.SERVICE_INBOX_PREFIX + ".>"
-
-
 def permissions(role: IdentityRole, name: str) -> Permissions:
-    """What the NATS user ``name`` of ``role`` may do."""
-    own_inbox = service_inbox(name) + ".>"
-    if role == "scheduler":
-        return Permissions(
-            subscribe=[
-                wire.GENERATE_SUBJECT,  # every scheduler gets every request (durable intake)
-                wire.OWNED_GENERATE.wildcard,
-                wire.INTAKE.wildcard,
-                wire.CANCEL_SUBJECT,
-                wire.OWNED_CANCEL.wildcard,
-                wire.SCHEDULER_STATUS_SUBJECT,
-                wire.OWNED_STATUS.wildcard,
-                f"{wire.FINAL_SUBJECT} {wire.SCHEDULER_QUEUE_GROUP}",
-                f"{wire.OWNED_FINAL.wildcard} {wire.SCHEDULER_QUEUE_GROUP}",
-                wire.HEARTBEATS.wildcard,
-                wire.SCHEDULER_HEARTBEATS.wildcard,
-                wire.HANDOFFS.wildcard,
-                wire.KV_COMPLETIONS.wildcard,
-                wire.PROGRESS.wildcard,
-                wire.TOKENS_SENT.wildcard,
-                wire.CACHE_EVENTS.wildcard,
-                wire.INVALID_SUBJECT,
-                own_inbox,
-            ],
-            publish=[
-                wire.PREFILL_JOBS.wildcard,
-                wire.DECODE_JOBS.wildcard,
-                wire.LEND_JOBS.wildcard,  # ask the engine holding a prefix to lend it
-                wire.KV_MOVES.partly(sender=name),
-                wire.SCHEDULER_HEARTBEATS(sender=name),
-                wire.INTAKE(sender=name),
-                wire.INVALID_SUBJECT,
-                wire.CLIENT_INBOX_PREFIX + ".>",  # error finals to clients
-                *JETSTREAM_FOR_SCHEDULERS,
-                *claim_subjects(role, name),
-            ],
-            allow_responses=True,  # status replies
-        )
-    if role == "prefill":
-        return Permissions(
-            subscribe=[
-                wire.PREFILL_JOBS(worker_id=name),
-                wire.LEND_JOBS(worker_id=name),
-                wire.KV_CONTROL.partly(engine_id=name),
-                wire.KV_MOVES.partly(engine_id=name),
-                wire.KV_COMPLETIONS.partly(engine_id=name),  # a fetched prefix's holder: its lease ran out
-                wire.KV_AGENT.partly(engine_id=name),
-                wire.KV_AGENTS.wildcard,
-                own_inbox,
-            ],
-            publish=[
-                wire.HEARTBEATS(sender=name),
-                wire.CACHE_EVENTS(sender=name),
-                wire.HANDOFFS(sender=name),
-                wire.KV_CONTROL.partly(sender=name),  # renew a fetched prefix's lease on its holder
-                wire.KV_COMPLETIONS.partly(sender=name),
-                wire.KV_AGENTS(sender=name),
-                wire.KV_AGENT.wildcard,  # ask a decode rank for its agent
-                wire.INVALID_SUBJECT,
-                SERVICE_REPLIES,  # job acks, agent info
-            ],
-        )
-    if role == "decode":
-        return Permissions(
-            subscribe=[
-                wire.DECODE_JOBS(worker_id=name),
-                wire.LEND_JOBS(worker_id=name),
-                wire.KV_CONTROL.partly(engine_id=name),  # a reader's lease renewals of a prefix we lent
-                wire.KV_MOVES.partly(engine_id=name),  # (our connector's producer half listens; none come)
-                wire.KV_COMPLETIONS.partly(engine_id=name),
-                wire.KV_AGENT.partly(engine_id=name),
-                wire.KV_AGENTS.wildcard,
-                own_inbox,
-            ],
-            publish=[
-                wire.HEARTBEATS(sender=name),
-                wire.CACHE_EVENTS(sender=name),
-                wire.PROGRESS(sender=name),
-                wire.TOKENS_SENT(sender=name),
-                wire.KV_CONTROL.partly(sender=name),
-                wire.KV_COMPLETIONS.partly(sender=name),  # its own READ failed; a lent prefix's lease ran out
-                wire.KV_AGENTS(sender=name),
-                wire.KV_AGENT.wildcard,  # ask a prefill rank for its agent
-                wire.INVALID_SUBJECT,
-                SERVICE_REPLIES,  # job acks, agent info
-                wire.CLIENT_INBOX_PREFIX + ".>",  # token chunks and finals to clients
-                *claim_subjects(role, name),  # claim the answer (the key is a secret's hash)
-            ],
-        )
-    return Permissions(
-        subscribe=[client_inbox(name) + ".>"],
-        publish=[wire.OWNED_GENERATE(client=name), wire.OWNED_CANCEL(client=name), wire.OWNED_FINAL(client=name),
-                 wire.OWNED_STATUS(client=name)],
-    )
+    """What the NATS user ``name`` of ``role`` may do: each use the subject table gives its
+    role (``wire.SUBJECTS``, ``wire.DURABLE``), made concrete for ``name``.
+
+    What they come to: a worker publishes only under its own name, subscribes only to its
+    own jobs and KV subjects, and answers only services' inboxes, never with
+    ``allow_responses``: with it, a worker could publish once on whatever reply subject a
+    message it receives names, and it receives its own agent announcements, so it could name
+    ``$JS.API...PURGE`` or any ``$KV.`` subject and answer itself there (a deny list does not
+    stop a response). Schedulers are trusted with JetStream (the buckets, the claims streams,
+    the API); nobody else may touch a ``$KV.`` subject or the JetStream API, but for a
+    decode's direct get of its own claims. Claims are published under the claimant's own name
+    only, and a decode's only in its own stream (``wire.claims_stream``), so that claims it
+    floods fill only that. A client sends, cancels, fetches and asks status only under its
+    own name, and reads only its own inboxes."""
+    publish: list[str] = []
+    subscribe: list[str] = []
+    answers = False
+    for route in (*wire.SUBJECTS, *wire.DURABLE):
+        publish += [_granted(route.subject, use, name) for use in route.publishers
+                    if use.role == role and use.grant is not wire.Grant.OPEN]
+        subscribe += [_granted(route.subject, use, name) for use in route.subscribers
+                      if use.role == role and use.grant is not wire.Grant.OPEN]
+        answers = answers or any(use.role == role and use.answers for use in route.subscribers)
+    return Permissions(publish=publish, subscribe=subscribe, allow_responses=answers)
+
+
+def _granted(subject: str, use: wire.Use, name: str) -> str:
+    """The NATS permission that ``use`` of ``subject`` gives the user ``name``."""
+    if use.grant is wire.Grant.OWN:
+        if isinstance(subject, wire.SubjectTree):
+            return subject.under(name)
+        return subject.partly(**dict.fromkeys(use.parts, name))
+    every = subject.wildcard if isinstance(subject, (wire.SubjectTemplate, wire.SubjectTree)) else subject
+    return f"{every} {wire.SCHEDULER_QUEUE_GROUP}" if use.grant is wire.Grant.QUEUE else every
 
 
 def env_password(identity: Identity) -> str:
