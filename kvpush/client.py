@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import AsyncIterator, Callable
 
 from kvpush.shared import wire
 from kvpush.shared.errors import InFlight, NoScheduler, NotFound, PayloadTooLarge, StreamLost, to_error_body
+from kvpush.shared.stream import Arrival, StreamSoFar
 
 
 REFETCH_AFTER_S = 5.0
@@ -58,17 +60,11 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
     data, request_id = _prepared(body, nc.max_payload)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
+    request = _Request(nc, data, request_id, inbox, headers or None)
     finished = False
-    chunks = 0  # token chunks received: the next one's seq
-    owner = client_of(nc)
     loop = asyncio.get_running_loop()
     try:
-        subject = wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT
-        await nc.publish(subject, data, reply=inbox, headers=headers or None)
-        sent_at = loop.time()
-        refused = 0  # "no responders" answers so far
-        resent = 0
-        unknown = 0  # answers in a row, after the stream began, that no scheduler knows it
+        await request.send()
         heard_at = loop.time()
         while True:
             silent_for = loop.time() - heard_at
@@ -77,61 +73,94 @@ async def generate(nc, body: dict | bytes, timeout: float = 120.0, refetch_after
             try:
                 msg = await sub.next_msg(timeout=min(refetch_after_s, timeout - silent_for))
             except asyncio.TimeoutError:  # nats raises its own subclass
-                final = await ask_final(nc, request_id) if request_id else None
-                code = _error_code(final)
-                unknown = unknown + 1 if code == NotFound.code and chunks else 0
-                if unknown >= FORGOTTEN_AFTER:
-                    # It streamed, so it arrived; now it is neither running nor kept: its end
-                    # was lost with a NATS server. Waiting on would only reach the timeout.
-                    finished = True
-                    yield _lost(request_id, "no scheduler knows it any more, and its end was never kept")
-                    return
-                if code == NotFound.code and chunks == 0 and resent < RESENDS:
-                    # No scheduler knows it: the request was lost on its way (a NATS server
-                    # died with it). The same id on the same inbox: a scheduler that has it
-                    # after all takes this one for what it is, a repeat, and says nothing.
-                    await nc.publish(subject, data, reply=inbox, headers=headers or None)
-                    resent += 1
-                if final is None or code in _NOT_KEPT:
+                last = await request.after_silence()
+                if last is None:
                     continue
                 finished = True
-                yield _unless_lost(final, request_id, chunks)
+                yield last
                 return
             if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-                waited = loop.time() - sent_at
-                if chunks == 0 and waited < no_scheduler_grace_s:
-                    await asyncio.sleep(min(0.1 * 2 ** refused, no_scheduler_grace_s - waited))
-                    refused += 1
-                    await nc.publish(subject, data, reply=inbox, headers=headers or None)
-                    continue
-                raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
-                                  "(kvpush up, or kvpush scheduler) or check --nats-url")
+                await request.refused(no_scheduler_grace_s)
+                continue
             reply = wire.decode_reply(msg.data)
-            request_id = request_id or reply.request_id
+            request.request_id = request.request_id or reply.request_id
             heard_at = loop.time()
             if received is not None and not received(reply):
                 continue
             match reply:
-                case wire.TokenChunk(seq=seq) if seq < chunks:
-                    # That place in the stream came already: a decode the stream migrated away
-                    # from sent it while it was being stopped. The first one stands.
-                    continue
-                case wire.TokenChunk(seq=seq) if seq != chunks:
-                    # A chunk before this one never came: what follows would be a wrong answer,
-                    # so the request ends here with an error (and the finally cancels the rest).
-                    yield _lost(request_id, f"token chunk {chunks} never arrived (chunk {seq} did)")
-                    return
-                case wire.TokenChunk():
-                    chunks += 1
+                case wire.TokenChunk(seq=seq):
+                    match request.so_far.arrival(seq):
+                        case Arrival.REPEAT:
+                            # That place in the stream came already: a decode the stream migrated away
+                            # from sent it while it was being stopped. The first one stands.
+                            continue
+                        case Arrival.GAP:
+                            # A chunk before this one never came: what follows would be a wrong answer,
+                            # so the request ends here with an error (and the finally cancels the rest).
+                            yield _lost(request.request_id,
+                                        f"token chunk {request.so_far.chunks} never arrived (chunk {seq} did)")
+                            return
+                    request.so_far.add(seq, reply.index, reply.token_ids, time.time())
                     yield reply
                 case _:
                     finished = True
-                    yield _unless_lost(reply, request_id, chunks)
+                    yield _unless_lost(reply, request.request_id, request.so_far.chunks)
                     return
     finally:
         await sub.unsubscribe()  # decode also notices: its next chunk meets no responders
-        if not finished and request_id:
-            await cancel(nc, request_id)
+        if not finished and request.request_id:
+            await cancel(nc, request.request_id)
+
+
+class _Request:
+    """One request of ``generate``, as sent: sent again when it was lost on its way, or
+    refused while no scheduler listened; and what its client has of its stream."""
+
+    def __init__(self, nc, data: bytes, request_id: str | None, inbox: str, headers: dict[str, str] | None):
+        self.nc, self.data, self.request_id, self.inbox, self.headers = nc, data, request_id, inbox, headers
+        owner = client_of(nc)
+        self.subject = wire.OWNED_GENERATE(client=owner) if owner else wire.GENERATE_SUBJECT
+        self.so_far = StreamSoFar()  # the token chunks received
+        self.sent_at: float | None = None  # loop time of the first send
+        self.refusals = 0  # "no responders" answers so far
+        self.resent = 0  # sends again of a request no scheduler knew
+        self.unknown = 0  # answers in a row, after the stream began, that no scheduler knows it
+
+    async def send(self) -> None:
+        await self.nc.publish(self.subject, self.data, reply=self.inbox, headers=self.headers)
+        if self.sent_at is None:
+            self.sent_at = asyncio.get_running_loop().time()
+
+    async def after_silence(self) -> wire.LastMessage | None:
+        """Nothing came for a while: ask for the final again. The request's last message,
+        if that ends it; None to wait on."""
+        final = await ask_final(self.nc, self.request_id) if self.request_id else None
+        code = _error_code(final)
+        self.unknown = self.unknown + 1 if code == NotFound.code and self.so_far.chunks else 0
+        if self.unknown >= FORGOTTEN_AFTER:
+            # It streamed, so it arrived; now it is neither running nor kept: its end was
+            # lost with a NATS server. Waiting on would only reach the timeout.
+            return _lost(self.request_id, "no scheduler knows it any more, and its end was never kept")
+        if code == NotFound.code and self.so_far.chunks == 0 and self.resent < RESENDS:
+            # No scheduler knows it: the request was lost on its way (a NATS server died
+            # with it). The same id on the same inbox: a scheduler that has it after all
+            # takes this one for what it is, a repeat, and says nothing.
+            await self.send()
+            self.resent += 1
+        if final is None or code in _NOT_KEPT:
+            return None
+        return _unless_lost(final, self.request_id, self.so_far.chunks)
+
+    async def refused(self, grace_s: float) -> None:
+        """NATS said nobody listens on ``kvpush.generate``: send it again, backing off,
+        for ``grace_s`` after the first send (a failover's reconnects), then NoScheduler."""
+        waited = asyncio.get_running_loop().time() - self.sent_at
+        if self.so_far.chunks or waited >= grace_s:
+            raise NoScheduler(f"no scheduler is listening on {wire.GENERATE_SUBJECT}: start one "
+                              "(kvpush up, or kvpush scheduler) or check --nats-url")
+        await asyncio.sleep(min(0.1 * 2 ** self.refusals, grace_s - waited))
+        self.refusals += 1
+        await self.send()
 
 
 def _prepared(body: dict | bytes, max_payload: int) -> tuple[bytes, str | None]:
