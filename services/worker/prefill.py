@@ -37,7 +37,7 @@ class PrefillRole:
         return None
 
     def heartbeat_fields(self) -> dict:
-        return {"queued_prompt_tokens": self.meter.queued_tokens, "prefill_tokens_per_s": self.meter.tokens_per_s}
+        return self.meter.heartbeat_fields()
 
     async def serve(self, running: RunningJob, received_ns: int) -> None:
         job: wire.PrefillJob = running.job

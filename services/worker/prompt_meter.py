@@ -41,6 +41,11 @@ class PromptMeter:
             self._tokens *= decay
             self._busy_s = self._busy_s * decay + busy_s
 
+    def heartbeat_fields(self) -> dict:
+        """What a worker's heartbeat says of its prompts (``wire.WorkerHeartbeat``): the prompt
+        tokens it holds, and how fast it computes them."""
+        return {"queued_prompt_tokens": self.queued_tokens, "prefill_tokens_per_s": self.tokens_per_s}
+
     @property
     def tokens_per_s(self) -> float:
         """Prompt tokens per second of busy time (0 until a prompt was computed)."""
