@@ -12,7 +12,7 @@ from the request's own generator exactly as it did the first time (one draw a st
 picks that token; the grammar accepts it as any sampled token; the detokenizer and the
 stop-string check see the whole output. After the last replayed token the request samples
 freely, in the state the uninterrupted request had. The decode worker sends nothing of
-the replayed steps (``kvpush.services.worker.decode``).
+the replayed steps (``kvpush.services.worker.answer``).
 
 Loaded into every engine (``engine_kwargs``), inert for requests without ``REPLAY_KEY``.
 It runs in the engine core, on each step's logits.
