@@ -10,7 +10,8 @@ for ``wire.FINALS_KEEP_S`` after the request ended. Token chunks lost on the way
 asked for again: each carries its ``seq`` and the final their count, so a gap ends the
 request with ``stream_lost`` instead of an answer with tokens missing. A stream that moved
 to another decode mid-way goes on with the next seq; a seq that came already (the old
-decode's, sent while it was being stopped) is dropped: the first chunk for a place stands. A request itself
+decode's, sent while it was being stopped) is dropped: the first chunk for a place stands
+(``kvpush.shared.stream``: decode counts what it sends the same way). A request itself
 can be lost on its way too: when no scheduler knows it (``NotFound``, not ``InFlight``)
 and nothing came back, the client sends it again, up to ``RESENDS`` times; the schedulers
 take a repeat (same id, same inbox) for the request they have. NATS's "no responders" is
