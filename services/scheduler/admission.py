@@ -21,11 +21,11 @@ from kvpush.otel.metrics import instruments
 from kvpush.services.bus import Bus
 from kvpush.services.ledger import Ledger
 from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.control import FlightControl
 from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from kvpush.services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.outbox import Outbox
-from kvpush.services.scheduler.recovery import Recovery
 from kvpush.services.scheduler.takeover import SchedulerLiveness
 from kvpush.services.scheduler.timing import Uptime
 from kvpush.services.scheduler.validation import RequestValidator, request_id_of
@@ -52,7 +52,7 @@ class Admission:
     def __init__(self, bus: Bus, ledger: Ledger, validator: RequestValidator,
                  tokenizer: concurrent.futures.Executor, flights: FlightTable, early_cancels: EarlyCancels,
                  intake: IntakeBook, schedulers: SchedulerLiveness, journal: Journal, outbox: Outbox,
-                 recovery: Recovery, tasks: BackgroundTasks, uptime: Uptime, config: AdmissionSettings):
+                 control: FlightControl, tasks: BackgroundTasks, uptime: Uptime, config: AdmissionSettings):
         self.bus = bus
         self.ledger = ledger
         self.validator = validator
@@ -63,7 +63,7 @@ class Admission:
         self.schedulers = schedulers
         self.journal = journal
         self.outbox = outbox
-        self.recovery = recovery
+        self.control = control
         self.tasks = tasks
         self.uptime = uptime
         self.config = config
@@ -161,7 +161,7 @@ class Admission:
         ):
             flight.trace_in(otel_context.get_current())
             flight.track(asyncio.current_task())
-            await self.recovery.attempt(flight)
+            await self.control.attempt(flight)
 
     async def _admit(self, msg, received_ns: int, request_id: str, validating: "_Validating") -> Flight | None:
         """The request as a flight in the table, or None once it was refused."""
@@ -211,7 +211,7 @@ class Admission:
             return None
         flight.written_down(revision)
         if self.early_cancels.take(owner, request.request_id, time.monotonic()):
-            await self.recovery.end(flight, Cancelled(f"request {request.request_id} was cancelled before it arrived"))
+            await self.control.end(flight, Cancelled(f"request {request.request_id} was cancelled before it arrived"))
             return None
         return flight
 

@@ -18,10 +18,11 @@ from kvpush.otel.messaging import context_from_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import ClaimState, Ledger
 from kvpush.services.lifecycle import BackgroundTasks
+from kvpush.services.scheduler.control import FlightControl
 from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
 from kvpush.services.scheduler.intake import IntakeBook
 from kvpush.services.scheduler.outbox import Outbox
-from kvpush.services.scheduler.recovery import Recovery, otel_context_of
+from kvpush.services.scheduler.recovery import otel_context_of
 from kvpush.services.scheduler.takeover import Holding, SchedulerLiveness, orphans
 from kvpush.shared import wire
 from kvpush.shared.errors import Cancelled
@@ -32,14 +33,14 @@ _tracer = trace.get_tracer("kvpush.scheduler")
 
 class Adoption:
     def __init__(self, ledger: Ledger, flights: FlightTable, schedulers: SchedulerLiveness, intake: IntakeBook,
-                 early_cancels: EarlyCancels, recovery: Recovery, outbox: Outbox, tasks: BackgroundTasks,
+                 early_cancels: EarlyCancels, control: FlightControl, outbox: Outbox, tasks: BackgroundTasks,
                  max_in_flight: int):
         self.ledger = ledger
         self.flights = flights
         self.schedulers = schedulers
         self.intake = intake
         self.early_cancels = early_cancels
-        self.recovery = recovery
+        self.control = control
         self.outbox = outbox
         self.tasks = tasks
         self.max_in_flight = max_in_flight
@@ -115,7 +116,7 @@ class Adoption:
         """Finish a flight taken over: let its decode finish if it answers already; else
         fence the attempt it was in and start a new one."""
         if self.early_cancels.take(flight.owner, flight.request_id, time.monotonic()):
-            await self.recovery.end(flight, Cancelled(f"request {flight.request_id} was cancelled by the client"))
+            await self.control.end(flight, Cancelled(f"request {flight.request_id} was cancelled by the client"))
             return
         claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.by_decode or claim.state is ClaimState.UNKNOWN:
@@ -134,4 +135,4 @@ class Adoption:
                 return
         await self.outbox.cancel_jobs(flight, "its scheduler was lost; retried")
         flight.release_workers()
-        self.recovery.attempt_again(flight)
+        self.control.attempt_again(flight)

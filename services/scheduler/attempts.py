@@ -4,13 +4,12 @@ at the same time. Pull: prefill first, then decode, chosen by the load at that m
 Local: the decode computes the prompt itself.
 
 ``Attempts.dispatch`` raises what stopped the attempt; what to do then (retry, end) is
-``kvpush.services.scheduler.recovery``'s business."""
+``kvpush.services.scheduler.control``'s business."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
 import time
 import uuid
 
@@ -20,7 +19,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from kvpush.otel import attributes as A
 from kvpush.services.scheduler import dispatch
-from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.flights import Flight, FlightTable, new_transfer_key
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler import prefix_sources
@@ -184,7 +183,7 @@ class Attempts:
         flight.prefix = plan.source()
         if plan.choice != "fetch":
             return None
-        transfer_id, transfer_key = uuid.uuid4().hex, secrets.token_hex(16)
+        transfer_id, transfer_key = uuid.uuid4().hex, new_transfer_key()
         job = dispatch.lend_job(flight, plan, target.worker_id, transfer_id, transfer_key)
         with _tracer.start_as_current_span(A.SCHEDULER_LEND, attributes={
                 A.TRANSFER_ID: transfer_id, A.PREFIX_HOLDER: plan.holder.worker_id, A.BLOCKS: job.blocks}) as lend:

@@ -7,6 +7,7 @@ not that flight's is refused (``wrong_party``)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import structlog
 
@@ -15,12 +16,12 @@ from kvpush.services.ledger import Ledger
 from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.attempts import Attempts
-from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
+from kvpush.services.scheduler.control import FlightControl
+from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable, Operation
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.migrations import Migrations
-from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.outbox import Outbox
-from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.retargets import Retargets
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.shared import wire
 from kvpush.shared.errors import Cancelled, EngineFailed, InFlight, KvpushError, NotFound, to_error_body
@@ -28,23 +29,21 @@ from kvpush.shared.errors import Cancelled, EngineFailed, InFlight, KvpushError,
 log = structlog.get_logger("kvpush.scheduler")
 
 
+@dataclass
 class Events:
-    def __init__(self, bus: Bus, ledger: Ledger, pool: WorkerPool, flights: FlightTable, early_cancels: EarlyCancels,
-                 journal: Journal, outbox: Outbox, attempts: Attempts, recovery: Recovery, moves: Moves,
-                 migrations: Migrations, tasks: BackgroundTasks, scheduler_id: str):
-        self.bus = bus
-        self.ledger = ledger
-        self.pool = pool
-        self.flights = flights
-        self.early_cancels = early_cancels
-        self.journal = journal
-        self.outbox = outbox
-        self.attempts = attempts
-        self.recovery = recovery
-        self.moves = moves
-        self.migrations = migrations
-        self.tasks = tasks
-        self.scheduler_id = scheduler_id
+    bus: Bus
+    ledger: Ledger
+    pool: WorkerPool
+    flights: FlightTable
+    early_cancels: EarlyCancels
+    journal: Journal
+    outbox: Outbox
+    attempts: Attempts
+    control: FlightControl
+    retargets: Retargets
+    migrations: Migrations
+    tasks: BackgroundTasks
+    scheduler_id: str
 
     # ------------------------------------------------ workers
 
@@ -71,7 +70,7 @@ class Events:
             return
         if not self.attempts.handoff_arrived(handoff):  # push: decode generates already
             if handoff.error is not None:
-                await self.recovery.end(flight, EngineFailed(handoff.error.message))  # decode would wait in vain
+                await self.control.end(flight, EngineFailed(handoff.error.message))  # decode would wait in vain
             elif (ready := dispatch.prompt_ready(flight, handoff)) is not None:
                 await self.outbox.prompt_ready(flight, ready)
         log.debug("prefill finished", request_id=handoff.request_id, transfer_id=handoff.transfer_id,
@@ -96,7 +95,7 @@ class Events:
             log.debug("kv pushed", transfer_id=event.transfer_id, order=event.order,
                       bytes=event.bytes, descriptors=event.descriptors, write_ms=round(event.write_ms, 2))
             return
-        self.moves.answer_arrived(event)  # a TransferMoved
+        self.retargets.answer_arrived(event)  # a TransferMoved
 
     async def _from_its_decode(self, msg, kind, what: str):
         """(the message as ``kind``, its flight), when it is about a flight of ours and
@@ -118,12 +117,12 @@ class Events:
         if event.stage == "streaming":
             flight.streaming_started(time.monotonic())
             return
-        if flight.migrating:  # its decode was told to stop: it says when it did
+        if flight.operation is Operation.MIGRATE:  # its decode was told to stop: it says when it did
             self.migrations.fenced(event)
             if event.outcome in ("cancelled", wire.UNCLAIMED):
                 return  # stopped without a word to the client: the migration goes on
         if event.outcome == wire.UNCLAIMED:  # it sent nothing, and never will: another attempt
-            self.tasks.spawn(self.recovery.retry(flight, flight.decode_id, decode_gave_up=True))
+            self.tasks.spawn(self.control.retry(flight, flight.decode_id, decode_gave_up=True))
             return
         if not self.flights.remove(flight):
             return
@@ -151,7 +150,7 @@ class Events:
         owner = wire.owner_of(msg.subject)
         flight = self.flights.by_request(owner, cancel.request_id) if cancel is not None else None
         if flight is not None:
-            await self.recovery.end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
+            await self.control.end(flight, Cancelled(f"request {cancel.request_id} was cancelled by the client"))
         elif cancel is not None:  # another scheduler's, already ended, or not here yet: keep it for a while
             self.early_cancels.remember(owner, cancel.request_id, time.monotonic())
 

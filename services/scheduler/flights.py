@@ -29,6 +29,28 @@ Verdict = Literal["deadline", "move", "retry", "migrate", "stalled", "lost"]
 MAX_MOVES = 2  # moves of one attempt's transfer to another decode
 
 
+def new_transfer_key() -> str:
+    """A fresh secret for one transfer: the scheduler sends it only to the workers it chose,
+    and only a holder of it may claim the transfer's answer, write its KV, or move it."""
+    return secrets.token_hex(16)
+
+
+class Operation(enum.Enum):
+    """What the scheduler is doing to a flight's attempt, apart from ``FlightState`` (the KV
+    can land, or the answer start, meanwhile). One at a time: begun with ``Flight.begin``
+    (refused while another is under way), ended with ``Flight.end``; a new attempt starts
+    with none. A flight with one under way gets no verdict but its deadline
+    (``FlightTable.check``)."""
+
+    NONE = "none"
+    RETARGET = "retarget"  # its transfer is being moved to another decode (``Retargets``)
+    MIGRATE = "migrate"  # its old decode is being fenced for its stream to continue elsewhere (``Migrations``)
+    # A retry of this attempt (``Recovery.retry``), until its new attempt begins: the
+    # dispatch's own failure and the liveness watch can both ask for one, and only the
+    # first may start an attempt.
+    RETRY = "retry"
+
+
 class FlightState(enum.IntEnum):
     """How far the current attempt got. Only ever forward within an attempt (a later step
     makes the earlier ones moot: a decode that streams took its job); a new attempt starts
@@ -53,7 +75,7 @@ class Flight:
     transfer_id: str = ""
     # This attempt's secret, for its two workers only; before the first attempt, the key of
     # the flight's queued state (a scheduler claims it to answer or to take over).
-    transfer_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    transfer_key: str = field(default_factory=new_transfer_key)
     prefill_id: str = ""  # "" until chosen
     decode_id: str = ""  # "" until chosen (pull: after prefill)
     prefill_incarnation: str = ""  # which start of that worker got the job
@@ -64,9 +86,7 @@ class Flight:
     # The decodes this attempt's transfer moved away from: never moved back to (each was
     # told to drop the transfer, and drops a job for it that comes again).
     left_decodes: set[str] = field(default_factory=set)
-    # A move is under way (``start_move`` .. ``move_settled``): apart from ``state``, since
-    # the KV can land, or the answer start, while prefill is asked to move the transfer.
-    moving: bool = False
+    operation: Operation = Operation.NONE  # what is being done to this attempt (``begin`` .. ``end``)
     prompt: Any = None  # kvpush.services.scheduler.prefixes.Prompt, made at dispatch
     context: Any = None  # the request's trace context, for spans of later attempts
     task: Any = None  # the attempt under way
@@ -85,10 +105,6 @@ class Flight:
     resume: wire.Resume | None = None  # migrated: where the current attempt resumes
     resumed_after: list[int] = field(default_factory=list)  # at each migration, the tokens its client had
     prefix: wire.PrefixSource | None = None  # this attempt: where its cached prefix comes from
-    migrating: bool = False  # its old decode is being fenced (``Migrations``): no other verdict meanwhile
-    # A retry of this attempt is under way (``Recovery.retry``): its dispatch's own failure
-    # and the liveness watch can both ask for one, and only the first may start an attempt.
-    retrying: bool = False
 
     @property
     def request_id(self) -> str:
@@ -111,13 +127,12 @@ class Flight:
     def new_attempt(self, transfer_id: str) -> None:
         self.attempt += 1
         self.transfer_id = transfer_id
-        self.transfer_key = secrets.token_hex(16)
+        self.transfer_key = new_transfer_key()
         self.prefill_id = self.decode_id = self.prefill_incarnation = self.decode_incarnation = ""
         self.state = FlightState.DISPATCHING
-        self.moving = False
+        self.operation = Operation.NONE
         self.moves = self.times_moved = 0
         self.left_decodes = set()
-        self.retrying = False
         self.last_token_at = 0.0  # the new decode's first token starts its stall clock
 
     def _reach(self, state: FlightState) -> None:
@@ -160,7 +175,7 @@ class Flight:
         self.resume = wire.Resume(token_ids=list(self.sent_tokens), chunks=self.sent_chunks,
                                   first_token_at=self.first_token_at, continuation=kind,
                                   migrations=self.migrations)
-        self.migrating = False
+        self.end(Operation.MIGRATE)
         return self.resume
 
     def place(self, mode: str, chosen_by: str = "scheduler", reason: str = "") -> None:
@@ -195,11 +210,23 @@ class Flight:
         if now is not None and not self.last_token_at:
             self.last_token_at = now
 
-    def start_move(self) -> None:
-        self.moving = True
+    @property
+    def busy(self) -> bool:
+        """An operation is under way on this attempt: no other may begin, and the watch
+        gives it no verdict but its deadline."""
+        return self.operation is not Operation.NONE
 
-    def move_settled(self) -> None:
-        self.moving = False
+    def begin(self, operation: Operation) -> bool:
+        """Begin ``operation`` on this attempt; False (and nothing begun) while one is under way."""
+        if self.busy:
+            return False
+        self.operation = operation
+        return True
+
+    def end(self, operation: Operation) -> None:
+        """``operation`` is over (if it is the one under way; a new attempt ended it already)."""
+        if self.operation is operation:
+            self.operation = Operation.NONE
 
     def move_declined(self) -> None:
         """Asked once: the next check does not ask again at once."""
@@ -331,7 +358,7 @@ class FlightTable:
             if now >= flight.deadline:
                 verdicts.append((flight, "deadline", ""))
                 continue
-            if flight.moving or flight.migrating or flight.retrying:
+            if flight.busy:
                 continue
             lost = ""
             if flight.decode_id and not is_live(flight.decode_id, flight.decode_incarnation):

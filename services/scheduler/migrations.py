@@ -14,8 +14,9 @@ is not waited for: it sends nothing more once dead.
 
 The new attempt is an ordinary one (placement, push, pull or local), with a ``Resume``:
 the tokens sent and the next chunk's seq, and how it continues
-(``kvpush.shared.continuation``). Its decode claims the new attempt's answer and sends
-the final, counting every chunk."""
+(``kvpush.shared.continuation``); ``migrate`` says when it is due, and its caller
+(``kvpush.services.scheduler.control``) starts it. Its decode claims the new attempt's
+answer and sends the final, counting every chunk."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from opentelemetry import trace
 
 from kvpush.otel import attributes as A
 from kvpush.otel.metrics import instruments
-from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.flights import Flight, FlightTable, Operation
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.recovery import Recovery
 from kvpush.services.scheduler.routing import WorkerPool
@@ -54,18 +55,22 @@ class Migrations:
         if waiting is not None and not waiting.done():
             waiting.set_result(event)
 
-    async def migrate(self, flight: Flight, decode_id: str, stalled: bool) -> None:
-        """Continue the flight's stream on another decode (``flight.migrating`` is set)."""
+    async def migrate(self, flight: Flight, decode_id: str, stalled: bool) -> bool:
+        """Fence the flight's decode for its stream to continue on another (the flight's
+        operation is ``Operation.MIGRATE``; this ends it). True once the old attempt is
+        stopped and the resume point set: the caller starts the new attempt at once.
+        False if there is none to start: refused (a lost decode's flight ended), the
+        stalled decode finished first, or the flight ended meanwhile."""
         why = "stalled" if stalled else "lost"
         refused = flight.why_not_migrate(self.flights.max_migrations)
         if refused is not None:
-            flight.migrating = False
+            flight.end(Operation.MIGRATE)
             if not stalled:  # a stalled decode may yet go on: it is left to it
                 instruments().migrations.add(1, {"why": why, "outcome": "refused"})
                 await self.recovery.end(flight, WorkerLost(
                     f"decode {decode_id} went silent after the answer had started, and the stream could not "
                     f"continue elsewhere: {refused}"), decode_lost=True)
-            return
+            return False
         kind, because = continuation.continuation_of(flight.request.sampling)
         with _tracer.start_as_current_span(
             A.SCHEDULER_MIGRATE, context=flight.context,
@@ -86,12 +91,12 @@ class Migrations:
                                     request_id=flight.request_id, decode=decode_id)
                     else:
                         if ended.outcome != "cancelled":  # it finished first: its final stands
-                            flight.migrating = False
-                            return
+                            flight.end(Operation.MIGRATE)
+                            return False
             finally:
                 self._fences.pop(old_transfer, None)
             if self.flights.by_transfer(old_transfer) is not flight:
-                return  # ended meanwhile (deadline, cancel)
+                return False  # ended meanwhile (deadline, cancel)
             if stalled:
                 self.pool.avoid(decode_id, time.monotonic() + self.flights.stall_s)
             else:
@@ -102,4 +107,4 @@ class Migrations:
                     decode=decode_id, why=why, sent_tokens=len(resume.token_ids), chunks=resume.chunks,
                     continuation=kind, because=because, migration=resume.migrations)
         instruments().migrations.add(1, {"why": why, "outcome": kind})
-        self.recovery.attempt_again(flight)
+        return True

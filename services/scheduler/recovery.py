@@ -1,5 +1,7 @@
-"""What becomes of an attempt that did not go to plan: another attempt elsewhere once the
-old one is fenced (``retry``), or the flight's end with an error to its client (``end``).
+"""What becomes of an attempt that did not go to plan: its fence before another attempt
+elsewhere (``retry``), or the flight's end with an error to its client (``end``). Whatever
+starts next (a new attempt, a migration of the stream) is its caller's to start
+(``kvpush.services.scheduler.control``): ``retry`` says which.
 
 Exactly one party answers each attempt's client: whoever wins its claim (the decode,
 before its first message; a scheduler, before an error final, a retry or a takeover).
@@ -9,118 +11,82 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
-from kvpush.otel import attributes as A
 from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import ClaimState, Ledger
 from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler.attempts import Attempts
-from kvpush.services.scheduler.flights import Flight, FlightTable
-from kvpush.services.scheduler.journal import TakenOver
+from kvpush.services.scheduler.flights import Flight, FlightTable, Operation
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.timing import UNKNOWN_CLAIM_GRACE_S, UNKNOWN_CLAIM_RETRY_S
-from kvpush.shared.errors import DispatchFailed, KvpushError, WorkerLost, to_error_body
+from kvpush.shared.errors import to_error_body
 
 log = structlog.get_logger("kvpush.scheduler")
-_tracer = trace.get_tracer("kvpush.scheduler")
 
 
+class Retry(enum.Enum):
+    """What a retry leaves its caller to start."""
+
+    NOTHING = "nothing"  # asked already, about a worker the attempt no longer uses, not ours now, or not yet
+    NEW_ATTEMPT = "new_attempt"  # the old attempt is fenced and stopped: a new one, elsewhere
+    MIGRATE = "migrate"  # its lost decode answers already: the stream continues elsewhere
+
+
+@dataclass
 class Recovery:
-    def __init__(self, ledger: Ledger, pool: WorkerPool, flights: FlightTable, tasks: BackgroundTasks,
-                 attempts: Attempts, outbox: Outbox):
-        self.ledger = ledger
-        self.pool = pool
-        self.flights = flights
-        self.tasks = tasks
-        self.attempts = attempts
-        self.outbox = outbox
-        # Continues a stream whose decode was lost (``Migrations.migrate``, wired by the service).
-        self.migrate: Callable[[Flight, str, bool], Awaitable[None]] | None = None
+    ledger: Ledger
+    pool: WorkerPool
+    flights: FlightTable
+    tasks: BackgroundTasks
+    attempts: Attempts
+    outbox: Outbox
 
-    async def attempt(self, flight: Flight) -> None:
-        """One try at dispatching the flight; ends it with an error if that fails."""
+    async def retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool = False) -> Retry:
+        """Fence the attempt for a new one elsewhere (``Retry.NEW_ATTEMPT``: the caller starts
+        it at once); if its lost decode answers already, ``Retry.MIGRATE``. ``decode_gave_up``:
+        its decode said it will send nothing (it could not learn whether it won the claim),
+        so even a claim it holds does not answer the client. One retry per attempt
+        (``Operation.RETRY``): a second ask while one is under way (the dispatch's own
+        failure and the liveness watch can both ask) does nothing, and neither does an ask
+        while the attempt has another operation under way; the new attempt ends the
+        operation. So does an ask about a worker the current attempt does not use (a
+        verdict made before that attempt began)."""
+        if lost_worker not in (flight.prefill_id, flight.decode_id) or not flight.begin(Operation.RETRY):
+            return Retry.NOTHING
+        then = Retry.NOTHING
         try:
-            await self.attempts.dispatch(flight)
-        except (asyncio.CancelledError, TakenOver):
-            pass  # replaced by a retry, ended, or held by another scheduler now
-        except DispatchFailed as exc:
-            if flight.attempt - flight.migrations < self.flights.max_attempts:  # a worker that does not take jobs is as good as lost
-                await self.retry(flight, exc.worker_id)
-            else:
-                await self.end(flight, exc)
-        except KvpushError as exc:
-            await self.end(flight, exc)
-        except Exception as exc:
-            log.exception("dispatch failed")
-            await self.end(flight, exc)
-
-    def attempt_again(self, flight: Flight) -> None:
-        """A new attempt at the flight, in its own trace span, in the background."""
-
-        async def again() -> None:
-            with _tracer.start_as_current_span(
-                A.SCHEDULER_DISPATCH, context=flight.context,
-                attributes={A.REQUEST_ID: flight.request_id, A.ATTEMPT: flight.attempt + 1},
-            ):
-                await self.attempt(flight)
-
-        flight.track(self.tasks.spawn(again()))
-
-    async def retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool = False) -> None:
-        """A new attempt elsewhere, once the old one is fenced. ``decode_gave_up``: its
-        decode said it will send nothing (it could not learn whether it won the claim), so
-        even a claim it holds does not answer the client. One retry per attempt: a second
-        ask while one is under way (the dispatch's own failure and the liveness watch can
-        both ask) does nothing; the new attempt clears the mark. So does an ask about a
-        worker the current attempt does not use (a verdict made before that attempt began)."""
-        if flight.retrying or lost_worker not in (flight.prefill_id, flight.decode_id):
-            return
-        flight.retrying = True
-        retried = False
-        try:
-            retried = await self._retry(flight, lost_worker, decode_gave_up)
+            then = await self._retry(flight, lost_worker, decode_gave_up)
         finally:
-            if not retried:
-                flight.retrying = False
+            if then is not Retry.NEW_ATTEMPT:
+                flight.end(Operation.RETRY)
+        return then
 
-    async def _retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool) -> bool:
-        """True if it started a new attempt."""
+    async def _retry(self, flight: Flight, lost_worker: str, decode_gave_up: bool) -> Retry:
         # Fence the attempt first: once we hold its claim, its decode can never answer.
         claim = await self.ledger.claim(flight.transfer_key, flight.decode_id)
         if claim.state is ClaimState.UNKNOWN:
-            return False  # JetStream cannot say: the next check tries again
+            return Retry.NOTHING  # JetStream cannot say: the next check tries again
         if claim.by_decode and not decode_gave_up:  # the decode answers already: tokens may be out
-            if lost_worker == flight.decode_id:
-                flight.streaming_started()
-                if self.migrate is not None:  # after what the client has (its token records), elsewhere
-                    flight.migrating = True
-                    flight.track(self.tasks.spawn(self.migrate(flight, lost_worker, False)))
-                    return False
-                await self.end(flight, WorkerLost(
-                    f"worker {lost_worker} went silent after the answer had started; "
-                    "the request was not retried, since that would repeat tokens"), decode_lost=True)
-            else:
-                flight.streaming_started()  # it has the KV: the lost prefill no longer matters
-            return False
+            flight.streaming_started()  # a lost prefill no longer matters: the decode has the KV
+            return Retry.MIGRATE if lost_worker == flight.decode_id else Retry.NOTHING
         if not claim.won and not claim.by_decode:  # another scheduler fenced it: the flight is its now
             self.flights.remove(flight)
             self.stop_attempt(flight)
-            return False
+            return Retry.NOTHING
         log.warning("worker lost, retrying elsewhere", request_id=flight.request_id, worker=lost_worker,
                     attempt=flight.attempt)
         instruments().failures.add(1, {"reason": "worker_lost_retried"})
         self.pool.forget(lost_worker)
         self.stop_attempt(flight)
         await self.outbox.cancel_jobs(flight, f"retried: worker {lost_worker} was lost")
-        self.attempt_again(flight)
-        return True
+        return Retry.NEW_ATTEMPT
 
     async def end(self, flight: Flight, error: BaseException, decode_lost: bool = False) -> None:
         """End the flight: the workers drop the request and the client gets ``error``, from

@@ -19,8 +19,10 @@ background loops, stop) and wires its parts, each in a module of its own:
 
     admission   where a request enters: intake copies, admission, writing it down
     attempts    one attempt: placement, the choice of workers, its jobs out
-    recovery    an attempt gone wrong: retry elsewhere, or end with an error
-    moves       push: a transfer moved to another decode
+    recovery    an attempt gone wrong: fenced for a retry elsewhere, or ended with an error
+    retargets   push: a transfer retargeted to another decode before its write
+    migrations  a stream whose decode was lost or stalled, continued on another
+    control     the one place that starts attempts and acts on each verdict
     adoption    flights of a scheduler that is gone, taken over
     events      what workers and clients say, each message to its handler
     watch       deadlines and liveness, checked every ``WATCH_INTERVAL_S``
@@ -45,15 +47,16 @@ from kvpush.services.lifecycle import BackgroundTasks, Service
 from kvpush.services.scheduler.admission import Admission, AdmissionSettings
 from kvpush.services.scheduler.adoption import Adoption
 from kvpush.services.scheduler.attempts import Attempts
+from kvpush.services.scheduler.control import FlightControl
 from kvpush.services.scheduler.events import Events
 from kvpush.services.scheduler.flights import EarlyCancels, FlightTable
 from kvpush.services.scheduler.intake import IntakeBook
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.migrations import Migrations
-from kvpush.services.scheduler.moves import Moves
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.placement import PlacementSettings
 from kvpush.services.scheduler.recovery import Recovery
+from kvpush.services.scheduler.retargets import Retargets
 from kvpush.services.scheduler.prefix_sources import FetchSettings
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.takeover import SchedulerLiveness
@@ -132,21 +135,21 @@ class Scheduler(Service):
         attempts = Attempts(self.pool, self.flights, journal, outbox, self.placement, self.uptime,
                             kv_checksums=self.kv_checksums, fetch=self.fetch)
         recovery = Recovery(self.ledger, self.pool, self.flights, self._requests, attempts, outbox)
-        moves = Moves(self.bus, self.ledger, self.pool, self.flights, journal, outbox, recovery, self.scheduler_id)
+        retargets = Retargets(self.bus, self.ledger, self.pool, self.flights, journal, outbox, self.scheduler_id)
         migrations = Migrations(self.pool, self.flights, outbox, recovery)
-        recovery.migrate = migrations.migrate
+        control = FlightControl(self.pool, self.flights, self._requests, attempts, recovery, retargets, migrations,
+                                self.deadline_s)
         self.adoption = Adoption(self.ledger, self.flights, self.schedulers, self._intake, self.early_cancels,
-                                 recovery, outbox, self._requests, self.max_in_flight)
+                                 control, outbox, self._requests, self.max_in_flight)
         self.admission = Admission(
             self.bus, self.ledger, self.validator, self._tokenizer, self.flights, self.early_cancels, self._intake,
-            self.schedulers, journal, outbox, recovery, self._requests, self.uptime,
+            self.schedulers, journal, outbox, control, self._requests, self.uptime,
             AdmissionSettings(deadline_s=self.deadline_s, mode=self.mode, max_in_flight=self.max_in_flight,
                               kv_policy=self.kv_policy))
         self.events = Events(self.bus, self.ledger, self.pool, self.flights, self.early_cancels, journal, outbox,
-                             attempts, recovery, moves, migrations, self._requests, self.scheduler_id)
-        self.flight_watch = FlightWatch(self.pool, self.flights, self.schedulers, recovery, moves, migrations,
-                                        self.adoption,
-                                        self.admission, self._requests, self.deadline_s)
+                             attempts, control, retargets, migrations, self._requests, self.scheduler_id)
+        self.flight_watch = FlightWatch(self.pool, self.flights, self.schedulers, control, self.adoption,
+                                        self.admission)
 
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.scheduler_id, disconnected_cb=self._on_disconnected,

@@ -29,6 +29,7 @@ import pytest
 from kvpush.client import cancel, client_of, generate_all
 from kvpush.services.ledger import Claims
 from kvpush.services.scheduler import timing
+from kvpush.services.scheduler.flights import FlightState
 from kvpush.services.scheduler.prefixes import Prompt
 from kvpush.services.scheduler.service import Scheduler
 from kvpush.services.scheduler.validation import RequestValidator
@@ -566,11 +567,11 @@ async def test_one_attempt_is_retried_once_however_often_it_is_asked(server, cli
     await until(lambda: mute.jobs and prefill.jobs, what="the first attempt's jobs out")
     await mute.stop_heartbeats()  # no heartbeat puts it back in the pool
     [flight] = list(sched.flights)
-    recovery = sched.flight_watch.recovery
-    await recovery.retry(flight, mute.worker_id)  # the new attempt is spawned, not yet begun
+    control = sched.flight_watch.control
+    await control.retry(flight, mute.worker_id)  # the new attempt is spawned, not yet begun
     if second_ask == "after_the_new_attempt":
         await until(lambda: spare.jobs, what="the new attempt's decode job out")
-    await recovery.retry(flight, mute.worker_id)
+    await control.retry(flight, mute.worker_id)
     spare_acks.set()
     replies = await replies_to_final(sub)
 
@@ -580,6 +581,35 @@ async def test_one_attempt_is_retried_once_however_often_it_is_asked(server, cli
     assert replies[-1] == msgspec.to_builtins(spare.final_reply(answered))
     assert {c.transfer_id for c in mute.cancels} == {first.transfer_id}
     assert answered.transfer_id not in {c.transfer_id for c in spare.cancels}
+    await assert_nothing_more(sched, client, sub)
+
+
+async def test_a_lost_decode_found_answering_when_its_attempt_is_retried_has_its_stream_migrated(
+        server, client, running):
+    """A retry fences the attempt first; if the lost decode holds the answer's claim
+    already (the scheduler had not heard it stream yet), tokens may be out, so the request
+    is not started over but migrated: the old decode is told to stop without an error, and
+    a new attempt resumes after what the client has (nothing, here) on the spare."""
+    sched = await running(scheduler(server, deadline_s=20))
+    prefill = await running(FakeWorker(server, "prefill"))
+    holder = await running(FakeWorker(server, "decode", "hold"))
+    spare = await running(FakeWorker(server, "decode", running=5))  # busier: picked second
+    await workers_seen(client, prefill, holder, spare)
+
+    sub = await send(client, request_body("r-claimed"))
+    await until(lambda: holder.jobs and prefill.jobs, what="the first attempt's jobs out")
+    [flight] = list(sched.flights)
+    await until(lambda: flight.state is FlightState.DISPATCHED, what="the first attempt's jobs taken")
+    [first] = holder.jobs
+    assert (await holder.claims.claim(first.transfer_key)).won  # it answers: as far as it knows, it streams
+    await holder.stop_heartbeats()  # no heartbeat puts it back in the pool
+    await sched.flight_watch.control.retry(flight, holder.worker_id)
+    replies = await replies_to_final(sub)
+
+    [second] = spare.jobs
+    assert [(c.transfer_id, c.error) for c in holder.cancels] == [(first.transfer_id, None)]
+    assert second.resume is not None and second.resume.token_ids == [] and second.route.migrations == 1
+    assert replies[-1] == msgspec.to_builtins(spare.final_reply(second))
     await assert_nothing_more(sched, client, sub)
 
 

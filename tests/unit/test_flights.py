@@ -3,7 +3,7 @@ for each; and WorkerPool.is_live, which tells a live start of a worker from a de
 
 from __future__ import annotations
 
-from kvpush.services.scheduler.flights import Flight, FlightState, FlightTable
+from kvpush.services.scheduler.flights import Flight, FlightState, FlightTable, Operation, new_transfer_key
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.validation import ValidRequest
 from kvpush.shared import wire
@@ -50,7 +50,7 @@ def _placed(table: FlightTable, mode: str = "push", state: FlightState = FlightS
     for _ in range(moves):
         flight.move_declined()
     if moving:
-        flight.start_move()
+        flight.begin(Operation.RETARGET)
     return flight
 
 
@@ -79,11 +79,11 @@ def test_bind_starts_a_new_attempt_and_maps_only_its_transfer_id():
     flight.kv_written()
     flight.streaming_started()
     flight.move_declined()
-    flight.start_move()
+    flight.begin(Operation.RETARGET)
     table.bind(flight, "t2")
     assert (flight.attempt, flight.transfer_id) == (2, "t2")
     assert (flight.prefill_id, flight.state, flight.streaming) == ("", FlightState.DISPATCHING, False)
-    assert (flight.moves, flight.moving) == (0, False)
+    assert (flight.moves, flight.operation) == (0, Operation.NONE)
     assert table.by_transfer("t2") is flight
     assert table.by_transfer("t1") is None
 
@@ -186,7 +186,7 @@ def test_a_streaming_decode_without_a_token_for_stall_s_is_stalled():
     flight.tokens_sent(0, 0, [7], now_wall=10.0, now=1.0)
     assert _verdicts(table, 5.9, _all_live) == []
     assert _verdicts(table, 6.1, _all_live) == [("r", "stalled", "d")]
-    flight.migrating = True
+    flight.begin(Operation.MIGRATE)
     assert _verdicts(table, 6.1, _all_live) == []  # being migrated: no second verdict
     assert _verdicts(FlightTable(stall_s=0.0), 60.0, _all_live) == []  # 0: never
 
@@ -403,7 +403,7 @@ def test_a_push_transfer_not_yet_written_to_an_overloaded_decode_is_moved():
 def test_a_settled_move_is_checked_again_and_a_declined_one_counts_as_a_move():
     table = FlightTable()
     flight = _placed(table, state=FlightState.DISPATCHED, moving=True)
-    flight.move_settled()
+    flight.end(Operation.RETARGET)
     assert _verdicts(table, 1.0, _dead("d")) == [("r", "move", "d")]
     flight.move_declined()
     flight.move_declined()
@@ -448,3 +448,50 @@ def test_the_workers_chosen_are_those_starts_and_released_together():
     flight.release_workers()
     assert (flight.prefill_id, flight.prefill_incarnation, flight.decode_id, flight.decode_incarnation) == (
         "", "", "", "")
+
+
+# ------------------------------------------------------------------ Operation
+
+
+def test_one_operation_at_a_time_and_a_new_attempt_starts_with_none():
+    flight = _flight()
+    assert flight.operation is Operation.NONE and not flight.busy
+    assert flight.begin(Operation.RETRY) is True
+    assert flight.begin(Operation.RETRY) is False  # asked again: the first one goes on
+    assert flight.begin(Operation.MIGRATE) is False and flight.operation is Operation.RETRY
+    flight.end(Operation.MIGRATE)  # not the one under way: nothing ends
+    assert flight.operation is Operation.RETRY and flight.busy
+    flight.end(Operation.RETRY)
+    assert flight.begin(Operation.MIGRATE) is True
+    flight.new_attempt("t2")
+    assert flight.operation is Operation.NONE
+    assert flight.begin(Operation.RETARGET) is True
+
+
+def test_each_busy_operation_holds_every_verdict_but_the_deadline():
+    for operation in (Operation.RETARGET, Operation.MIGRATE, Operation.RETRY):
+        table = FlightTable()
+        flight = _placed(table, state=FlightState.DISPATCHED)
+        assert flight.begin(operation)
+        assert _verdicts(table, 1.0, _dead("d")) == []
+        assert _verdicts(table, 100.0, _dead("d")) == [("r", "deadline", "")]
+        flight.end(operation)
+        assert _verdicts(table, 1.0, _dead("d")) == [("r", "move", "d")]  # checked again once it ended
+
+
+def test_migrating_ends_the_migrate_operation():
+    table = FlightTable()
+    flight = _placed(table, state=FlightState.DISPATCHED)
+    flight.tokens_sent(0, 0, [7], now_wall=10.0, now=0.5)
+    assert flight.begin(Operation.MIGRATE)
+    flight.migrate()
+    assert flight.operation is Operation.NONE
+
+
+def test_every_transfer_key_is_a_fresh_secret():
+    keys = {new_transfer_key() for _ in range(100)} | {_flight().transfer_key for _ in range(100)}
+    assert len(keys) == 200 and all(len(key) == 32 and int(key, 16) >= 0 for key in keys)
+    flight = _flight()
+    first = flight.transfer_key
+    flight.new_attempt("t2")
+    assert flight.transfer_key != first

@@ -1,14 +1,18 @@
-"""Push: the move of an attempt's transfer to another decode, when the decode chosen at
+"""Push: an attempt's transfer retargeted to another decode, when the decode chosen at
 arrival went silent or is overloaded before its KV was written. Prefill writes into the
-new decode's registration, the first decode's blocks come back through its revoke, and
-nothing is recomputed. A transfer that cannot move is retried (``recovery``), or, if its
-decode is only overloaded, stays."""
+new decode's registration (the connector's ``Rendezvous.retarget``), the first decode's
+blocks come back through its revoke, and nothing is recomputed. A transfer that cannot be
+retargeted is retried if its decode is silent (``retarget`` says so to its caller,
+``control``), or stays if it is only overloaded.
+
+On the wire and in the path report this is a move (``MoveTransfer``, ``TransferMoved``,
+the ``scheduler.move`` span, ``RouteReport.moves``): those names are contracts and stay."""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
+from dataclasses import dataclass, field
 
 import structlog
 from opentelemetry import trace
@@ -18,10 +22,9 @@ from kvpush.otel import attributes as A
 from kvpush.services.bus import Bus
 from kvpush.services.ledger import ClaimState, Ledger
 from kvpush.services.scheduler import dispatch
-from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.flights import Flight, FlightTable, Operation, new_transfer_key
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.outbox import Outbox
-from kvpush.services.scheduler.recovery import Recovery
 from kvpush.services.scheduler.routing import WorkerPool
 from kvpush.services.scheduler.timing import MOVE_TIMEOUT_S
 from kvpush.shared import wire
@@ -31,29 +34,29 @@ log = structlog.get_logger("kvpush.scheduler")
 _tracer = trace.get_tracer("kvpush.scheduler")
 
 
-class Moves:
-    def __init__(self, bus: Bus, ledger: Ledger, pool: WorkerPool, flights: FlightTable, journal: Journal,
-                 outbox: Outbox, recovery: Recovery, scheduler_id: str):
-        self.bus = bus
-        self.ledger = ledger
-        self.pool = pool
-        self.flights = flights
-        self.journal = journal
-        self.outbox = outbox
-        self.recovery = recovery
-        self.scheduler_id = scheduler_id
-        self._answers: dict[str, asyncio.Future] = {}  # transfer id -> its prefill's TransferMoved
+@dataclass
+class Retargets:
+    bus: Bus
+    ledger: Ledger
+    pool: WorkerPool
+    flights: FlightTable
+    journal: Journal
+    outbox: Outbox
+    scheduler_id: str
+    # transfer id -> its prefill's TransferMoved, for the retargets under way
+    _answers: dict[str, asyncio.Future] = field(default_factory=dict, init=False)
 
     def answer_arrived(self, moved: wire.TransferMoved) -> None:
-        """Prefill's answer to a move this scheduler asked for (a late one is dropped)."""
+        """Prefill's answer to a retarget this scheduler asked for (a late one is dropped)."""
         waiting = self._answers.get(moved.transfer_id)
         if waiting is not None and not waiting.done():
             waiting.set_result(moved)
 
-    async def move(self, flight: Flight, lost: str) -> None:
-        """Move the flight's transfer away from decode ``lost`` (the flight is ``moving``).
-        A silent decode whose transfer cannot move (prefill says its write began, or no
-        other decode is live) is retried as before; an overloaded one keeps it."""
+    async def retarget(self, flight: Flight, lost: str) -> bool:
+        """Retarget the flight's transfer away from decode ``lost`` (the flight's operation
+        is ``Operation.RETARGET``; this ends it). True if the flight must be retried instead:
+        its decode is silent and its transfer cannot move (prefill says its write began, or
+        no other decode is live); an overloaded one keeps it."""
         with _tracer.start_as_current_span(
             A.SCHEDULER_MOVE, context=flight.context,
             attributes={A.REQUEST_ID: flight.request_id, A.TRANSFER_ID: flight.transfer_id, A.MOVED_FROM: lost,
@@ -61,23 +64,23 @@ class Moves:
                                                                           time.monotonic()) else "lost"},
         ) as span:
             try:
-                why_not = await self._move_transfer(flight, lost)
+                why_not = await self._retarget_transfer(flight, lost)
             except DispatchFailed as exc:
                 why_not = str(exc)
             finally:
-                flight.move_settled()
+                flight.end(Operation.RETARGET)
             if why_not is None:
                 span.set_attribute(A.DECODE_WORKER, flight.decode_id)
-                return
+                return False
             span.set_status(Status(StatusCode.ERROR, why_not))
         if self.pool.is_live(lost, flight.decode_incarnation, time.monotonic()) and flight.decode_id == lost:
             log.info("could not move the transfer; it stays", request_id=flight.request_id, reason=why_not)
             flight.move_declined()
-            return
+            return False
         log.info("could not move the transfer; retrying", request_id=flight.request_id, reason=why_not)
-        await self.recovery.retry(flight, lost)
+        return True
 
-    async def _move_transfer(self, flight: Flight, lost: str) -> str | None:
+    async def _retarget_transfer(self, flight: Flight, lost: str) -> str | None:
         """Why the transfer could not move, or None once it did."""
         now = time.monotonic()
         if not self.pool.is_live(lost, flight.decode_incarnation, now):
@@ -89,7 +92,7 @@ class Moves:
                                            exclude=flight.left_decodes | {lost})
         except NoWorkers:
             return "no other decode worker is live that this transfer has not left"
-        new_key = secrets.token_hex(16)
+        new_key = new_transfer_key()
         moved = await self._ask_prefill(flight, decode.worker_id, new_key)
         if isinstance(moved, str):
             return moved
@@ -116,7 +119,7 @@ class Moves:
         return None
 
     async def _ask_prefill(self, flight: Flight, decode_id: str, new_key: str) -> wire.TransferMoved | str:
-        """Prefill's answer to the move, or why none came."""
+        """Prefill's answer to the retarget, or why none came."""
         answer = asyncio.get_running_loop().create_future()
         self._answers[flight.transfer_id] = answer
         try:
