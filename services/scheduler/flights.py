@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 from kvpush.services.scheduler.prefixes import Prompt
 from kvpush.services.scheduler.validation import ValidRequest
 from kvpush.shared import continuation, settings, wire
+from kvpush.shared.stream import Arrival, StreamSoFar
 
 Verdict = Literal["deadline", "move", "retry", "migrate", "stalled", "lost"]
 MAX_MOVES = 2  # moves of one attempt's transfer to another decode
@@ -96,10 +97,8 @@ class Flight:
     takeovers: int = 0  # times a scheduler took it over from its record
     mode_chosen_by: str = "scheduler"  # this attempt's placement: who chose its mode (wire.ModeChooser), and why
     mode_reason: str = ""
-    # What its client has of answer 0, from decode's token records (each before its chunk):
-    sent_tokens: list[int] = field(default_factory=list)
-    sent_chunks: int = 0  # chunks of every answer: the next one's seq
-    first_token_at: float = 0.0  # wall clock
+    # What its client has, from decode's token records (each before its chunk):
+    sent: StreamSoFar = field(default_factory=StreamSoFar)
     last_token_at: float = 0.0  # monotonic: a streaming decode silent past stall_s has stalled
     sent_known: bool = True  # every chunk sent was recorded here (not so after a takeover, until proven)
     resume: wire.Resume | None = None  # migrated: where the current attempt resumes
@@ -153,17 +152,13 @@ class Flight:
         """Decode is about to send chunk ``seq`` (answer ``index``): the client has it soon."""
         self._reach(FlightState.STREAMING)
         self.last_token_at = now
-        if seq < self.sent_chunks:
-            return  # said again: recorded already
-        if seq > self.sent_chunks:
-            self.sent_known = False  # a record never came: what the client has is not known here
-        elif not self.sent_known and seq == self.sent_chunks:
-            self.sent_known = True  # the first chunk after what the record says: nothing is missing
-        self.sent_chunks = seq + 1
-        if index == 0:
-            self.sent_tokens.extend(token_ids)
-        if not self.first_token_at:
-            self.first_token_at = now_wall
+        match self.sent.add(seq, index, token_ids, now_wall):
+            case Arrival.GAP:
+                self.sent_known = False  # a record never came: what the client has is not known here
+            case Arrival.NEXT:
+                self.sent_known = True  # the chunk after what the record says: nothing is missing
+            case Arrival.REPEAT:
+                pass  # said again: recorded already
 
     def why_not_migrate(self, max_migrations: int) -> str | None:
         return continuation.why_not_migrate(self.request.sampling, self.migrations, max_migrations, self.sent_known)
@@ -171,10 +166,8 @@ class Flight:
     def migrate(self) -> wire.Resume:
         """The next attempt resumes after every token sent so far."""
         kind, _why = continuation.continuation_of(self.request.sampling)
-        self.resumed_after.append(len(self.sent_tokens))
-        self.resume = wire.Resume(token_ids=list(self.sent_tokens), chunks=self.sent_chunks,
-                                  first_token_at=self.first_token_at, continuation=kind,
-                                  migrations=self.migrations)
+        self.resumed_after.append(len(self.sent.tokens))
+        self.resume = self.sent.resume(kind, self.migrations)
         self.end(Operation.MIGRATE)
         return self.resume
 
@@ -276,8 +269,7 @@ class Flight:
         resume = record.resume
         return cls(request, record.reply_to, record.received_at, now + (record.deadline_at - now_wall),
                    resume=resume, resumed_after=list(record.resumed_after), sent_known=False,
-                   sent_tokens=list(resume.token_ids) if resume else [], sent_chunks=resume.chunks if resume else 0,
-                   first_token_at=resume.first_token_at if resume else 0.0,
+                   sent=StreamSoFar.resuming(resume),
                    kv_policy=record.kv_policy, takeovers=record.takeovers + 1, mode_chosen_by=record.mode_chosen_by,
                    mode_reason=record.mode_reason,
                    mode=record.mode, owner=record.owner, attempt=record.attempt, transfer_id=record.transfer_id,

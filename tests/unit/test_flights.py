@@ -162,7 +162,7 @@ def test_a_taken_over_flight_migrates_only_once_its_record_is_proven_whole():
         taken.tokens_sent(first_seq, 0, [9], now_wall=21.0, now=1.1)
         assert (taken.why_not_migrate(2) is None) == migratable
         if migratable:
-            assert taken.sent_tokens == [7, 9] and taken.sent_chunks == 2
+            assert taken.sent.tokens == [7, 9] and taken.sent.chunks == 2
 
 
 def test_the_record_of_what_was_sent_feeds_the_resume_point():
