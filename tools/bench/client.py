@@ -5,13 +5,19 @@ seed (so every system gets the same prompts), ``--ignore-eos`` with a fixed outp
 streaming ``/v1/completions`` through the OpenAI backend. The raw result file
 (``--save-result --save-detailed``: every request's TTFT, ITLs, lengths and errors) is
 kept as vLLM writes it; ``summary`` reads the figures the tables need out of it.
+
+Each point's client is a process of its own, as ``vllm bench serve`` run from a shell: forked
+from a forkserver that imported vLLM's CLI once (``vllm_client_preload``), so it does not
+spend ten seconds importing vLLM before its first request.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
+import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +41,15 @@ class Load:
 
 def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
             extra_body: dict) -> list[str]:
-    args = [sys.executable, "-m", "kvpush.tools.bench.vllm_cli", "bench", "serve", "--backend", "openai",
+    """The point's client as a command line (``vllm bench serve ...`` through vLLM's CLI shim)."""
+    return [sys.executable, "-m", "kvpush.tools.bench.vllm_cli",
+            *arguments(base_url, model_name, tokenizer, load, result_file, request_id_prefix, extra_body)]
+
+
+def arguments(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
+              extra_body: dict) -> list[str]:
+    """``vllm``'s arguments for the point: ``bench serve`` and its flags."""
+    args = ["bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-input-len", str(load.input_len),
             "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
@@ -55,16 +69,45 @@ def run(base_url: str, model_name: str, tokenizer: str, load: Load, result_file:
     """Run the point; the result file's contents. Raises if the client itself failed."""
     result_file.parent.mkdir(parents=True, exist_ok=True)
     log = result_file.with_suffix(".log")
-    with open(log, "w") as out:
-        try:
-            done = subprocess.run(command(base_url, model_name, tokenizer, load, result_file, request_id_prefix,
-                                          extra_body), stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:  # the client was killed: a system that stopped answering
-            raise TimeoutError(f"vllm bench serve gave no result within {timeout:g} s") from None
-    if done.returncode != 0 or not result_file.exists():
-        tail = log.read_text()[-2000:]
-        raise RuntimeError(f"vllm bench serve exited with {done.returncode}: {tail}")
+    client = _clients().Process(target=_client_process, name="vllm-bench-serve",
+                                args=(arguments(base_url, model_name, tokenizer, load, result_file, request_id_prefix,
+                                                extra_body), str(log)))
+    client.start()
+    client.join(timeout)
+    if client.exitcode is None:  # killed: a system that stopped answering
+        client.kill()
+        client.join()
+        raise TimeoutError(f"vllm bench serve gave no result within {timeout:g} s")
+    if client.exitcode != 0 or not result_file.exists():
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        raise RuntimeError(f"vllm bench serve exited with {client.exitcode}: {tail}")
     return json.loads(result_file.read_text())
+
+
+_forkserver: multiprocessing.context.BaseContext | None = None
+_forkserver_lock = threading.Lock()  # protects _forkserver: points may start from several threads
+
+
+def _clients() -> multiprocessing.context.BaseContext:
+    """Where each point's client is forked from: a forkserver that imported vLLM's CLI."""
+    global _forkserver
+    with _forkserver_lock:
+        if _forkserver is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["kvpush.tools.bench.vllm_client_preload"])
+            _forkserver = context
+        return _forkserver
+
+
+def _client_process(argv: list[str], log: str) -> None:
+    """One point's ``vllm bench serve``, its output to ``log``; its exit code is vLLM's."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    from kvpush.tools.bench import vllm_cli
+
+    vllm_cli.main(argv)
 
 
 def summary(result: dict) -> dict:

