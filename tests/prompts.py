@@ -125,7 +125,7 @@ CHAT = len(reference_requests())  # its index in the reference
 def chat_reference_request(model_dir: str) -> dict:
     from transformers import AutoTokenizer
 
-    from kvpush.services.gateway.service import chat_prompt
+    from kvpush.services.gateway.prompts import chat_prompt
 
     ids = chat_prompt(AutoTokenizer.from_pretrained(model_dir), CHAT_MESSAGES)
     return {"prompt_token_ids": ids, "max_tokens": CHAT_MAX_TOKENS, "ignore_eos": True}

@@ -6,7 +6,7 @@ live here rather than in ``kvpush.shared.errors`` (whose codes are the wire's).
     └── RateLimited             429 the key started more requests than its rate allows
         └── TooManyConcurrent   429 the key has as many requests in progress as it may
 
-Each carries its HTTP status; ``kvpush.services.gateway.openai_api.error`` turns it into an
+Each carries its HTTP status; ``kvpush.services.gateway.responses.error`` turns it into an
 OpenAI error object (codes as OpenAI's: ``invalid_api_key``, ``rate_limit_exceeded``).
 """
 

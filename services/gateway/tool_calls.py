@@ -29,6 +29,16 @@ START, END = "<tool_call>", "</tool_call>"
 _CALLS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
+def parser_of(setting: str, chat_template: str | None) -> str | None:
+    """The tool-call format the gateway reads: the one named, none, or (``auto``) hermes
+    when the model's chat template writes Hermes-style ``<tool_call>`` calls."""
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    return "hermes" if chat_template and START in chat_template else None
+
+
 def tool_calling(body: dict, parser: str | None) -> wire.ToolCalling | None:
     """The request's tools and choice; None when it has none (or chose ``none``: the tools
     are still shown to the model by the chat template, and nothing is read back)."""

@@ -106,7 +106,7 @@ async def test_a_completion_streamed_and_whole_is_what_decode_sent(stack):
                                          temperature=0)
     assert whole.choices[0].text == TEXT and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == len(REPLY_TOKENS)
-    assert whole.usage.prompt_tokens == len(gateway.tokenizer.encode("hello"))
+    assert whole.usage.prompt_tokens == len(gateway.prompts.tokenizer.encode("hello"))
     assert whole.object == "text_completion" and whole.model == gateway.served_model_name
 
     events = [e async for e in await oai.completions.create(
@@ -125,7 +125,7 @@ async def test_a_chat_is_rendered_with_the_models_template_and_answered(stack):
     whole = await oai.chat.completions.create(model=gateway.served_model_name, messages=messages,
                                               max_completion_tokens=3, temperature=0)
     assert whole.choices[0].message.content == TEXT and whole.choices[0].message.role == "assistant"
-    expected = gateway.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+    expected = gateway.prompts.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
     assert decode.jobs[-1].prompt_token_ids == expected
     assert decode.jobs[-1].sampling.max_tokens == 3
@@ -138,7 +138,7 @@ async def test_a_chat_is_rendered_with_the_models_template_and_answered(stack):
 
 async def test_tokenize_detokenize_and_version_answer_as_vllm_serves_them(stack):
     _, _, _, gateway = stack
-    tokenizer = gateway.tokenizer
+    tokenizer = gateway.prompts.tokenizer
     messages = [{"role": "user", "content": "def main():"}]
     async with httpx.AsyncClient() as http:
         text = await http.post(gateway.url + "/tokenize", json={"prompt": "import os"})
@@ -269,7 +269,7 @@ async def test_health_ready_models_and_a_generated_request_id(stack):
         models = (await http.get(gateway.url + "/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [gateway.served_model_name]
         # the workers' context, from their heartbeats (not the tokenizer's model_max_length)
-        assert models["data"][0]["max_model_len"] == WORKERS_MAX_MODEL_LEN != gateway.tokenizer.model_max_length
+        assert models["data"][0]["max_model_len"] == WORKERS_MAX_MODEL_LEN != gateway.prompts.tokenizer.model_max_length
         reply = await http.post(gateway.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert reply.headers["x-request-id"] == decode.jobs[-1].request_id
     assert reply.json()["id"] == "cmpl-" + decode.jobs[-1].request_id

@@ -104,8 +104,8 @@ async def test_a_prompt_too_long_in_bytes_is_refused_before_anything_tokenizes_i
     """The gateway serves a 4-token context here, the scheduler 256 tokens: a refusal that
     names 4 tokens is the gateway's own, given before the request left it."""
     gateway = await running(gateway_on(server, model_dir, max_model_len=4))
-    watched = gateway.tokenizer = WatchedTemplate(gateway.tokenizer)
-    bound = gateway.max_prompt_bytes
+    watched = gateway.prompts.tokenizer = WatchedTemplate(gateway.prompts.tokenizer)
+    bound = gateway.prompts.max_prompt_bytes
     async with httpx.AsyncClient(timeout=30) as http:
         chat = await http.post(gateway.url + "/v1/chat/completions",
                                json={"messages": [{"role": "user", "content": "y" * bound}], "max_tokens": 1})
@@ -124,7 +124,7 @@ async def test_a_prompt_too_long_in_bytes_is_refused_before_anything_tokenizes_i
 
 async def test_the_chat_template_runs_off_the_event_loop_which_answers_meanwhile(stack, running, model_dir, server):
     gateway = await running(gateway_on(server, model_dir))
-    watched = gateway.tokenizer = WatchedTemplate(gateway.tokenizer, hold=True)
+    watched = gateway.prompts.tokenizer = WatchedTemplate(gateway.prompts.tokenizer, hold=True)
     loop_thread = threading.get_ident()
     async with httpx.AsyncClient(timeout=60) as http:
         chat = asyncio.get_running_loop().create_task(http.post(

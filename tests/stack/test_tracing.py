@@ -14,7 +14,7 @@ import pytest
 
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
-from kvpush.services.gateway import openai_api
+from kvpush.services.gateway import responses
 from kvpush.shared import wire
 from tests import prompts
 
@@ -183,7 +183,7 @@ async def test_the_gateway_says_the_path_in_its_answer_its_header_and_its_root_s
                                     headers={"X-Request-Id": request_id})
             assert reply.status_code == 200, reply.text
             path = reply.json()["kvpush"]
-            header = openai_api.parse_path_header(reply.headers[openai_api.PATH_HEADER])
+            header = responses.parse_path_header(reply.headers[responses.PATH_HEADER])
             assert header["mode"] == "pull" and int(header["received_blocks"]) == path["received_blocks"]
             assert reply.json()["usage"]["prompt_tokens"] == 300  # OpenAI's fields stay as they are
         else:
@@ -191,7 +191,7 @@ async def test_the_gateway_says_the_path_in_its_answer_its_header_and_its_root_s
             async with http.stream("POST", stack.gateway_url + "/v1/completions", json=body,
                                    headers={"X-Request-Id": request_id}) as reply:
                 assert reply.status_code == 200
-                assert openai_api.PATH_HEADER not in reply.headers  # sent before the path was known
+                assert responses.PATH_HEADER not in reply.headers  # sent before the path was known
                 async for line in reply.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         events.append(json.loads(line[6:]))

@@ -639,7 +639,7 @@ def test_the_collector_receives_otlp_on_4317_and_4318(rendered):
 def _served_paths() -> dict[str, set[str]]:
     """The GET paths the code serves: the gateway's FastAPI routes, and the metrics
     endpoint (otel/endpoint.py) of the scheduler and the workers."""
-    gateway = set(re.findall(r'@app\.get\("([^"]+)"\)', (ROOT / "services" / "gateway" / "service.py").read_text()))
+    gateway = set(re.findall(r'@app\.get\("([^"]+)"\)', (ROOT / "services" / "gateway" / "app.py").read_text()))
     endpoint = set(re.findall(r'path == "([^"]+)"', (ROOT / "otel" / "endpoint.py").read_text()))
     assert {"/health", "/ready", "/metrics"} <= gateway and {"/health", "/ready", "/metrics"} <= endpoint, \
         "the served paths could not be read from the code"

@@ -1,12 +1,12 @@
 """The path report decode puts in each final (services/worker/path_report.py), what the
 scheduler gives it (services/scheduler/dispatch.py), and how the gateway shows it
-(services/gateway/openai_api.py). The numbers against real engines: tests/stack/test_path_report.py."""
+(services/gateway/responses.py). The numbers against real engines: tests/stack/test_path_report.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpush.services.gateway import openai_api
+from kvpush.services.gateway import requests, responses
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight
 from kvpush.services.scheduler.placement import PlacementSettings, place
@@ -106,15 +106,15 @@ def test_the_gateway_shows_the_report_in_the_body_and_a_header():
                                                                                  bytes=700)), "fail", None)
     final = wire.FinalReply(request_id="r", finish_reason="length", usage=wire.Usage(100, 4),
                             timings=wire.Timings(1.0, 1.0, 1.0), path=report)
-    request = openai_api.parse("completion", {"prompt": "x", "max_tokens": 4, "kv_policy": "fail"}, "m")
+    request = requests.parse("completion", {"prompt": "x", "max_tokens": 4, "kv_policy": "fail"}, "m")
     assert request.generate["kv_policy"] == "fail"
-    body = openai_api.response(request, "r", [openai_api.Answer("abcd", [1, 2, 3, 4], None)], final)
+    body = responses.response(request, "r", [responses.Answer("abcd", [1, 2, 3, 4], None)], final)
     assert body["kvpush"]["mode"] == "push" and body["kvpush"]["received_blocks"] == 7
     assert body["kvpush"]["prefill_computed_tokens"] is None
-    (header,) = openai_api.path_header(final).values()
-    fields = openai_api.parse_path_header(header)
+    (header,) = responses.path_header(final).values()
+    fields = responses.parse_path_header(header)
     assert fields["mode"] == "push" and fields["received_bytes"] == "700" and fields["kv_policy"] == "fail"
     assert "prefill_computed_tokens" not in fields  # unknown: left out
     header.encode("latin-1")  # a header value
     with pytest.raises(Exception, match="kv_policy"):
-        openai_api.parse("completion", {"prompt": "x", "kv_policy": "retry"}, "m")
+        requests.parse("completion", {"prompt": "x", "kv_policy": "retry"}, "m")

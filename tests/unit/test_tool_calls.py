@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvpush.services.gateway import openai_api, tool_calls
+from kvpush.services.gateway import requests, tool_calls
 from kvpush.services.launch.model import CHAT_TEMPLATE
 from kvpush.shared import wire
 from kvpush.shared.errors import InvalidField
@@ -19,8 +19,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 CHAT = [{"role": "user", "content": "weather?"}]
 
 
-def _parse(**body) -> openai_api.OpenAiRequest:
-    return openai_api.parse("chat", {"messages": CHAT, **body}, "small", "hermes")
+def _parse(**body) -> requests.OpenAiRequest:
+    return requests.parse("chat", {"messages": CHAT, **body}, "small", "hermes")
 
 
 def test_tools_and_each_tool_choice_go_on_the_wire_for_decode():
@@ -50,8 +50,8 @@ def test_tools_of_the_wrong_shape_are_refused_with_a_sentence(body, says):
 
 def test_without_the_models_tool_call_format_tools_are_refused_as_vllm_serve_refuses_them():
     with pytest.raises(InvalidField, match="--tool-call-parser"):
-        openai_api.parse("chat", {"messages": CHAT, "tools": [WEATHER]}, "small", None)
-    assert openai_api.parse("chat", {"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}, "small",
+        requests.parse("chat", {"messages": CHAT, "tools": [WEATHER]}, "small", None)
+    assert requests.parse("chat", {"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}, "small",
                             None).tool_calling is None
 
 
@@ -104,7 +104,7 @@ def test_the_built_models_chat_template_shows_the_tools_and_earlier_calls_as_the
 
     template = _compile_jinja_template(CHAT_TEMPLATE)
     assert template.render(messages=CHAT, add_generation_prompt=True) == "user: weather?\nassistant:"  # as before
-    history = openai_api._messages([*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+    history = requests._messages([*CHAT, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "cold"}])
     shown = template.render(messages=history, tools=[WEATHER], add_generation_prompt=True)

@@ -320,7 +320,7 @@ class Check:
         """A plain vLLM run on the host over ``model``, started now (it takes a minute)."""
         from transformers import AutoTokenizer
 
-        from kvpush.services.gateway.service import chat_prompt
+        from kvpush.services.gateway.prompts import chat_prompt
 
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         requests = []
