@@ -22,8 +22,8 @@ from kvpush.services.bus import Bus
 from kvpush.services.ledger import Ledger
 from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler.control import FlightControl
-from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
-from kvpush.services.scheduler.intake import HeldRequest, IntakeBook, designated, intake_key
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.intake import EarlyCancels, HeldRequest, IntakeBook, designated, intake_key
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.takeover import SchedulerLiveness

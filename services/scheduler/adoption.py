@@ -19,8 +19,8 @@ from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import ClaimState, Ledger
 from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler.control import FlightControl
-from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable
-from kvpush.services.scheduler.intake import IntakeBook
+from kvpush.services.scheduler.flights import Flight, FlightTable
+from kvpush.services.scheduler.intake import EarlyCancels, IntakeBook
 from kvpush.services.scheduler.outbox import Outbox
 from kvpush.services.scheduler.recovery import otel_context_of
 from kvpush.services.scheduler.takeover import Holding, SchedulerLiveness, orphans

@@ -17,7 +17,8 @@ from kvpush.services.lifecycle import BackgroundTasks
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.attempts import Attempts
 from kvpush.services.scheduler.control import FlightControl
-from kvpush.services.scheduler.flights import EarlyCancels, Flight, FlightTable, Operation
+from kvpush.services.scheduler.flights import Flight, FlightTable, Operation
+from kvpush.services.scheduler.intake import EarlyCancels
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.migrations import Migrations
 from kvpush.services.scheduler.outbox import Outbox

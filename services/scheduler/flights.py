@@ -380,28 +380,3 @@ class FlightTable:
         """Its decode streams (and heartbeats), but no token came for ``stall_s``."""
         return (self.stall_s > 0 and flight.streaming and bool(flight.decode_id) and flight.last_token_at > 0
                 and now - flight.last_token_at > self.stall_s)
-
-
-@dataclass
-class EarlyCancels:
-    """Cancels that came before their request (or to a scheduler that does not hold it):
-    each is kept until the request's deadline could have passed, so a request that arrives
-    after its cancel, here, is cancelled at once. Bounded: the oldest go first."""
-
-    keep_s: float = settings.DEADLINE_S
-    max_entries: int = 10_000
-    _until: dict[tuple[str, str], float] = field(default_factory=dict)  # (owner, request id) -> expiry
-
-    def remember(self, owner: str, request_id: str, now: float) -> None:
-        self._until.pop((owner, request_id), None)
-        self._until[(owner, request_id)] = now + self.keep_s
-        while self._until and (len(self._until) > self.max_entries or next(iter(self._until.values())) <= now):
-            del self._until[next(iter(self._until))]
-
-    def take(self, owner: str, request_id: str, now: float) -> bool:
-        """True (once) if that owner cancelled that request id within ``keep_s``."""
-        until = self._until.pop((owner, request_id), None)
-        return until is not None and now < until
-
-    def __len__(self) -> int:
-        return len(self._until)

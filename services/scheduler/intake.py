@@ -32,6 +32,9 @@ orphan is also dropped if its final is kept already (it ended meanwhile). A sche
 counts itself live only after a whole heartbeat round, so that a new one does not take
 requests the others still give to someone else.
 
+A cancel can come before its request, or to a scheduler that does not hold it: each is
+kept until its request could no longer be running (``EarlyCancels``).
+
 Pure: no NATS. Time and liveness are passed in.
 """
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvpush.shared import wire
+from kvpush.shared import settings, wire
 
 MAX_HELD = 20_000  # copies held at once; past it the oldest go (each is a request's bytes)
 
@@ -134,3 +137,28 @@ class IntakeBook:
 
     def __contains__(self, key: str) -> bool:
         return key in self._held
+
+
+@dataclass
+class EarlyCancels:
+    """Cancels that came before their request (or to a scheduler that does not hold it):
+    each is kept until the request's deadline could have passed, so a request that arrives
+    after its cancel, here, is cancelled at once. Bounded: the oldest go first."""
+
+    keep_s: float = settings.DEADLINE_S
+    max_entries: int = 10_000
+    _until: dict[tuple[str, str], float] = field(default_factory=dict)  # (owner, request id) -> expiry
+
+    def remember(self, owner: str, request_id: str, now: float) -> None:
+        self._until.pop((owner, request_id), None)
+        self._until[(owner, request_id)] = now + self.keep_s
+        while self._until and (len(self._until) > self.max_entries or next(iter(self._until.values())) <= now):
+            del self._until[next(iter(self._until))]
+
+    def take(self, owner: str, request_id: str, now: float) -> bool:
+        """True (once) if that owner cancelled that request id within ``keep_s``."""
+        until = self._until.pop((owner, request_id), None)
+        return until is not None and now < until
+
+    def __len__(self) -> int:
+        return len(self._until)

@@ -49,8 +49,8 @@ from kvpush.services.scheduler.adoption import Adoption
 from kvpush.services.scheduler.attempts import Attempts
 from kvpush.services.scheduler.control import FlightControl
 from kvpush.services.scheduler.events import Events
-from kvpush.services.scheduler.flights import EarlyCancels, FlightTable
-from kvpush.services.scheduler.intake import IntakeBook
+from kvpush.services.scheduler.flights import FlightTable
+from kvpush.services.scheduler.intake import EarlyCancels, IntakeBook
 from kvpush.services.scheduler.journal import Journal
 from kvpush.services.scheduler.migrations import Migrations
 from kvpush.services.scheduler.outbox import Outbox

@@ -309,7 +309,7 @@ def test_is_live_is_false_for_an_unknown_or_forgotten_worker():
 
 
 def test_a_cancel_before_its_request_is_kept_until_the_deadline_and_taken_once():
-    from kvpush.services.scheduler.flights import EarlyCancels
+    from kvpush.services.scheduler.intake import EarlyCancels
 
     cancels = EarlyCancels(keep_s=10.0)
     cancels.remember("app", "r-1", now=0.0)
@@ -321,7 +321,7 @@ def test_a_cancel_before_its_request_is_kept_until_the_deadline_and_taken_once()
 
 
 def test_early_cancels_are_bounded_and_expire():
-    from kvpush.services.scheduler.flights import EarlyCancels
+    from kvpush.services.scheduler.intake import EarlyCancels
 
     cancels = EarlyCancels(keep_s=10.0, max_entries=3)
     for i in range(10):  # a flood of unknown ids
