@@ -109,7 +109,9 @@ def _decode_side(conn, url: str, engine_id: str, kv_wait_s: float = WAIT_S) -> N
     scheduler = ConnectorScheduler(engine_id, BLOCK_SIZE, 1, bridge)
     conn.send("ready")
     while (command := conn.recv()) is not None:
-        params, block_ids, cached_ids = command
+        serial, params, block_ids, cached_ids = command
+        for tensor in caches.values():  # each request finds the blocks as a fresh engine would
+            tensor.zero_()
         num_cached = len(cached_ids) * BLOCK_SIZE
         request = SimpleNamespace(request_id=_id("decode"),
                                   prompt_token_ids=list(range(num_cached + len(block_ids) * BLOCK_SIZE)),
@@ -131,7 +133,7 @@ def _decode_side(conn, url: str, engine_id: str, kv_wait_s: float = WAIT_S) -> N
             _, more, lost = worker.get_finished(set(), idle=True)
             received |= more
             failed |= lost
-        conn.send((request.request_id in received, sorted(failed),
+        conn.send((serial, request.request_id in received, sorted(failed),
                    {name: t[block_ids].clone().numpy().tolist() for name, t in caches.items()},
                    all(bool(torch.all(t[cached_ids] == 0)) for t in caches.values())))
     worker.shutdown()
@@ -148,7 +150,7 @@ def _decode_process(url: str, kv_wait_s: float = WAIT_S):
     try:
         assert parent.poll(120), "the decode process did not start"
         assert parent.recv() == "ready"
-        yield SimpleNamespace(engine_id=engine_id, conn=parent)
+        yield SimpleNamespace(engine_id=engine_id, conn=parent, serial=0)
         parent.send(None)
     finally:
         proc.join(timeout=30)
@@ -156,8 +158,10 @@ def _decode_process(url: str, kv_wait_s: float = WAIT_S):
             proc.kill()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def decode(nats_server):
+    """One decode process for the module's tests (starting one takes ~20 s): each request
+    gets its own id and transfer, and finds decode's blocks zeroed, as a fresh engine's."""
     with _decode_process(nats_server.url) as decode:
         yield decode
 
@@ -171,7 +175,8 @@ def _load(decode, params: wire.DecodeKvParams, block_ids: list[int], cached_ids:
 def _start_load(decode, params: wire.DecodeKvParams, block_ids: list[int], cached_ids: list[int] = ()) -> None:
     """Decode receives the request (push: it registers its blocks) and waits for the KV;
     with ``cached_ids``, its prefix cache holds the prompt's first blocks."""
-    decode.conn.send((params.as_params(), block_ids, list(cached_ids)))
+    decode.serial += 1
+    decode.conn.send((decode.serial, params.as_params(), block_ids, list(cached_ids)))
 
 
 def _loaded(decode):
@@ -181,8 +186,12 @@ def _loaded(decode):
 
 def _loaded_with_cache(decode):
     """(arrived, failed, blocks, whether decode's cached blocks were left untouched)."""
-    assert decode.conn.poll(WAIT_S + 10), "decode did not answer"
-    return decode.conn.recv()
+    deadline = time.monotonic() + WAIT_S + 10
+    while decode.conn.poll(max(deadline - time.monotonic(), 0)):
+        serial, *answer = decode.conn.recv()
+        if serial == decode.serial:  # not the answer to an earlier test's request it never read
+            return tuple(answer)
+    raise AssertionError("decode did not answer")
 
 
 def _assert_copied(blocks: dict[str, list], src: list[int]) -> None:
@@ -255,17 +264,19 @@ def test_with_a_prefix_cached_on_decode_only_the_blocks_it_lacks_move(nats_serve
 
 
 def test_a_transfer_moved_before_its_write_lands_in_the_new_decode_and_the_first_gets_its_blocks_back(
-        nats_server):
+        nats_server, decode):
     """A scheduler moves a push transfer whose first decode has registered: prefill drops
     that registration, writes into the second decode's (which carries the new key), and
-    tells the first decode, without closing the transfer."""
+    tells the first decode, without closing the transfer. The second is the module's
+    decode; the first, which gives its wait up after 2 s, a process of its own."""
     prefill_id, scheduler_id = _id("prefill"), _id("scheduler")
     bridge = NatsBridge(nats_server.url, name=prefill_id)
     bridge.start()
     worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
     events: queue.Queue = queue.Queue()
     try:
-        with _decode_process(nats_server.url, kv_wait_s=2.0) as first, _decode_process(nats_server.url) as second:
+        with _decode_process(nats_server.url, kv_wait_s=2.0) as first:
+            second = decode
             for decode in (first, second):
                 bridge.subscribe(wire.completion_subject(decode.engine_id, prefill_id),
                                  lambda data, subject: events.put(wire.decode(data, wire.Completion)))
