@@ -1,5 +1,7 @@
-"""vLLM's own connectors as peers: the same stack (scheduler, workers, client path) with
-vLLM's NixlConnector (pull) or NixlPushConnector in the engines instead of ours."""
+"""vLLM's own push connector as a peer: the same stack (scheduler, workers, client path) with
+vLLM's NixlPushConnector in the engines instead of ours. Its pull connector, NixlConnector,
+runs in the engines `kvpush up` starts in tests/stack/test_cli_up.py (one stack start for
+both checks)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from tests import prompts
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("connector", ["vllm-nixl", "vllm-nixl-push"])
-async def test_vllm_connector_serves_through_the_stack(connector, model_dir, reference, tmp_path):
+async def test_vllms_push_connector_serves_through_the_stack(model_dir, reference, tmp_path):
+    connector = "vllm-nixl-push"
     # A NATS server of its own, so this stack's workers never mix with the session's.
     with LocalNatsServer() as server:
         peer = Stack(model_dir, nats_url=server.url, max_model_len=prompts.MAX_MODEL_LEN,
