@@ -5,7 +5,6 @@ stack exports to; each started once for the whole session."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from kvpush.services.launch.stack import Stack
 from tests import prompts
+from tests.early import EARLY, REFERENCE_FOLDER, reference_generation
 from kvpush.tools.otlp_receiver import OtlpReceiver
 
 
@@ -49,18 +49,14 @@ async def stack(model_dir, nats_server, stack_logs, otlp):
 
 
 @pytest.fixture(scope="session")
-def reference_run(model_dir, tmp_path_factory) -> tuple[list[list[int]], list]:
+def reference_run(model_dir) -> tuple[list[list[int]], list]:
     """What a single plain vLLM instance generates for prompts.reference_requests(): token
-    ids, and each position's [token id, logprob] candidates where a request asked."""
-    folder = tmp_path_factory.mktemp("reference")
-    requests, out = folder / "requests.json", folder / "out.json"
-    requests.write_text(json.dumps(prompts.reference_requests() + [prompts.chat_reference_request(model_dir)]))
-    subprocess.run(
-        [sys.executable, "-m", "kvpush.tools.reference", "--model", model_dir, "--requests", str(requests),
-         "--out", str(out), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
-        check=True, timeout=400, stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text()), json.loads((folder / "out.json.logprobs.json").read_text())
+    ids, and each position's [token id, logprob] candidates where a request asked. Started
+    in the background as soon as the session knew a test needs it (tests/early.py)."""
+    run = EARLY.get("reference", lambda: reference_generation(model_dir))
+    assert run.wait(400) == 0, run.output()[-4000:]
+    out = REFERENCE_FOLDER / "out.json"
+    return json.loads(out.read_text()), json.loads((REFERENCE_FOLDER / "out.json.logprobs.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,11 @@ import pytest
 from kvpush.tools.compose_check import engine as private_engine
 from kvpush.tools.compose_check import prepare
 from kvpush.tools.compose_check.check import GATEWAY_SERVICE, HELPERS, SERVICES, WORKER_SERVICES
+from tests.early import COMPOSE_ARTIFACTS, COMPOSE_TIMEOUT_S, EARLY, compose_check
 
 pytestmark = pytest.mark.timeout(2400)
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts" / "compose-check"
-CHECK_TIMEOUT_S = 1800
 
 
 def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
@@ -38,38 +37,33 @@ def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def run():
-    """scripts/compose-check.sh, as CI and a newcomer run it; its report, output and what
-    the host looked like before."""
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    report_path = ARTIFACTS / "report.json"
-    report_path.unlink(missing_ok=True)
-    before = private_engine.links()
-    process = subprocess.Popen(["bash", "scripts/compose-check.sh", "--report", str(report_path),
-                                "--logs", str(ARTIFACTS / "logs")], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+def compose_run():
+    """scripts/compose-check.sh, as CI and a newcomer run it, started in the background as
+    soon as the session knew this module would run (tests/early.py); its report, output and
+    what the host looked like before."""
+    check = EARLY.get("compose", compose_check)
     try:
-        output, _ = process.communicate(timeout=CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # SIGTERM: the check stops the stack and removes its engine
-        output, _ = process.communicate(timeout=300)
-    (ARTIFACTS / "output.log").write_text(output)
+        rc = check.wait(COMPOSE_TIMEOUT_S)
+    except TimeoutError:
+        rc = None  # stopped: SIGTERM, the check stops the stack and removes its engine
+    output = check.output()
     sys.stderr.write(output[-6000:])
+    report_path = COMPOSE_ARTIFACTS / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    return {"rc": process.returncode, "output": output, "report": report, "links_before": before}
+    return {"rc": rc, "output": output, "report": report, "links_before": check.seen_before}
 
 
-def _report(run) -> dict:
-    report = run["report"]
+def _report(compose_run) -> dict:
+    report = compose_run["report"]
     if not report:
-        pytest.fail(f"the compose check wrote no report (exit {run['rc']}):\n{run['output'][-3000:]}")
+        pytest.fail(f"the compose check wrote no report (exit {compose_run['rc']}):\n{compose_run['output'][-3000:]}")
     if report.get("no_engine"):
         pytest.fail(report["no_engine"])  # no engine: a failure, with what to do
     return report
 
 
-def test_the_image_builds_from_the_dockerfile(run):
-    report = _report(run)
+def test_the_image_builds_from_the_dockerfile(compose_run):
+    report = _report(compose_run)
     assert "image build" in report["times_s"], report["failures"]
     assert {"kvpush:latest", "kvpush-check/nats:local", "kvpush-check/prometheus:local",
             "kvpush-check/otlp-receiver:local"} <= set(report["images"])
@@ -80,8 +74,8 @@ def test_the_image_builds_from_the_dockerfile(run):
         assert report["model"]["image_corpus"]["sha256"] != report["model"]["host_corpus"]["sha256"]
 
 
-def test_compose_up_brings_up_nats_the_scheduler_one_prefill_one_decode_and_the_gateway(run):
-    report = _report(run)
+def test_compose_up_brings_up_nats_the_scheduler_one_prefill_one_decode_and_the_gateway(compose_run):
+    report = _report(compose_run)
     containers = report.get("containers")
     assert containers, report["failures"]
     for service in SERVICES + HELPERS:
@@ -94,11 +88,11 @@ def test_compose_up_brings_up_nats_the_scheduler_one_prefill_one_decode_and_the_
     assert all(report["start_order"]["rules"].values()), report["start_order"]
 
 
-def test_every_kvpush_process_is_on_nats_as_its_own_user_over_tls_and_nobody_else_gets_in(run):
+def test_every_kvpush_process_is_on_nats_as_its_own_user_over_tls_and_nobody_else_gets_in(compose_run):
     """nats-init wrote the users, certificates and config; nats-server's /connz lists each
     kvpush process (the workers' engine cores too) under its own user, over TLS, in
     kvpush's account; from the host, NATS requires TLS and a user, and refuses none."""
-    report = _report(run)
+    report = _report(compose_run)
     seen = report.get("nats_security")
     assert seen, report["failures"]
     assert seen["nats_init_exit_codes"] == [0]
@@ -110,8 +104,8 @@ def test_every_kvpush_process_is_on_nats_as_its_own_user_over_tls_and_nobody_els
     assert "authorization" in outside["anonymous_refused"].lower(), outside
 
 
-def test_outputs_through_the_gateway_and_nats_equal_a_single_instance(run):
-    report = _report(run)
+def test_outputs_through_the_gateway_and_nats_equal_a_single_instance(compose_run):
+    report = _report(compose_run)
     rows = report.get("requests")
     assert rows, report["failures"]
     assert {row["via"] for row in rows} == {"gateway (openai)", "nats kvpush.generate"}
@@ -119,8 +113,8 @@ def test_outputs_through_the_gateway_and_nats_equal_a_single_instance(run):
         assert row.get("token_ids") == row["reference"], row
 
 
-def test_the_otlp_receiver_got_one_trace_per_request_with_spans_from_every_service(run):
-    report = _report(run)
+def test_the_otlp_receiver_got_one_trace_per_request_with_spans_from_every_service(compose_run):
+    report = _report(compose_run)
     traces = report.get("traces")
     assert traces and len(traces) == len(report["requests"]), report["failures"]
     via = {row["request_id"]: row["via"] for row in report["requests"]}
@@ -130,15 +124,15 @@ def test_the_otlp_receiver_got_one_trace_per_request_with_spans_from_every_servi
         assert wanted <= set(trace["services"]), (request_id, trace)
 
 
-def test_prometheus_scrapes_every_kvpush_service_by_its_compose_name(run):
-    targets = _report(run).get("prometheus_targets")
+def test_prometheus_scrapes_every_kvpush_service_by_its_compose_name(compose_run):
+    targets = _report(compose_run).get("prometheus_targets")
     assert targets and set(targets.values()) == {"up"}, targets
     hosts = {url.split("//")[1].split("/")[0] for url in targets}
     assert {"scheduler:9100", "prefill:9100", "prefill:9101", "decode:9100", "decode:9101", "gateway:8000"} <= hosts
 
 
-def test_compose_down_and_the_engines_removal_leave_nothing_behind(run):
-    report = _report(run)
+def test_compose_down_and_the_engines_removal_leave_nothing_behind(compose_run):
+    report = _report(compose_run)
     assert report.get("after_down") == {"containers": [], "networks": [], "volumes": []}, report["failures"]
     left = report["leftovers"]
     assert left["processes"] == [] and left["links"] == [] and left["mounts"] == [] and left["work_folder"] is None
@@ -148,19 +142,19 @@ def test_compose_down_and_the_engines_removal_leave_nothing_behind(run):
     assert private_engine._processes_mentioning(work) == []
     pid = left["engine_pid"]
     assert pid is None or not os.path.exists(f"/proc/{pid}") or not private_engine._alive(pid)
-    assert not {n for n in private_engine.links() - run["links_before"] if n == "docker0" or n.startswith("br-")}
+    assert not {n for n in private_engine.links() - compose_run["links_before"] if n == "docker0" or n.startswith("br-")}
     with open("/proc/self/mounts") as f:
         assert work not in f.read()
     assert sorted(p.name for p in prepare.WHEELS.iterdir()) == [".gitignore", "README.md"]
 
 
-def test_the_compose_check_passed_and_says_what_it_took(run):
-    report = _report(run)
-    assert run["rc"] == 0 and report["ok"], report["failures"]
+def test_the_compose_check_passed_and_says_what_it_took(compose_run):
+    report = _report(compose_run)
+    assert compose_run["rc"] == 0 and report["ok"], report["failures"]
     for step in ("engine start", "base image and wheels", "image build", "compose up", "requests", "compose down",
                  "engine stop"):
         assert report["times_s"][step] >= 0, step
-    assert report["times_s"]["total"] < CHECK_TIMEOUT_S
+    assert report["times_s"]["total"] < COMPOSE_TIMEOUT_S
 
 
 def test_an_engine_that_refuses_a_storage_driver_falls_back_and_is_removed_by_its_pid(monkeypatch):
