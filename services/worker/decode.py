@@ -40,7 +40,8 @@ from kvpush.otel.messaging import TEMPORARY, current_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.services.ledger import Claims, ClaimState
 from kvpush.services.worker.answer import Answer, NewTokens
-from kvpush.services.worker.engine import EngineStages, decode_request, wake_engine
+from kvpush.services.worker.kinds import strategy, wake_engine
+from kvpush.services.worker.stages import EngineStages
 from kvpush.services.worker.fanout import fan_out
 from kvpush.services.worker import tool_calling
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
@@ -169,7 +170,7 @@ class DecodeRole:
         """Generate and send each chunk as it comes; if the prompt's KV does not arrive,
         compute the prompt here or fail, per the request's kv_policy."""
         job: wire.DecodeJob = running.job
-        engine_request_id, kv_params = decode_request(self.worker.connector, job, current_traceparent())
+        engine_request_id, kv_params = strategy(self.worker.connector).decode_request(job, current_traceparent())
         kwargs = _engine_sampling(job)
         computing = job.mode == "local"  # the prompt is ours to compute
         while True:

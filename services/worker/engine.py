@@ -1,20 +1,18 @@
-"""The worker's side of vLLM: engine settings and arguments, what each KV connector wants
-in a request (engine request id, ``kv_transfer_params``: each kind's strategy in
-``kvpush.services.worker.kinds``), the engine's load (from vLLM's stat logger hook) and its
-per-request stage times (as child spans)."""
+"""The worker's side of vLLM: engine settings and arguments, the engine's start (bound to
+its cores), its KV block size in bytes, and its load (from vLLM's stat logger hook). What
+each KV connector wants in a request is its kind's strategy's (``kvpush.services.worker.kinds``);
+a request's stage times are ``kvpush.services.worker.stages``."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.services.worker.kinds import strategy
 
 REPLAY_FQCN = "kvpush.services.worker.replay:ReplayTokens"  # imports vLLM: named, loaded by the engine
-from kvpush.shared import wire
 
 # Set before vLLM is imported anywhere in this process.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -124,9 +122,6 @@ def _omp_binding(config):
     return OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
 
 
-# --------------------------------------------------------------------------- per connector kind
-# What each kind does is its strategy's (``kvpush.services.worker.kinds``); these pick it by name.
-
 def kv_bytes_per_block(config) -> int:
     """One KV block's bytes over every layer (K and V), from the engine's config; 0 if it
     cannot be told. What fetching a block from another engine moves."""
@@ -142,30 +137,7 @@ def kv_bytes_per_block(config) -> int:
         return 0
 
 
-def wake_engine(engine: EngineSettings) -> None:
-    """Tell the engine's connector that a request is being handed to the engine (only
-    kvpush's listens: see ``kvpush.connector.engine_wake``)."""
-    if engine.role is not None:
-        strategy(engine.connector).wake_engine(engine)
-
-
-def prefill_request(connector: str, job: wire.PrefillJob, traceparent: str) -> tuple[str, dict]:
-    """(engine request id, kv_transfer_params) for a prefill job."""
-    return strategy(connector).prefill_request(job, traceparent)
-
-
-def decode_request(connector: str, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
-    """(engine request id, kv_transfer_params) for a decode job."""
-    return strategy(connector).decode_request(job, traceparent)
-
-
-def side_channel(engine_id: str, connector: str) -> dict:
-    """Set up what peers reach this process's engine's connector by, and return it (the
-    heartbeat's ``kv_params``): vLLM's NIXL connectors' side channel; none for kvpush's."""
-    return strategy(connector).side_channel(engine_id)
-
-
-# --------------------------------------------------------------------------- load and stages
+# --------------------------------------------------------------------------- load
 
 class EngineLoad:
     """Latest scheduler stats of the engine, fed by vLLM's stat logger hook."""
@@ -194,25 +166,3 @@ class EngineLoad:
                 pass
 
         return Recorder
-
-
-class EngineStages:
-    """Wall-clock times of vLLM's per-request stages, from its engine-core timestamps
-    (monotonic, same host), recorded as child spans of the current span."""
-
-    def __init__(self, output, tracer) -> None:
-        stats = getattr(output, "metrics", None) if output is not None else None
-        offset_ns = time.time_ns() - time.monotonic_ns()
-        self._tracer = tracer
-
-        def wall(ts: float) -> int | None:
-            return int(ts * 1e9) + offset_ns if ts else None
-
-        self.scheduled_ns = wall(stats.scheduled_ts) if stats else None
-        self.first_token_ns = wall(stats.first_token_ts) if stats else None
-        self.last_token_ns = wall(stats.last_token_ts) if stats else None
-
-    def record(self, name: str, start_ns: int | None, end_ns: int | None) -> None:
-        if start_ns is None or end_ns is None:
-            return
-        self._tracer.start_span(name, start_time=start_ns).end(end_time=max(start_ns, end_ns))

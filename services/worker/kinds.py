@@ -194,6 +194,13 @@ def strategy(name: str) -> KindStrategy:
     return STRATEGIES[connector_kinds.of(name).name]
 
 
+def wake_engine(engine: EngineSettings) -> None:
+    """Tell the engine's connector that a request is being handed to the engine (only
+    kvpush's listens: see ``kvpush.connector.engine_wake``)."""
+    if engine.role is not None:
+        strategy(engine.connector).wake_engine(engine)
+
+
 def port_outside_ephemeral_range() -> int:
     """A free port below the kernel's ephemeral range. vLLM's engine binds the side channel
     seconds after it is chosen, while it and its peer pick their own ports with bind(0),

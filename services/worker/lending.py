@@ -26,7 +26,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import TEMPORARY, current_traceparent
-from kvpush.services.worker.engine import wake_engine
+from kvpush.services.worker.kinds import wake_engine
 from kvpush.shared import wire
 from kvpush.shared.block_keys import block_keys
 from kvpush.shared.errors import BadJob, EngineFailed, PrefixNotHeld, to_error_body

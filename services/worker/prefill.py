@@ -13,7 +13,8 @@ from opentelemetry.trace import Status, StatusCode
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import current_traceparent
 from kvpush.otel.metrics import instruments
-from kvpush.services.worker.engine import EngineStages, prefill_request, wake_engine
+from kvpush.services.worker.kinds import strategy, wake_engine
+from kvpush.services.worker.stages import EngineStages
 from kvpush.services.worker.jobs import RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import prompt_report
@@ -56,7 +57,7 @@ class PrefillRole:
         """Whether the engine computed the prompt."""
         from vllm import SamplingParams
 
-        engine_request_id, kv_params = prefill_request(self.worker.connector, job, current_traceparent())
+        engine_request_id, kv_params = strategy(self.worker.connector).prefill_request(job, current_traceparent())
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=job.prompt_logprobs,
                                 extra_args={"kv_transfer_params": kv_params})
         first_token = None

@@ -27,9 +27,11 @@ from kvpush.services.bus import Bus
 from kvpush.services.lifecycle import BackgroundTasks, Service
 from kvpush.services.worker.cache_relay import CacheRelay, events_endpoint
 from kvpush.services.worker.decode import DecodeRole
-from kvpush.services.worker.engine import EngineLoad, kv_bytes_per_block, side_channel, start_engine
+from kvpush.services.worker.engine import EngineLoad, kv_bytes_per_block, start_engine
+from kvpush.services.worker.kinds import strategy
 from kvpush.services.worker.engine_settings import EngineSettings, layer_wise
-from kvpush.services.worker.jobs import JobBook, RunningJob
+from kvpush.services.worker.job_book import JobBook
+from kvpush.services.worker.jobs import RunningJob
 from kvpush.services.worker.kinds import strategy
 from kvpush.services.worker.lending import Lender
 from kvpush.services.worker.prefill import PrefillRole
@@ -91,7 +93,7 @@ class Worker(Service):
             kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )
         self.connector = connector
-        self.kv_params = side_channel(self.worker_id, connector)
+        self.kv_params = strategy(connector).side_channel(self.worker_id)
         self.role = ROLES[role](self)
         self._load = EngineLoad()
         self._requests = BackgroundTasks()

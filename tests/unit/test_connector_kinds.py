@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvpush.services.worker import kinds
-from kvpush.services.worker.engine import decode_request, engine_kwargs, prefill_request, side_channel
+from kvpush.services.worker.engine import engine_kwargs
+from kvpush.services.worker.kinds import strategy
 from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.shared import connector_kinds, wire
 from kvpush.shared.settings import FaultSettings
@@ -136,7 +137,7 @@ PREFILLS = {
 
 @pytest.mark.parametrize("name,mode", list(PREFILLS))
 def test_the_prefill_request_of_each_kind(name, mode):
-    same(prefill_request(name, prefill_job(mode), "00-tp-01"), PREFILLS[name, mode])
+    same(strategy(name).prefill_request(prefill_job(mode), "00-tp-01"), PREFILLS[name, mode])
 
 
 PUSHED = {"remote_engine_id": "prefill-3", "remote_host": "10.0.0.9", "remote_port": 5600, "tp_size": 1}
@@ -178,12 +179,12 @@ DECODES = {
 
 @pytest.mark.parametrize("name,case", list(DECODES))
 def test_the_decode_request_of_each_kind(name, case):
-    same(decode_request(name, decode_job(case), "00-tp-02"), DECODES[name, case])
+    same(strategy(name).decode_request(decode_job(case), "00-tp-02"), DECODES[name, case])
 
 
 def test_a_decode_request_is_a_copy_of_what_prefill_said():
     job = decode_job("pull")
-    _, params = decode_request("vllm-nixl", job, "")
+    _, params = strategy("vllm-nixl").decode_request(job, "")
     params["remote_port"] = 1
     assert job.kv_transfer_params["remote_port"] == 5600
 
@@ -194,10 +195,10 @@ def test_only_vllms_kinds_open_a_side_channel(monkeypatch):
     monkeypatch.setenv("KVPUSH_ADVERTISE_HOST", "10.1.2.3")
     for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
         monkeypatch.setenv(variable, "unset")  # and put back as it was after the test
-    assert side_channel("decode-0", "kvpush") == {}
+    assert strategy("kvpush").side_channel("decode-0") == {}
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "unset"
     for name in ("vllm-nixl", "vllm-nixl-push"):
-        params = side_channel("decode-0", name)
+        params = strategy(name).side_channel("decode-0")
         port = params["remote_port"]
         same(params, {"remote_engine_id": "decode-0", "remote_host": "10.1.2.3", "remote_port": port, "tp_size": 1})
         assert (os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == \

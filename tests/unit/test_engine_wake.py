@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from kvpush.connector.engine_wake import WOKEN_FOR_S, WOKEN_WAIT_S, WakeClock, WakeListener
-from kvpush.services.worker.engine import wake_engine
+from kvpush.services.worker.kinds import wake_engine
 from kvpush.services.worker.engine_settings import EngineSettings
 from kvpush.shared import wire
 
@@ -67,18 +67,18 @@ def test_one_address_has_one_listener_and_closing_frees_it():
 def test_vllms_side_channel_is_announced_where_other_hosts_reach_the_worker(monkeypatch):
     """--connector vllm-nixl: peers connect to the side channel at the address the heartbeat
     names; on several hosts that is KVPUSH_ADVERTISE_HOST, not loopback."""
-    from kvpush.services.worker.engine import side_channel
+    from kvpush.services.worker.kinds import strategy
 
     monkeypatch.delenv("KVPUSH_ADVERTISE_HOST", raising=False)
     for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
         monkeypatch.delenv(variable, raising=False)
-    assert side_channel("decode-0", "kvpush") == {}  # ours speaks NATS
-    assert side_channel("decode-0", "vllm-nixl")["remote_host"] == "127.0.0.1"
+    assert strategy("kvpush").side_channel("decode-0") == {}  # ours speaks NATS
+    assert strategy("vllm-nixl").side_channel("decode-0")["remote_host"] == "127.0.0.1"
     monkeypatch.setenv("KVPUSH_ADVERTISE_HOST", "198.18.0.3")
-    params = side_channel("decode-0", "vllm-nixl-push")
+    params = strategy("vllm-nixl-push").side_channel("decode-0")
     assert params["remote_host"] == "198.18.0.3"
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "198.18.0.3"
     assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(params["remote_port"])
     # Below the range bind(0) draws from: no port vLLM or its peer picks can take it meanwhile.
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    assert all(side_channel("decode-0", "vllm-nixl")["remote_port"] < low for _ in range(20))
+    assert all(strategy("vllm-nixl").side_channel("decode-0")["remote_port"] < low for _ in range(20))

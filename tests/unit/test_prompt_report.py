@@ -10,7 +10,8 @@ import asyncio
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight
 from kvpush.services.scheduler.validation import ValidRequest
-from kvpush.services.worker.jobs import JobBook, RunningJob
+from kvpush.services.worker.job_book import JobBook
+from kvpush.services.worker.jobs import RunningJob
 from kvpush.shared import wire
 
 REPORT = wire.PromptReport(cached_tokens=16, logprobs=[None, [wire.TokenLogprob(5, -1.5, 1, "b")]])
