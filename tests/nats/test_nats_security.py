@@ -116,7 +116,7 @@ async def settle(conns) -> None:
         await conn.nc.flush(timeout=2)
 
 
-# The subjects each identity uses (shared/wire.py).
+# The subjects each identity uses (shared/wire/subjects.py).
 ALLOWED_FLOWS = [
     # publisher, subject, [(subscriber, subscription, queue group)]
     (C, wire.OWNED_GENERATE(client=C), [(S, wire.OWNED_GENERATE.wildcard, QUEUE)]),

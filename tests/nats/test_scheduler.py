@@ -1,5 +1,5 @@
 """The real scheduler over a real nats-server, without vLLM: fake prefill and decode
-workers speak the wire protocol (shared/wire.py) the way services/worker/service.py does
+workers speak the wire protocol (shared/wire/) the way services/worker/service.py does
 (heartbeats, job acks, a handoff, progress, token chunks and the final reply), each on
 the subject that names it, and a client sends raw ``kvpush.generate`` requests (a named
 client on ``kvpush.generate.<client>``, with its inboxes under ``_INBOX.<client>``).
