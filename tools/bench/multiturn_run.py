@@ -69,15 +69,20 @@ async def _run_system(system_name: str, model: str, max_model_len: int, topology
     return turns
 
 
-def _reference(model: str, max_model_len: int, turns: list[multiturn.Turn], output_len: int) -> list[list[int]]:
+def _references(model: str, max_model_len: int, prompts: list[list[int]], output_len: int) -> dict[tuple, list[int]]:
+    """What a single plain vLLM instance answers each distinct prompt, by prompt: one
+    engine start for every run's turns (runs that answered alike ask the same prompts)."""
+    distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))
+    if not distinct:
+        return {}
     with tempfile.TemporaryDirectory() as folder:
         requests, out = Path(folder) / "requests.json", Path(folder) / "out.json"
-        requests.write_text(json.dumps([{"prompt_token_ids": t.prompt, "max_tokens": output_len, "ignore_eos": True}
-                                        for t in turns]))
+        requests.write_text(json.dumps([{"prompt_token_ids": list(prompt), "max_tokens": output_len, "ignore_eos": True}
+                                        for prompt in distinct]))
         subprocess.run([sys.executable, "-m", "kvpush.tools.reference", "--model", model, "--requests", str(requests),
                         "--out", str(out), "--max-model-len", str(max_model_len)], check=True,
                        stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+        return dict(zip(distinct, json.loads(out.read_text())))
 
 
 def configurations(system: str, fetch: str) -> list[tuple[str, str, str]]:
@@ -110,9 +115,12 @@ def bench(model: str, out: Path, load: multiturn.Conversations, max_model_len: i
                "emulated": None if emulated is None else {"target": emulated.target, "dilation": emulated.k,
                                                           "link": emulated.link,
                                                           "link_bits_per_s": emulated.link_bits_per_s}}
+    answered = {label: [t for t in turns if not t.error] for label, turns in runs.items()}
+    references = _references(model, max_model_len, [t.prompt for ok in answered.values() for t in ok],
+                             load.output_len)
     for label, turns in runs.items():
-        ok = [t for t in turns if not t.error]
-        expected = _reference(model, max_model_len, ok, load.output_len) if ok else []
+        ok = answered[label]
+        expected = [references[tuple(t.prompt)] for t in ok]
         wrong = [f"{t.conversation}/{t.turn}" for t, ref in zip(ok, expected) if t.tokens != ref]
         results["runs"][label] = {**multiturn.summary(turns), "wrong_outputs": wrong,
                                   "turns_detail": multiturn.records(turns)}
