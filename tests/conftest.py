@@ -18,7 +18,7 @@ import pytest
 
 from kvpush.services.launch.natsd import LocalNatsServer
 from kvpush.services.launch.model import build_model, default_model_dir
-from tests.early import EARLY, compose_check, reference_generation
+from tests import early
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Services with no OTLP endpoint write their spans as JSON lines (otel/files.py): the
@@ -44,18 +44,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the long runs a selected test will wait for now, in the background (tests/early.py)."""
+    """Queue the long runs selected tests will ask for, in the background lane (tests/early.py)."""
     if session.config.option.collectonly:
         return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    if "reference_run" in needed:
-        EARLY.start("reference", reference_generation(str(build_model(default_model_dir("small")))))
-    if "compose_run" in needed:
-        EARLY.start("compose", compose_check())
+    early.queue_for(needed, lambda: str(build_model(default_model_dir("small"))))
 
 
 def pytest_sessionfinish(session):
-    EARLY.stop_all()
+    early.EARLY.stop_all()
 
 
 @pytest.fixture(scope="session")

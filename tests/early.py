@@ -1,14 +1,22 @@
-"""Long runs a test session starts as soon as it knows a selected test needs them, in the
-background, so that they overlap the tests before those (which use one core of two):
+"""Long runs a test session starts as soon as it knows a selected test needs them, one after
+another in the background, while the tests before those run (they keep one core of two
+busy): a second lane beside pytest's own.
 
-- the plain vLLM reference run (``reference_generation``), for the ``reference_run``
-  fixture of tests/stack/conftest.py;
-- the compose check (``compose_check``), for the ``compose_run`` fixture of
-  tests/stack/test_compose_up.py.
+- ``reference``: the plain vLLM reference run, for the ``reference_run`` fixture of
+  tests/stack/conftest.py;
+- ``bench``: `kvpush bench` in CI size, for tests/bench/test_bench.py;
+- ``multiturn``: `kvpush bench-multiturn` in CI size, for tests/bench/test_multiturn.py;
+- ``compose``: the compose check, for tests/stack/test_compose_up.py.
 
-``tests/conftest.py`` starts them after collection; the fixture that needs one waits for it
-(``EarlyRun.wait``), or starts it then if nothing did. Each is a process group of its own,
-stopped with the session."""
+They run in that order, one at a time, so the lane never holds more than one stack. The
+benchmarks' tests assert complete and correct results, not speed, so another lane beside
+them changes nothing they check; a test that measures time waits for the lane to be done
+(``EarlyRuns.wait_all``). The compose check goes last: its tests, early in tests/stack,
+wait for it, so the rest of tests/stack runs with the lane done.
+
+``tests/conftest.py`` queues them after collection; a fixture asks for its run's result
+(``EarlyRuns.result``), waiting for it, or runs it then if nothing queued it. Each run is a
+process group of its own, stopped with the session."""
 
 from __future__ import annotations
 
@@ -17,56 +25,63 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
-import subprocess
-import time
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = Path(tempfile.mkdtemp(prefix="kvpush-test-early-"))
+atexit.register(shutil.rmtree, FOLDER, ignore_errors=True)
 
 
 @dataclass
 class EarlyRun:
     command: list[str]
     log: Path  # its stdout and stderr
+    timeout_s: float
     cwd: Path | None = None
+    env: dict[str, str] | None = None
+    out: Path | None = None  # where it writes its results
     stop_signal: int = signal.SIGKILL  # SIGTERM for a run that cleans up after itself
     before: Callable[[], Any] | None = None  # called just before it starts: what the host was like
-    process: subprocess.Popen | None = None
-    started_at: float = 0.0
     seen_before: Any = None  # what ``before`` said
+    returncode: int | None = None  # None: not ended, or stopped at its timeout
+    timed_out: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+    _process: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        if self.process is not None:
-            return
-        self.seen_before = self.before() if self.before is not None else None
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(self.command, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started_at = time.monotonic()
-
-    def wait(self, timeout: float) -> int:
-        """Its exit code; on ``timeout`` it is stopped and TimeoutError raised."""
-        if self.process is None:
-            self.start()
+    def run_to_end(self) -> None:
+        """Start it, wait for it (at most ``timeout_s``: then it is stopped), and say it ended."""
         try:
-            return self.process.wait(timeout=max(timeout - (time.monotonic() - self.started_at), 1.0))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise TimeoutError(f"{self.command[:4]} did not end within {timeout:g} s") from None
+            self.seen_before = self.before() if self.before is not None else None
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "wb") as out:
+                self._process = subprocess.Popen(self.command, cwd=self.cwd, env=self.env, stdout=out,
+                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 start_new_session=True)
+            try:
+                self.returncode = self._process.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                self.timed_out = True
+                self.stop()
+        finally:
+            self.finished.set()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        process = self._process
+        if process is None or process.poll() is not None:
             return
         try:
-            os.killpg(self.process.pid, self.stop_signal)
-            self.process.wait(timeout=300)
+            os.killpg(process.pid, self.stop_signal)
+            process.wait(timeout=300)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -74,31 +89,64 @@ class EarlyRun:
 
 @dataclass
 class EarlyRuns:
+    """The lane: runs queued in order, started one after another by a thread of its own."""
+
     runs: dict[str, EarlyRun] = field(default_factory=dict)
+    _queue: list[str] = field(default_factory=list)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _lane: threading.Thread | None = None
 
-    def plan(self, name: str, run: EarlyRun) -> EarlyRun:
-        """The run ``name``, made once: the first plan of it stands."""
-        return self.runs.setdefault(name, run)
+    def queue(self, name: str, run: EarlyRun) -> None:
+        if name not in self.runs:
+            self.runs[name] = run
+            self._queue.append(name)
 
-    def start(self, name: str, run: EarlyRun) -> None:
-        self.plan(name, run).start()
+    def begin(self) -> None:
+        if self._queue and self._lane is None:
+            self._lane = threading.Thread(target=self._run_queue, name="early-runs", daemon=True)
+            self._lane.start()
 
-    def get(self, name: str, make: Callable[[], EarlyRun]) -> EarlyRun:
-        """The run ``name``, as planned early, or made now (a session that did not start it)."""
-        return self.runs[name] if name in self.runs else self.plan(name, make())
+    def _run_queue(self) -> None:
+        for name in self._queue:
+            if self._stopping.is_set():
+                self.runs[name].finished.set()
+                continue
+            self.runs[name].run_to_end()
+
+    def result(self, name: str, make: Callable[[], EarlyRun]) -> EarlyRun:
+        """Run ``name`` once it ended: the lane's, or made and run now if nothing queued it."""
+        run = self.runs.get(name)
+        if run is None:
+            run = self.runs[name] = make()
+            run.run_to_end()
+        run.finished.wait(self._patience())
+        return run
+
+    def wait_all(self) -> None:
+        """Until the lane is done (a test that measures time wants the machine to itself)."""
+        for run in self.runs.values():
+            run.finished.wait(self._patience())
+
+    def _patience(self) -> float:
+        return sum(run.timeout_s for run in self.runs.values()) + 60
 
     def stop_all(self) -> None:
+        self._stopping.set()
         for run in self.runs.values():
             run.stop()
 
 
 EARLY = EarlyRuns()
 
-ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_FOLDER = Path(tempfile.mkdtemp(prefix="kvpush-test-reference-"))
-atexit.register(shutil.rmtree, REFERENCE_FOLDER, ignore_errors=True)
+# ------------------------------------------------------------------ the runs
+
 COMPOSE_ARTIFACTS = ROOT / "test-artifacts" / "compose-check"
 COMPOSE_TIMEOUT_S = 1800
+# The bench's hook: NixlConnector's first try at its point gets 1 s, so it fails on purpose
+# (the client is killed: a system that stopped answering), and the bench starts it again.
+BENCH_FIRST_ATTEMPT_TIMEOUT = "vllm-nixl:1"
+BENCH_VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
+BENCH_REQUESTS = 3
 
 
 def reference_generation(model_dir: str) -> EarlyRun:
@@ -107,14 +155,38 @@ def reference_generation(model_dir: str) -> EarlyRun:
     position's candidates where a request asked in ``out.json.logprobs.json``."""
     from tests import prompts
 
-    requests = REFERENCE_FOLDER / "requests.json"
+    folder = FOLDER / "reference"
+    folder.mkdir(parents=True, exist_ok=True)
+    requests = folder / "requests.json"
     requests.write_text(json.dumps(prompts.reference_requests() + [prompts.chat_reference_request(model_dir)]))
     return EarlyRun([sys.executable, "-m", "kvpush.tools.reference", "--model", model_dir, "--requests", str(requests),
-                     "--out", str(REFERENCE_FOLDER / "out.json"), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
-                    log=REFERENCE_FOLDER / "reference.log")
+                     "--out", str(folder / "out.json"), "--max-model-len", str(prompts.MAX_MODEL_LEN)],
+                    log=folder / "reference.log", timeout_s=400, out=folder)
 
 
-def compose_check() -> EarlyRun:
+def bench(model_dir: str) -> EarlyRun:
+    """`kvpush bench` in CI size: every system, one tiny point each, driven by `vllm bench serve`."""
+    out = FOLDER / "bench"
+    return EarlyRun(
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--model", model_dir, "--systems",
+         ",".join(BENCH_VARIANTS), "--input-lens", "128", "--rates", "2", "--requests", str(BENCH_REQUESTS),
+         "--warmup", "1", "--output-len", "8", "--binding", "kvpush=auto,vllm-nixl=split,vllm-nixl-push=split",
+         "--out", str(out), "--point-timeout", "240"],
+        log=FOLDER / "bench.log", timeout_s=1150, out=out,
+        env={**os.environ, "KVPUSH_BENCH_FIRST_ATTEMPT_TIMEOUT": BENCH_FIRST_ATTEMPT_TIMEOUT})
+
+
+def multiturn(model_dir: str) -> EarlyRun:
+    """`kvpush bench-multiturn` in CI size: closed-loop conversations, prefix caching on and off."""
+    out = FOLDER / "multiturn"
+    return EarlyRun(
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench-multiturn", "--model", model_dir,
+         "--conversations", "2", "--turns", "3", "--first-len", "200", "--turn-len", "40", "--output-len", "6",
+         "--concurrency", "2", "--max-model-len", "1024", "--fetch", "on", "--out", str(out)],
+        log=FOLDER / "multiturn.log", timeout_s=850, out=out)
+
+
+def compose_check(model_dir: str = "") -> EarlyRun:
     """scripts/compose-check.sh, as CI and a newcomer run it (its report and logs under
     test-artifacts/compose-check/); SIGTERM stops the stack and removes its engine."""
     from kvpush.tools.compose_check import engine as private_engine
@@ -123,5 +195,22 @@ def compose_check() -> EarlyRun:
     report = COMPOSE_ARTIFACTS / "report.json"
     report.unlink(missing_ok=True)
     return EarlyRun(["bash", "scripts/compose-check.sh", "--report", str(report), "--logs", str(COMPOSE_ARTIFACTS / "logs")],
-                    log=COMPOSE_ARTIFACTS / "output.log", cwd=ROOT, stop_signal=signal.SIGTERM,
-                    before=private_engine.links)
+                    log=COMPOSE_ARTIFACTS / "output.log", timeout_s=COMPOSE_TIMEOUT_S, cwd=ROOT,
+                    stop_signal=signal.SIGTERM, before=private_engine.links, out=COMPOSE_ARTIFACTS)
+
+
+# The lane's order, and the fixture that asks for each run's result.
+LANE: tuple[tuple[str, str, Callable[[str], EarlyRun]], ...] = (
+    ("reference", "reference_run", reference_generation),
+    ("bench", "bench_run", bench),
+    ("multiturn", "multiturn_run", multiturn),
+    ("compose", "compose_run", compose_check),
+)
+
+
+def queue_for(fixtures: set[str], model_dir: Callable[[], str]) -> None:
+    """Queue, in the lane's order, the runs these fixtures ask for, and start the lane."""
+    for name, fixture, make in LANE:
+        if fixture in fixtures:
+            EARLY.queue(name, make(model_dir()))
+    EARLY.begin()

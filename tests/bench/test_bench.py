@@ -7,31 +7,26 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import sys
 
 import pytest
 
-from tests.bench.whole_group import run_whole
+from tests.early import BENCH_REQUESTS as REQUESTS, BENCH_VARIANTS as VARIANTS, EARLY, bench
 
 pytestmark = pytest.mark.timeout(1200)
 
-VARIANTS = ("kvpush-push", "kvpush-pull", "kvpush-auto", "kvpush-local", "vllm-nixl", "vllm-nixl-push")
-REQUESTS = 3
+
+@pytest.fixture(scope="module")
+def bench_run(model_dir):
+    """The bench's run, in the session's background lane (tests/early.py): every system at
+    128 tokens, 2 req/s, three requests and a warm-up, through `vllm bench serve`, with the
+    hook that makes NixlConnector's first try at its point fail (its first attempt gets 1 s:
+    the client is killed, a system that stopped answering) so the bench starts it again."""
+    return EARLY.result("bench", lambda: bench(model_dir))
 
 
-def test_bench_runs_every_system_with_vllms_client_and_keeps_every_result(model_dir, tmp_path):
-    out = tmp_path / "bench"
-    run = run_whole(
-        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--model", model_dir, "--systems", ",".join(VARIANTS),
-         "--input-lens", "128", "--rates", "2", "--requests", str(REQUESTS), "--warmup", "1", "--output-len", "8",
-         "--binding", "kvpush=auto,vllm-nixl=split,vllm-nixl-push=split", "--out", str(out), "--point-timeout", "240"],
-        timeout=1150,
-        # The hook: NixlConnector's first try at its point gets 1 s, so it fails on purpose (the
-        # client is killed: a system that stopped answering), and the bench starts it again.
-        env={**os.environ, "KVPUSH_BENCH_FIRST_ATTEMPT_TIMEOUT": "vllm-nixl:1"},
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+def test_bench_runs_every_system_with_vllms_client_and_keeps_every_result(bench_run):
+    out = bench_run.out
+    assert bench_run.returncode == 0, bench_run.output()[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["errors"] == []
     retried = {row["variant"]: row for row in results["retried"]}

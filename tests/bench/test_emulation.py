@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.bench.whole_group import run_whole
+from tests.early import EARLY
 
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.link import measure
@@ -21,6 +22,13 @@ from kvpush.tools.emulation.time_model import Request, step_time
 from kvpush.tools.hosts.network import Network
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def machine_to_itself():
+    """These tests measure wall time against a time model: the session's background lane
+    (tests/early.py) is done first."""
+    EARLY.wait_all()
 
 DILATION = 20.0
 INPUT_LEN = 512

@@ -5,24 +5,25 @@ single vLLM instance. It asserts complete, correct results, not speed."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests.bench.whole_group import run_whole
+from tests.early import EARLY, multiturn
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_conversations_run_closed_loop_and_every_answer_equals_the_reference(model_dir, tmp_path):
-    out = tmp_path / "multiturn"
-    run = run_whole(
-        [sys.executable, "-m", "kvpush.services.cli.main", "bench-multiturn", "--model", model_dir, "--conversations", "2",
-         "--turns", "3", "--first-len", "200", "--turn-len", "40", "--output-len", "6", "--concurrency", "2",
-         "--max-model-len", "1024", "--fetch", "on", "--out", str(out)],
-        timeout=850,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+@pytest.fixture(scope="module")
+def multiturn_run(model_dir):
+    """The run, in the session's background lane (tests/early.py): two conversations of
+    three turns (200-token openings, 40 tokens a turn, 6 out), two at a time, kvpush push
+    with prefix caching and fetching on, and with caching off."""
+    return EARLY.result("multiturn", lambda: multiturn(model_dir))
+
+
+def test_conversations_run_closed_loop_and_every_answer_equals_the_reference(multiturn_run):
+    out = multiturn_run.out
+    assert multiturn_run.returncode == 0, multiturn_run.output()[-4000:]
     results = json.loads((out / "multiturn.json").read_text())
     assert set(results["runs"]) == {"kvpush-push prefix caching on, fetching on", "kvpush-push prefix caching off"}
     for label, result in results["runs"].items():

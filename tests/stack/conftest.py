@@ -12,7 +12,7 @@ import pytest
 
 from kvpush.services.launch.stack import Stack
 from tests import prompts
-from tests.early import EARLY, REFERENCE_FOLDER, reference_generation
+from tests.early import EARLY, reference_generation
 from kvpush.tools.otlp_receiver import OtlpReceiver
 
 
@@ -53,10 +53,9 @@ def reference_run(model_dir) -> tuple[list[list[int]], list]:
     """What a single plain vLLM instance generates for prompts.reference_requests(): token
     ids, and each position's [token id, logprob] candidates where a request asked. Started
     in the background as soon as the session knew a test needs it (tests/early.py)."""
-    run = EARLY.get("reference", lambda: reference_generation(model_dir))
-    assert run.wait(400) == 0, run.output()[-4000:]
-    out = REFERENCE_FOLDER / "out.json"
-    return json.loads(out.read_text()), json.loads((REFERENCE_FOLDER / "out.json.logprobs.json").read_text())
+    run = EARLY.result("reference", lambda: reference_generation(model_dir))
+    assert run.returncode == 0, run.output()[-4000:]
+    return json.loads((run.out / "out.json").read_text()), json.loads((run.out / "out.json.logprobs.json").read_text())
 
 
 @pytest.fixture(scope="session")

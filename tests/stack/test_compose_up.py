@@ -38,14 +38,11 @@ def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
 
 @pytest.fixture(scope="module")
 def compose_run():
-    """scripts/compose-check.sh, as CI and a newcomer run it, started in the background as
+    """scripts/compose-check.sh, as CI and a newcomer run it, run in the background lane as
     soon as the session knew this module would run (tests/early.py); its report, output and
     what the host looked like before."""
-    check = EARLY.get("compose", compose_check)
-    try:
-        rc = check.wait(COMPOSE_TIMEOUT_S)
-    except TimeoutError:
-        rc = None  # stopped: SIGTERM, the check stops the stack and removes its engine
+    check = EARLY.result("compose", compose_check)
+    rc = check.returncode  # None: stopped at its timeout (SIGTERM: it stops the stack and removes its engine)
     output = check.output()
     sys.stderr.write(output[-6000:])
     report_path = COMPOSE_ARTIFACTS / "report.json"

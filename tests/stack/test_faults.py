@@ -382,7 +382,7 @@ async def test_a_short_soak_loses_nothing_and_leaks_nothing(rig, reference):
     bodies = [{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True} for _, p, n in prompts.CORRECTNESS]
     soak = Soak(rig, bodies, reference[: len(bodies)], seed=3)
     wanted = FAULT_KINDS.index("message_chaos") + 1  # every kind up to message chaos, however slow the machine
-    tally = await soak.run(seconds=60, rate=1.0, fault_every_s=5, at_least_faults=wanted, most_seconds=150)
+    tally = await soak.run(seconds=40, rate=1.0, fault_every_s=5, at_least_faults=wanted, most_seconds=150)
     assert tally.sent >= 10
     assert {"cancel", "client_gone", "dropped_final", "kill_scheduler", "malformed", "forged_registration",
             "message_chaos"} <= set(tally.faults), tally.faults
