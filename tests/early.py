@@ -20,14 +20,12 @@ process group of its own, stopped with the session."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDER = Path(tempfile.mkdtemp(prefix="kvpush-test-early-"))
-atexit.register(shutil.rmtree, FOLDER, ignore_errors=True)
+FOLDER = ROOT / "test-artifacts" / "early"  # each run's output and logs, kept after a failure
 
 
 @dataclass
@@ -45,7 +42,9 @@ class EarlyRun:
     log: Path  # its stdout and stderr
     timeout_s: float
     cwd: Path | None = None
-    env: dict[str, str] | None = None
+    # Its environment, as the session's was when it was queued: tests change the session's
+    # own meanwhile (a NATS user, TLS files, a cache folder), which a run must not pick up.
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     out: Path | None = None  # where it writes its results
     stop_signal: int = signal.SIGKILL  # SIGTERM for a run that cleans up after itself
     before: Callable[[], Any] | None = None  # called just before it starts: what the host was like
@@ -210,6 +209,8 @@ LANE: tuple[tuple[str, str, Callable[[str], EarlyRun]], ...] = (
 
 def queue_for(fixtures: set[str], model_dir: Callable[[], str]) -> None:
     """Queue, in the lane's order, the runs these fixtures ask for, and start the lane."""
+    if any(fixture in fixtures for _, fixture, _ in LANE):
+        shutil.rmtree(FOLDER, ignore_errors=True)  # the last session's
     for name, fixture, make in LANE:
         if fixture in fixtures:
             EARLY.queue(name, make(model_dir()))
