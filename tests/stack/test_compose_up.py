@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(2400)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_no_engine_is_a_failure_with_a_clear_message(tmp_path):
+def test_no_engine_is_a_failure_with_a_clear_message(tmp_path, compose_run):
+    # after the lane's compose check (compose_run): two checks in one checkout refuse each other
     result = subprocess.run([sys.executable, "-m", "kvpush.tools.compose_check", "--dockerd", str(tmp_path / "no-dockerd"),
                              "--work-parent", str(tmp_path), "--report", str(tmp_path / "report.json")],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
