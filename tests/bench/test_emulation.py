@@ -1,7 +1,8 @@
 """Emulated GPUs (tools/emulation), one tiny point in CI: the timed model in a real vLLM engine,
-a NIXL WRITE through a link shaped with tc, and the plugin's switch for vLLM's NIXL progress
-thread. What it asserts: a forward's wall time follows the time model within 10%, the link
-carries the rate that was set within 10%, and the switch reaches the agent config vLLM makes.
+a NIXL WRITE through a link shaped with tc, and the plugin's switches for vLLM's NIXL progress
+thread and its shared-memory queue's spin. What it asserts: a forward's wall time follows the
+time model within 10%, the link carries the rate that was set within 10%, and each switch
+reaches what vLLM makes (the agent config, the queue's yield).
 The time model's arithmetic is tested in tests/unit/test_time_model.py."""
 
 from __future__ import annotations
@@ -116,6 +117,45 @@ def test_the_plugin_paces_the_progress_thread_of_every_nixl_agent_only_when_aske
         assert registered == "True"
         seen[switch] = float(cpu)
     assert seen["paced"] < 0.2 < 0.6 < seen["on"], seen
+
+
+SHM_QUEUE_PROBE = """
+import threading, time
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.distributed.device_communicators import shm_broadcast
+writer = shm_broadcast.MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0)
+connecting = threading.Thread(target=reader.wait_until_ready)
+connecting.start(); writer.wait_until_ready(); connecting.join()
+read = []
+reading = threading.Thread(target=lambda: read.extend([reader.dequeue(), reader.dequeue()]))
+reading.start()
+writer.enqueue("step")
+while not read:
+    time.sleep(0.001)
+time.sleep(0.1)
+start = time.process_time(); time.sleep(0.7); cpu = (time.process_time() - start) / 0.7
+writer.enqueue("next step"); reading.join()
+print(round(cpu, 3), read == ["step", "next step"])
+"""
+
+
+def test_the_plugin_paces_the_spin_of_vllm_s_shared_memory_queue_unless_told_not_to():
+    """At TP > 1 vLLM's executor passes each step through shared-memory queues whose readers
+    poll for a second after each read, yielding the core between polls: a core spun while a
+    step waits. By default the plugin makes each yield a 100 us sleep. Here a real queue of
+    vLLM's, in a process that loaded vLLM's plugins as its engines do: the reader's CPU in
+    the second after a read, while nothing comes."""
+    seen = {}
+    for switch in ("paced", "on"):
+        run = subprocess.run([sys.executable, "-c", SHM_QUEUE_PROBE], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "KVPUSH_SHM_SPIN": switch, "VLLM_LOGGING_LEVEL": "ERROR"})
+        assert run.returncode == 0, run.stderr[-3000:]
+        cpu, delivered = run.stdout.strip().splitlines()[-1].split()
+        assert delivered == "True"  # paced, the queue still passes every message
+        seen[switch] = float(cpu)
+    assert seen["paced"] < 0.3 and seen["on"] > 3 * seen["paced"], seen
 
 
 def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shaped_link(tmp_path):

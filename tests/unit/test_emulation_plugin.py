@@ -1,13 +1,20 @@
 """The emulation plugin's guard for the forward thread's cores (tools/emulation/plugin.py): vLLM's
 NIXL worker pins the thread that builds it to the last core; an emulated GPU server has no
-such pin, so the plugin sets the thread's cores back after the worker is built."""
+such pin, so the plugin sets the thread's cores back after the worker is built. And its
+pacing of the shared-memory queue's spin (``KVPUSH_SHM_SPIN``), on a module shaped as vLLM's
+``shm_broadcast``: it imports ``sched_yield`` by name and calls it between polls. That the
+patch reaches vLLM's own module in a vLLM process: tests/bench/test_emulation.py."""
 
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
 
+import pytest
+
+from kvpush.tools.emulation import plugin
 from kvpush.tools.emulation.plugin import keeping_thread_cores, patch_on_import
 
 def _in_a_thread(function):
@@ -70,3 +77,42 @@ def test_a_module_is_patched_when_it_is_imported_and_at_once_when_it_already_was
         assert patched == ["kvpush_probe_worker", "again"]
     finally:
         sys.modules.pop("kvpush_probe_worker", None)
+
+
+SPINNING_QUEUE = """
+import os
+sched_yield = os.sched_yield
+
+
+def poll(times):
+    for _ in range(times):
+        sched_yield()
+"""
+
+
+def test_the_queue_s_spin_is_paced_once_its_module_is_imported(tmp_path, monkeypatch):
+    (tmp_path / "kvpush_probe_queue.py").write_text(SPINNING_QUEUE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patch_on_import("kvpush_probe_queue", lambda module: plugin._pace_shm_spin(module, 200e-6))
+    try:
+        import kvpush_probe_queue as queue
+
+        paced = queue.sched_yield
+        assert paced is not os.sched_yield and paced.kvpush_paced
+        plugin._pace_shm_spin(queue, 1.0)
+        assert queue.sched_yield is paced  # once: a second load of the plugin changes nothing
+        started, cpu = time.monotonic(), time.thread_time()
+        queue.poll(100)
+        wall, used = time.monotonic() - started, time.thread_time() - cpu
+        assert wall >= 100 * 200e-6  # each poll gave the core up for the pause
+        assert used < 0.5 * wall, (used, wall)  # asleep, not spinning
+    finally:
+        sys.modules.pop("kvpush_probe_queue", None)
+
+
+def test_the_spin_is_paced_by_default_for_100_us_and_the_switch_takes_paced_or_on_only():
+    assert plugin.shm_spin_pause({}) == pytest.approx(100e-6)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "paced", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}) == pytest.approx(500e-6)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "on", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}) is None
+    with pytest.raises(ValueError, match="'paced' or 'on'"):
+        plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "off"})

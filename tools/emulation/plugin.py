@@ -19,6 +19,18 @@ machine, core 1 for the prefill and the decode alike, whatever the binding. The 
 worker then spins beside the prefill's forward (measured: an 8k prefill's first step did not
 end in vLLM's 300 s and the engine died). A GPU server has no such pin (it is CPU-only), so
 the emulation undoes it: the thread's cores before the worker was built are set back after.
+
+At tensor parallelism above 1, vLLM's multiprocess executor passes every step through
+shared-memory queues whose readers busy-poll for a second after each read
+(``shm_broadcast.SpinCondition``), yielding the core between polls (``sched_yield``). While a
+step waits in a worker (kvpush's connector waiting for KV), the engine core's reader spins a
+whole core: ~0.9 CPU-s/s, measured. With ``KVPUSH_SHM_SPIN=paced`` (the default) each of those
+yields is a sleep of ``KVPUSH_SHM_SPIN_SLEEP_US`` (default 100) instead: ~0.15 CPU-s/s in the
+same wait, the same tokens, a few percent slower per token on the tiny model (docs/scaling.md).
+The readers still poll the shared memory in that second: only the pause between polls
+changes. ``on`` keeps vLLM's own spin. Setting the queue's ``busy_loop_s`` to 0 instead (every
+wait on the notification socket) hung TP-2 engines at their first step, 3 of 3 times: not
+done here.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 from typing import Callable
 
 PROGRESS_THREAD_ENV = "KVPUSH_NIXL_PROGRESS_THREAD"  # "on" (NIXL's own) or "paced"
@@ -37,6 +50,9 @@ MODULE = "kvpush.tools.emulation.timed_model"
 TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # the emulated deployment, set in every emulated engine
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
+SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "paced" (the default) or "on" (vLLM's own spin)
+SHM_SPIN_SLEEP_ENV = "KVPUSH_SHM_SPIN_SLEEP_US"
+SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
 def register() -> None:
@@ -49,6 +65,9 @@ def register() -> None:
         _pace_progress_threads(int(os.environ.get(PROGRESS_DELAY_ENV, "1000")))
     elif switch != "on":
         raise ValueError(f"{PROGRESS_THREAD_ENV}={switch!r}: use 'on' or 'paced'")
+    pause_s = shm_spin_pause(os.environ)
+    if pause_s is not None:
+        patch_on_import(SHM_BROADCAST_MODULE, lambda module: _pace_shm_spin(module, pause_s))
     if os.environ.get(TARGET_ENV):
         patch_on_import(NIXL_WORKER_MODULE, _keep_the_builders_cores)
 
@@ -72,6 +91,36 @@ def _keep_the_builders_cores(module) -> None:
     worker = getattr(module, NIXL_WORKER_CLASS)
     if not getattr(worker.__init__, "kvpush_keeps_cores", False):
         worker.__init__ = keeping_thread_cores(worker.__init__)
+
+
+def shm_spin_pause(environ) -> float | None:
+    """The pause, in seconds, between the shared-memory queue's polls that ``environ`` asks
+    for (``KVPUSH_SHM_SPIN``, ``KVPUSH_SHM_SPIN_SLEEP_US``); None: vLLM's own spin."""
+    spin = environ.get(SHM_SPIN_ENV, "paced")
+    if spin == "on":
+        return None
+    if spin != "paced":
+        raise ValueError(f"{SHM_SPIN_ENV}={spin!r}: use 'paced' or 'on'")
+    return int(environ.get(SHM_SPIN_SLEEP_ENV, "100")) / 1e6
+
+
+def paced_yield(sleep_s: float) -> Callable[[], None]:
+    """A stand-in for ``sched_yield`` that gives the core up for ``sleep_s``."""
+
+    def pause() -> None:
+        time.sleep(sleep_s)
+
+    pause.kvpush_paced = True
+    return pause
+
+
+def _pace_shm_spin(module, sleep_s: float) -> None:
+    """Make the shared-memory queue's spins (readers waiting for a step's input or output,
+    writers for a free slot) sleep ``sleep_s`` between polls. The module imported
+    ``sched_yield`` by name, so its own global is the one replaced; queues that already
+    exist read it at each call."""
+    if not getattr(module.sched_yield, "kvpush_paced", False):
+        module.sched_yield = paced_yield(sleep_s)
 
 
 def patch_on_import(name: str, patch: Callable) -> None:
