@@ -123,15 +123,17 @@ def _omp_binding(config):
 
 
 def kv_bytes_per_block(config) -> int:
-    """One KV block's bytes over every layer (K and V), from the engine's config; 0 if it
-    cannot be told. What fetching a block from another engine moves."""
+    """One KV block's bytes over every layer (K and V) and every KV head, from the engine's
+    config; 0 if it cannot be told. What fetching a block from another engine moves, at any
+    tensor parallelism: each rank holds its share of the heads (all of them, replicated, when
+    there are more ranks than heads), and the heads are counted once."""
     try:
         import torch
 
         model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
         dtype = model.dtype if cache.cache_dtype in (None, "auto") else getattr(torch, str(cache.cache_dtype), None)
         element = torch.tensor([], dtype=dtype).element_size()
-        return (model.get_num_layers(parallel) * 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
+        return (model.get_num_layers(parallel) * 2 * model.get_total_num_kv_heads() * model.get_head_size()
                 * element * cache.block_size)
     except Exception:
         return 0

@@ -3,13 +3,17 @@
 vLLM applies ``VLLM_CPU_OMP_THREADS_BIND`` only around the worker processes of its
 multiprocess executor; kvpush runs TP 1 engines with the ``uni`` executor, so
 ``start_engine`` applies vLLM's own ``OMPProcessManager`` around the start of the
-engine-core process (docs/benchmarks.md, "Push's own costs"). Here: the environment that
-process would inherit, for a real vLLM config built from kvpush's engine arguments (no
-engine is started)."""
+engine-core process (docs/benchmarks.md, "Push's own costs"). At TP above 1 vLLM's executor
+binds each rank process, and kvpush names one core list per rank (vLLM's ``auto`` refuses a
+one-node machine). Here: the environment that process would inherit, for a real vLLM config
+built from kvpush's engine arguments (no engine is started); and a KV block's bytes, which
+the heartbeat reports, from the same configs at TP 1 and 2."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 from vllm.usage.usage_lib import UsageContext
@@ -24,9 +28,9 @@ def model() -> str:
     return str(build_model(default_model_dir("small"), profile="small"))
 
 
-def _config(model: str, role: str | None):
+def _config(model: str, role: str | None, tensor_parallel_size: int = 1):
     settings = EngineSettings(model=model, role=role, engine_id="bound", nats_url="nats://127.0.0.1:4222",
-                              connector="kvpush")
+                              connector="kvpush", tensor_parallel_size=tensor_parallel_size)
     return engine.engine_args(settings).create_engine_config(UsageContext.ENGINE_CONTEXT)
 
 
@@ -64,3 +68,15 @@ def test_nobind_leaves_the_environment_alone(model, clean_env):
     clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with engine._omp_binding(_config(model, None)):
         assert not any(name in os.environ for name in _BINDING)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_blocks_bytes_count_every_kv_head_once_at_any_tensor_parallelism(model, tp):
+    """What the heartbeat reports and the scheduler's fetch costs read: the bytes a block
+    moves, all heads, not the share of the heads one rank holds."""
+    hf = json.loads((Path(model) / "config.json").read_text())
+    config = _config(model, "decode", tensor_parallel_size=tp)
+    head_size = hf["hidden_size"] // hf["num_attention_heads"]
+    fp32 = 4
+    assert engine.kv_bytes_per_block(config) == (hf["num_hidden_layers"] * 2 * hf["num_key_value_heads"] * head_size
+                                                 * fp32 * config.cache_config.block_size)
