@@ -1,14 +1,17 @@
 """The worker's side of vLLM: engine settings and arguments, the engine's start (bound to
-its cores), its KV block size in bytes, and its load (from vLLM's stat logger hook). What
-each KV connector wants in a request is its kind's strategy's (``kvpush.services.worker.kinds``);
-a request's stage times are ``kvpush.services.worker.stages``."""
+its cores, one list per rank at TP above 1), its KV block size in bytes, and its load (from
+vLLM's stat logger hook). What each KV connector wants in a request is its kind's strategy's
+(``kvpush.services.worker.kinds``); a request's stage times are
+``kvpush.services.worker.stages``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
+from kvpush.services.worker.cpu_binding import BIND_ENV, default_binding
 from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.services.worker.kinds import strategy
 
@@ -102,7 +105,7 @@ def start_engine(engine: EngineSettings, stat_loggers: list):
 
     args = engine_args(engine)
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
-    with _omp_binding(config):
+    with _omp_binding(config), rank_binding(engine.tensor_parallel_size):
         return AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
                         log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
                         stat_loggers=stat_loggers)
@@ -111,8 +114,6 @@ def start_engine(engine: EngineSettings, stat_loggers: list):
 def _omp_binding(config):
     """vLLM's OpenMP environment for the engine's one worker (rank 0), when that worker runs
     in the engine-core process on CPUs; otherwise nothing (vLLM's executor does it)."""
-    import contextlib
-
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or config.parallel_config.distributed_executor_backend != "uni":
@@ -120,6 +121,26 @@ def _omp_binding(config):
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     return OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
+
+
+@contextlib.contextmanager
+def rank_binding(tensor_parallel_size: int):
+    """At TP above 1 on CPUs, one core list per rank in ``VLLM_CPU_OMP_THREADS_BIND`` while
+    the engine core starts (its rank processes, which vLLM's executor binds, inherit it):
+    ``cpu_binding.default_binding``, the ranks spread over this process's cores, unless the
+    environment names a binding. vLLM's own default (``auto``) refuses TP above 1 on a
+    machine with one NUMA node."""
+    binding = None
+    if tensor_parallel_size > 1 and _on_cpu():
+        binding = default_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)), dict(os.environ))
+    if binding is None:
+        yield
+        return
+    os.environ[BIND_ENV] = binding
+    try:
+        yield
+    finally:
+        os.environ.pop(BIND_ENV, None)
 
 
 def kv_bytes_per_block(config) -> int:

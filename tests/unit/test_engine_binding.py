@@ -20,6 +20,7 @@ from vllm.usage.usage_lib import UsageContext
 
 from kvpush.services.launch.model import build_model, default_model_dir
 from kvpush.services.worker import engine
+from kvpush.services.worker.cpu_binding import default_binding
 from kvpush.services.worker.engine_settings import EngineSettings
 
 
@@ -68,6 +69,22 @@ def test_nobind_leaves_the_environment_alone(model, clean_env):
     clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     with engine._omp_binding(_config(model, None)):
         assert not any(name in os.environ for name in _BINDING)
+
+
+def test_above_tp1_the_ranks_get_one_core_list_each_unless_the_environment_names_them(model, clean_env):
+    config = _config(model, "prefill", tensor_parallel_size=2)
+    assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM binds each rank's process
+    clean_env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    with engine._omp_binding(config), engine.rank_binding(2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == default_binding(2, cores, {})  # "0|1" on two cores
+        assert not any(name in os.environ for name in _BINDING)  # the ranks bind themselves
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # only the engine core's start sees it
+    clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|0")
+    with engine.rank_binding(2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
+    with engine.rank_binding(1):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
 
 
 @pytest.mark.parametrize("tp", [1, 2])
