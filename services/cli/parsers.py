@@ -24,6 +24,8 @@ def stack_options(p) -> None:
     cli_settings.add(p, "--mode", "--connector", "--prefix-caching")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor parallelism of each prefill worker's engine")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of each decode worker's engine")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--gateway-port", type=int, default=8000,
                    help="the OpenAI-compatible HTTP gateway's port on 127.0.0.1 (a free one if taken; -1: none)")
@@ -84,7 +86,7 @@ def add_worker(sub) -> None:
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
                                             "keeps the id and gets a new incarnation")
-    cli_settings.add(worker, "--connector", "--prefix-caching", "--push-by-layer", "--json-whitespace", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
+    cli_settings.add(worker, "--connector", "--tensor-parallel-size", "--prefix-caching", "--push-by-layer", "--json-whitespace", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_worker"))
 

@@ -95,7 +95,7 @@ def cmd_worker(args) -> int:
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
         faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer),
-        json_whitespace=args.json_whitespace),
+        json_whitespace=args.json_whitespace, tensor_parallel_size=args.tensor_parallel_size),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
@@ -110,6 +110,8 @@ def _start_stack(args, quiet: bool = False):
         mode=args.mode,
         connector=args.connector,
         prefix_caching=args.prefix_caching,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         extra_env=env,
         gateway_port=None if args.gateway_port < 0 else args.gateway_port,
     )

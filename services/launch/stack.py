@@ -14,6 +14,7 @@ from pathlib import Path
 import nats
 
 from kvpush.services.launch.natsd import LocalNatsServer, free_port
+from kvpush.services.worker.cpu_binding import BIND_ENV, Placement, engine_bindings
 from kvpush.shared import settings
 from kvpush.shared.nats_security import connect_options, error_logger, server_urls
 from kvpush.client import scheduler_status
@@ -49,6 +50,9 @@ class Stack:
         metrics: bool = False,
         launchers: dict[str, list[str]] | None = None,
         nats_host: str = "127.0.0.1",
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
+        placement: Placement = Placement.SPREAD,
     ):
         self.model = model
         self.nats_url = nats_url
@@ -71,6 +75,8 @@ class Stack:
         # ["ip", "netns", "exec", "h2"] (the multi-host rig's "hosts").
         self.launchers = launchers or {}
         self.nats_host = nats_host  # where its own NATS listens (a launcher's hosts must reach it)
+        self.tensor_parallel = {"prefill": prefill_tp, "decode": decode_tp}
+        self.placement = placement  # how engines above TP 1 share this machine's cores (cpu_binding)
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
 
@@ -107,14 +113,34 @@ class Stack:
 
     def spawn_worker(self, role: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one more worker (a replacement after a crash, say); it joins on its own."""
+        return self._spawn(role, name, self.worker_args(role, name), {**self.worker_binding(role, name), **(env or {})})
+
+    def worker_args(self, role: str, name: str) -> list[str]:
+        """The command line of the worker ``name`` (prefill-0, ...) of ``role``."""
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
         args = ["worker", "--role", role, *common, "--connector", self.connector,
                 "--prefix-caching", self.prefix_caching]
+        if self.tensor_parallel[role] != 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel[role])]
         if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
             # Our own NATS: nobody else's workers can share these names. (With per-worker
             # NATS users the user is the id; on a shared server without, each gets a new one.)
             args += ["--worker-id", name]
-        return self._spawn(role, name, args, env)
+        return args
+
+    def worker_binding(self, role: str, name: str) -> dict[str, str]:
+        """Where the ranks of worker ``name``'s engine run, when it has more than one and
+        nothing in its environment says: every worker's engine on this machine's cores, as
+        ``placement`` shares them (``cpu_binding.engine_bindings``). At TP 1, nothing: vLLM's
+        own binding of one rank stands."""
+        if self.tensor_parallel[role] == 1 or BIND_ENV in self._env(role, name):
+            return {}
+        engines = {**{f"prefill-{i}": "prefill" for i in range(self.num_prefill)},
+                   **{f"decode-{i}": "decode" for i in range(self.num_decode)}}
+        engines.setdefault(name, role)  # a worker beyond the first ones takes the next place
+        bindings = engine_bindings(sorted(os.sched_getaffinity(0)), [self.tensor_parallel[r] for r in engines.values()],
+                                   self.placement)
+        return {BIND_ENV: bindings[list(engines).index(name)]}
 
     def _env(self, role: str, name: str = "") -> dict[str, str]:
         return {**os.environ, **self.extra_env, **self.role_env.get(name, self.role_env.get(role, {}))}

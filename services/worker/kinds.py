@@ -7,8 +7,8 @@ strategy per kind, picked by name with ``strategy(name)``.
   prefill job.
 - ``decode_request(job, traceparent)``: the same for a decode job; a ``local`` one (no
   prefill, no transfer) is the same for every kind.
-- ``side_channel(engine_id)``: set up what peers reach this engine's connector by, and
-  return it for the heartbeat's ``kv_params``.
+- ``side_channel(engine_id, tp_size)``: set up what peers reach this engine's connector by
+  (an engine of ``tp_size`` ranks), and return it for the heartbeat's ``kv_params``.
 - ``wake_engine(engine)``: tell the engine's connector that a request is being handed to
   the engine.
 
@@ -56,7 +56,7 @@ class KindStrategy(ABC):
         """A decode job whose prompt's KV comes from a prefill engine (push or pull)."""
 
     @abstractmethod
-    def side_channel(self, engine_id: str) -> dict:
+    def side_channel(self, engine_id: str, tp_size: int = 1) -> dict:
         ...
 
     @abstractmethod
@@ -119,7 +119,7 @@ class KvpushStrategy(KindStrategy):
             params.prefill_incarnation = prefilled.prefill_incarnation
         return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
 
-    def side_channel(self, engine_id: str) -> dict:
+    def side_channel(self, engine_id: str, tp_size: int = 1) -> dict:
         return {}  # ours speaks NATS
 
     def wake_engine(self, engine: EngineSettings) -> None:
@@ -151,14 +151,16 @@ class VllmNixlStrategy(KindStrategy):
     def remote_decode_request(self, job: wire.DecodeJob, traceparent: str) -> tuple[str, dict]:
         return job.transfer_id, dict(job.kv_transfer_params)
 
-    def side_channel(self, engine_id: str) -> dict:
-        """One port per engine, for this process's engine; the heartbeat names where other
-        hosts reach it (``KVPUSH_ADVERTISE_HOST``)."""
+    def side_channel(self, engine_id: str, tp_size: int = 1) -> dict:
+        """One port per engine, for this process's engine, whatever its TP (vLLM's scheduler
+        side answers for every rank); the heartbeat names where other hosts reach it
+        (``KVPUSH_ADVERTISE_HOST``) and the engine's TP, which a peer's connector maps its
+        ranks by."""
         port = port_outside_ephemeral_range()
         host = os.environ.get("KVPUSH_ADVERTISE_HOST") or "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-        return {"remote_engine_id": engine_id, "remote_host": host, "remote_port": port, "tp_size": 1}
+        return {"remote_engine_id": engine_id, "remote_host": host, "remote_port": port, "tp_size": tp_size}
 
     def wake_engine(self, engine: EngineSettings) -> None:
         pass  # vLLM's connectors have no ear for it

@@ -77,6 +77,7 @@ class Worker(Service):
         prefix_caching: bool = settings.PREFIX_CACHING == "on",
         push_by_layer: bool | None = None,  # None: the setting's default (``layer_wise``)
         json_whitespace: str = settings.JSON_WHITESPACE,
+        tensor_parallel_size: int = 1,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -85,7 +86,8 @@ class Worker(Service):
         self.incarnation = uuid.uuid4().hex  # a restart keeps the id, not the incarnation
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len, connector=connector, faults=faults, incarnation=self.incarnation,
+            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, connector=connector,
+            faults=faults, incarnation=self.incarnation,
             prefix_caching=prefix_caching,
             push_by_layer=layer_wise(settings.PUSH_BY_LAYER) if push_by_layer is None else push_by_layer,
             json_whitespace=json_whitespace,
@@ -93,7 +95,7 @@ class Worker(Service):
             kv_events_endpoint=events_endpoint(self.worker_id, self.incarnation) if prefix_caching else None,
         )
         self.connector = connector
-        self.kv_params = strategy(connector).side_channel(self.worker_id)
+        self.kv_params = strategy(connector).side_channel(self.worker_id, tensor_parallel_size)
         self.role = ROLES[role](self)
         self._load = EngineLoad()
         self._requests = BackgroundTasks()

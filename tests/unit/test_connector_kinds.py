@@ -205,6 +205,17 @@ def test_only_vllms_kinds_open_a_side_channel(monkeypatch):
             ("10.1.2.3", str(port))
 
 
+def test_vllms_side_channel_names_the_engines_tp_one_port_for_every_rank(monkeypatch):
+    """What a peer's NixlConnector maps its ranks by (vLLM's scheduler side answers for
+    every rank on one port): the push flow hands it to decode verbatim."""
+    for variable in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        monkeypatch.setenv(variable, "unset")
+    for name in ("vllm-nixl", "vllm-nixl-push"):
+        params = strategy(name).side_channel("prefill-0", 2)
+        assert params["tp_size"] == 2 and os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(params["remote_port"])
+    assert strategy("kvpush").side_channel("prefill-0", 2) == {}
+
+
 # --------------------------------------------------------------------------- bench
 
 KV_TRANSFER_CONFIGS = {  # what each `vllm serve` is given, as given
