@@ -82,6 +82,21 @@ def test_kvpush_service_commands_and_environment_match_the_cli(config, name):
     assert service["environment"]["KVPUSH_NATS_URL"] == "tls://nats:4222"
 
 
+def test_each_worker_sets_its_engine_s_tensor_parallelism_and_the_cli_reads_it(config, monkeypatch):
+    """KVPUSH_TENSOR_PARALLEL_SIZE per worker service, beside the environment every kvpush
+    service shares (merged, not replaced); the worker's command parses it into its TP."""
+    services = config["services"]
+    for name in ("prefill", "decode"):
+        env = services[name]["environment"]
+        assert env["KVPUSH_TENSOR_PARALLEL_SIZE"] == "1", name
+        assert {k: v for k, v in env.items() if k != "KVPUSH_TENSOR_PARALLEL_SIZE"} == \
+            services["scheduler"]["environment"], f"{name}: the shared environment, whole"
+        monkeypatch.setenv("KVPUSH_TENSOR_PARALLEL_SIZE", "2")  # as an operator would set it
+        assert build_parser().parse_args(services[name]["command"][1:]).tensor_parallel_size == 2
+    for name in ("scheduler", "gateway"):
+        assert "KVPUSH_TENSOR_PARALLEL_SIZE" not in services[name]["environment"]
+
+
 def test_each_health_check_asks_its_own_process_whether_it_serves(config):
     """/ready, not /health: a scheduler once it takes requests, a worker once its engine is up
     (otel/endpoint.py, on KVPUSH_METRICS_PORT), the gateway once a scheduler routes to a live

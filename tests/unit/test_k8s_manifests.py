@@ -722,6 +722,24 @@ def test_workers_are_gpu_statefulsets_with_rdma(rendered, role):
     assert shm and shm[0]["mountPath"] == "/dev/shm"
 
 
+@pytest.mark.parametrize("role", WORKER_ROLES)
+def test_a_workers_tensor_parallelism_is_the_gpus_it_asks_for_and_kvpush_reads_it(rendered, secrets, tmp_path,
+                                                                                  monkeypatch, role):
+    """vLLM runs one process per rank, one GPU each: the pod's GPUs are its engine's TP,
+    which the worker's command, run as the pod runs it, parses from the environment."""
+    workload = _find(rendered, "StatefulSet", role)
+    container = _containers(workload)[0]
+    tensor_parallel = int(_plain_env(container)["KVPUSH_TENSOR_PARALLEL_SIZE"])
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == tensor_parallel
+    result, launched = _run_container(rendered, secrets, workload, f"{role}-0", tmp_path)
+    assert result.returncode == 0 and launched, result.stderr
+    assert launched["env"]["KVPUSH_TENSOR_PARALLEL_SIZE"] == str(tensor_parallel)  # the pod hands it to kvpush
+    assert _parse_as_kvpush(monkeypatch, launched).tensor_parallel_size == tensor_parallel
+    launched["env"]["KVPUSH_TENSOR_PARALLEL_SIZE"] = "4"  # as an operator sets it, with 4 GPUs
+    assert _parse_as_kvpush(monkeypatch, launched).tensor_parallel_size == 4
+
+
 def test_readme_says_no_cluster_was_started():
     readme = (K8S / "README.md").read_text()
     assert "no cluster was started" in readme.lower()
