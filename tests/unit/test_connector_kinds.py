@@ -19,7 +19,8 @@ from kvpush.services.worker.kinds import strategy
 from kvpush.services.worker.engine_settings import EngineSettings, whole_prompt_steps
 from kvpush.shared import connector_kinds, wire
 from kvpush.shared.settings import FaultSettings
-from kvpush.tools.bench.systems import Topology, VllmServeSystem
+from kvpush.tools.bench import vllm_proxy
+from kvpush.tools.bench.systems import Topology, VllmServeSystem, core_binding
 
 NAMES = ("kvpush", "vllm-nixl", "vllm-nixl-push")
 
@@ -245,6 +246,61 @@ def test_the_bench_serves_vllms_kinds_with_their_class_and_flow(variant, connect
     if flow == "push":
         env["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
     same(system.engine_env(0, 5601), env)
+
+
+@pytest.mark.parametrize("variant", ["vllm-nixl", "vllm-nixl-push"])
+def test_the_bench_serves_vllms_kinds_at_each_roles_tp_and_its_proxy_knows_the_prefills(variant):
+    topology = Topology(prefill=1, decode=1, prefill_tp=2, decode_tp=1)
+    system = VllmServeSystem(variant, "/models/tiny", "tiny", 512, topology, "auto", Path("/nonexistent"))
+    assert system.serve_command("prefill", 8100, "prefill-0")[-2:] == ["--tensor-parallel-size", "2"]
+    assert "--tensor-parallel-size" not in system.serve_command("decode", 8200, "decode-0")
+    command = system.proxy_command(["127.0.0.1:8100:prefill-0:5600"], ["127.0.0.1:8200"])
+    assert command[0] == "kvpush.tools.bench.vllm_proxy"
+    proxy = vllm_proxy.parse_args(command[1:])
+    assert proxy.flow == system.flow and [p.tp_size for p in proxy.prefill] == [2]
+
+
+def test_the_bench_bindings_give_each_rank_its_own_core_list():
+    topology = Topology(prefill=1, decode=1, prefill_tp=2, decode_tp=2)
+    cores = os.cpu_count()
+    split = [core_binding("split", i, topology)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(2)]
+    assert split == [f"{0 % cores}|{1 % cores}", f"{2 % cores}|{3 % cores}"]  # "0|1" twice on 2 cores
+    assert core_binding("all", 1, topology) == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}|0-{cores - 1}",
+                                                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert core_binding("auto", 0, topology) == {}
+    mixed = Topology(prefill=1, decode=2, prefill_tp=2, decode_tp=1)
+    assert [core_binding("split", i, mixed)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(3)] == \
+        [f"{0 % cores}|{1 % cores}", f"{2 % cores}", f"{3 % cores}"]
+    assert [core_binding("split", i, Topology(1, 2))["VLLM_CPU_OMP_THREADS_BIND"] for i in range(3)] == \
+        [str(i % cores) for i in range(3)]  # TP 1: engine i on core i, as before
+
+
+def test_the_benchs_kvpush_stack_starts_each_worker_at_its_roles_tp_bound_as_the_binding_says(monkeypatch):
+    from kvpush.services.cli.main import build_parser
+    from kvpush.tools.bench.systems import KvpushSystem
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    topology = Topology(prefill=1, decode=1, prefill_tp=2, decode_tp=2)
+    stack = KvpushSystem("/models/tiny", 512, topology, "split", Path("/nonexistent"), "http://127.0.0.1:1").stack
+    stack.nats_url = "nats://127.0.0.1:4222"
+    for index, name in enumerate(("prefill-0", "decode-0")):
+        role = name.split("-")[0]
+        assert build_parser().parse_args(stack.worker_args(role, name)).tensor_parallel_size == 2
+        assert stack._env(role, name)["VLLM_CPU_OMP_THREADS_BIND"] == \
+            core_binding("split", index, topology)["VLLM_CPU_OMP_THREADS_BIND"]
+        assert stack.worker_binding(role, name) == {}  # the bench's binding stands
+
+
+def test_kvpush_bench_takes_a_tp_per_role_for_every_workload_and_the_probe():
+    from kvpush.services.cli.main import build_parser
+    from kvpush.tools.bench.run import BINDING_PROBE, GRID, at_tensor_parallel
+
+    args = build_parser().parse_args(["bench", "--prefill-tp", "2", "--decode-tp", "2"])
+    assert (args.prefill_tp, args.decode_tp) == (2, 2)
+    workload = at_tensor_parallel(GRID[0], args.prefill_tp, args.decode_tp)
+    assert (workload.topology.prefill_tp, workload.topology.decode_tp) == (2, 2)
+    assert workload.topology.label == "1P1D-tp2x2" and workload.name == f"{GRID[0].name} tp2x2"
+    assert at_tensor_parallel(BINDING_PROBE, 1, 1) is BINDING_PROBE and Topology().label == "1P1D"
 
 
 def test_the_bench_serves_no_kvpush_through_vllm_serve():

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from kvpush.tools.bench.vllm_proxy import Instance, prefill_leg, push_decode_leg
+from kvpush.tools.bench.vllm_proxy import Instance, parse_args, prefill_leg, push_decode_leg
 
 
 def test_the_prefill_leg_asks_for_one_token_without_streaming_and_for_remote_decode():
@@ -38,3 +38,13 @@ def test_an_instance_is_host_port_or_host_port_engine_side_channel():
     assert Instance.parse("h:1") == Instance("h", 1)
     with pytest.raises(argparse.ArgumentTypeError):
         Instance.parse("h:1:e")
+
+
+def test_the_push_decode_leg_names_the_prefills_tp_as_the_proxy_was_told():
+    args = parse_args(["--flow", "push", "--prefill", "127.0.0.1:8100:prefill-0:5600", "--decode", "127.0.0.1:8200",
+                       "--prefill-tp", "2"])
+    (prefill,) = args.prefill
+    assert prefill == Instance("127.0.0.1", 8100, "prefill-0", 5600, tp_size=2)
+    assert push_decode_leg({}, prefill, "/completions", "abc")["kv_transfer_params"]["tp_size"] == 2
+    (plain,) = parse_args(["--flow", "pull", "--prefill", "h:1", "--decode", "h:2"]).prefill
+    assert plain.tp_size == 1

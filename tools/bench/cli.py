@@ -45,6 +45,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--requests", type=int, default=16, help="with --input-lens: measured requests per point")
     bench.add_argument("--prefill", type=int, default=1, help="with --input-lens: prefill engines per system")
     bench.add_argument("--decode", type=int, default=1, help="with --input-lens: decode engines per system")
+    bench.add_argument("--prefill-tp", type=int, default=1,
+                       help="tensor parallelism of every prefill engine, kvpush's and vllm serve's alike")
+    bench.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of every decode engine")
     bench.add_argument("--range-ratio", type=float, default=0.0,
                        help="with --input-lens: prompt lengths uniform in len * [1 - r, 1 + r]")
     bench.add_argument("--burstiness", type=float, default=1.0, help="with --input-lens: 1 Poisson, lower bursts")

@@ -31,7 +31,7 @@ import shlex
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvpush.otel import attributes as A
@@ -162,7 +162,8 @@ class Bench:
                         self.say(f"{system} {topology.label}: every point already measured (--resume)")
                         continue
                     await self._with_system(system, c.bindings[system], topology, workloads, self.points,
-                                            idle_probe=topology == Topology() and not c.resume, emulated=emulated)
+                                            idle_probe=(topology.prefill, topology.decode) == (1, 1) and not c.resume,
+                                            emulated=emulated)
 
     def _resume(self) -> None:
         """The points of an earlier run into the same folder, the failed ones left out (they run again)."""
@@ -566,6 +567,8 @@ def cmd(args) -> int:
     model = args.model or str(build_model(default_model_dir(args.profile), profile=args.profile))
     probe = BINDING_PROBE if args.probe_requests is None else \
         Workload(BINDING_PROBE.name, BINDING_PROBE.input_len, BINDING_PROBE.rates, args.probe_requests)
+    workloads, probe = ([at_tensor_parallel(w, args.prefill_tp, args.decode_tp) for w in workloads],
+                        at_tensor_parallel(probe, args.prefill_tp, args.decode_tp))
     config = BenchConfig(model=model, profile=args.profile if not args.model else "custom", variants=variants,
                          workloads=workloads, output_len=args.output_len, seed=args.seed, warmups=args.warmup,
                          sampling_flags=tuple(shlex.split(args.sampling_flags)), out=Path(args.out), bindings=bindings, probe=probe, raw_bandwidth=not args.no_raw_nixl,
@@ -579,6 +582,15 @@ def cmd(args) -> int:
     print((Path(args.out) / "tables.md").read_text())
     failed = [p for p in bench.points if p.error or p.summary.get("failed")]
     return 1 if bench.errors or failed else 0
+
+
+def at_tensor_parallel(workload: Workload, prefill_tp: int, decode_tp: int) -> Workload:
+    """``workload`` with every prefill engine at ``prefill_tp`` and every decode engine at
+    ``decode_tp`` (``--prefill-tp``, ``--decode-tp``); its name says so above TP 1."""
+    topology = replace(workload.topology, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    if topology == workload.topology:
+        return workload
+    return replace(workload, name=f"{workload.name} tp{prefill_tp}x{decode_tp}", topology=topology)
 
 
 def _first_attempt_timeout() -> tuple[str, float] | None:

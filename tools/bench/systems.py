@@ -8,10 +8,13 @@
   behind the proxy of that connector's example (``vllm_proxy``).
 
 Both speak the same OpenAI API, so one client (``vllm bench serve``) drives them all.
-``binding`` places each engine's OpenMP threads: ``auto`` leaves it to vLLM (a lone ``vllm
-serve`` binds its engine to all cores but one, kept for its API server; kvpush's workers
-get all of them), ``split`` binds engine i to core i (mod the cores there are), ``all``
-binds every engine to every core and keeps none back.
+``binding`` places each engine's OpenMP threads, one core list per rank: ``auto`` leaves it
+to vLLM (a lone ``vllm serve`` binds its engine to all cores but one, kept for its API
+server; kvpush's workers get all of them; above TP 1 vLLM's ``auto`` wants a NUMA node per
+rank, and kvpush's workers spread their ranks over the cores), ``split`` binds each rank to
+a core of its own, the ranks of all engines counted in order (at TP 1, engine i on core i;
+mod the cores there are), ``all`` binds every rank to every core and keeps none back.
+``Topology`` gives each role's tensor parallelism (``--prefill-tp``, ``--decode-tp``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from kvpush.services.launch.natsd import free_port
 from kvpush.services.launch.stack import Stack, answers
+from kvpush.services.worker.cpu_binding import BIND_ENV
 from kvpush.shared import connector_kinds
 from kvpush.tools.emulation.link import UCX_OVER_TCP, EngineHosts
 
@@ -38,22 +42,47 @@ KV_CACHE_GIB = "2"  # every engine of every system gets the same KV space
 class Topology:
     prefill: int = 1
     decode: int = 1
+    prefill_tp: int = 1  # each prefill engine's tensor parallelism
+    decode_tp: int = 1
 
     @property
     def label(self) -> str:
-        return f"{self.prefill}P{self.decode}D"
+        """``1P1D``; with TP above 1 on either side, ``1P1D-tp2x1`` (prefill's TP, then decode's)."""
+        shape = f"{self.prefill}P{self.decode}D"
+        if (self.prefill_tp, self.decode_tp) == (1, 1):
+            return shape
+        return f"{shape}-tp{self.prefill_tp}x{self.decode_tp}"
+
+    @property
+    def engines(self) -> list[tuple[str, int, int]]:
+        """(role, index within the role, TP) of each engine: the prefills first, then the decodes."""
+        return [("prefill", i, self.prefill_tp) for i in range(self.prefill)] + \
+               [("decode", i, self.decode_tp) for i in range(self.decode)]
+
+    def tp_of(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
 
-def core_binding(binding: str, engine_index: int) -> dict[str, str]:
-    """The environment that places engine ``engine_index`` (prefills first, then decodes)."""
+def core_binding(binding: str, engine_index: int, topology: Topology = Topology()) -> dict[str, str]:
+    """The environment that places engine ``engine_index`` of ``topology`` (prefills first,
+    then decodes): one core list per rank of it, as vLLM takes them (``a|b``)."""
     if binding == "auto":
         return {}
     cores = os.cpu_count() or 1
     if binding == "split":
-        return {"VLLM_CPU_OMP_THREADS_BIND": str(engine_index % cores)}
-    if binding == "all":  # every engine on every core, none kept back for vLLM's API server
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        return {BIND_ENV: "|".join(str(core % cores) for core in split_cores(topology, engine_index))}
+    if binding == "all":  # every rank of every engine on every core, none kept back for vLLM's API server
+        ranks = topology.engines[engine_index][2]
+        return {BIND_ENV: "|".join([f"0-{cores - 1}"] * ranks), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     raise ValueError(f"binding must be one of {BINDINGS}, not {binding!r}")
+
+
+def split_cores(topology: Topology, engine_index: int) -> list[int]:
+    """``split``'s core of each rank of engine ``engine_index``, before wrapping around the
+    machine's cores: the ranks of all engines counted in order (prefills, then decodes), rank
+    k on core k. At TP 1, engine i on core i."""
+    first = sum(tp for _, _, tp in topology.engines[:engine_index])
+    return list(range(first, first + topology.engines[engine_index][2]))
 
 
 def _wait_until_answers(urls: list[str], processes: list[tuple[str, subprocess.Popen]], timeout: float) -> None:
@@ -82,17 +111,15 @@ class KvpushSystem:
         worker on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
         self.topology = topology
         self.binding = binding
-        role_env = {}
-        for i in range(topology.prefill):
-            role_env[f"prefill-{i}"] = core_binding(binding, i)
-        for i in range(topology.decode):
-            role_env[f"decode-{i}"] = core_binding(binding, topology.prefill + i)
+        role_env = {f"{role}-{i}": core_binding(binding, index, topology)
+                    for index, (role, i, _) in enumerate(topology.engines)}
         placement = {}
         if hosts is not None:
             placement = {"launchers": {name: hosts.launcher(name) for name in role_env},
                          "nats_host": hosts.root_address}
             role_env = {name: {**env, **UCX_OVER_TCP} for name, env in role_env.items()}
         self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
+                           prefill_tp=topology.prefill_tp, decode_tp=topology.decode_tp,
                            log_dir=log_dir, gateway_port=0, role_env=role_env, prefix_caching=prefix_caching,
                            extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
                                       "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
@@ -163,16 +190,20 @@ class VllmServeSystem:
     def serve_command(self, role: str, port: int, engine_id: str, host: str = "127.0.0.1") -> list[str]:
         config = {"kv_connector": self.connector, "kv_role": self.kv_role(role),
                   "kv_buffer_device": "cpu", "engine_id": engine_id}
-        return ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", host, "--port", str(port),
-                "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
-                "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
-                "--dtype", "float32",
-                "--max-model-len", str(self.max_model_len)]
+        command = ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", host, "--port", str(port),
+                   "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
+                   "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
+                   "--dtype", "float32",
+                   "--max-model-len", str(self.max_model_len)]
+        if self.topology.tp_of(role) != 1:
+            command += ["--tensor-parallel-size", str(self.topology.tp_of(role))]
+        return command
 
     def engine_env(self, engine_index: int, side_channel: int, host: str = "127.0.0.1") -> dict[str, str]:
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
                "VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **core_binding(self.binding, engine_index),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **core_binding(self.binding, engine_index, self.topology),
                **self.extra_env}
         if self.flow == "push":
             # The push proxy sends both legs at once, so decode knows prefill's request id only as
@@ -187,9 +218,7 @@ class VllmServeSystem:
         import asyncio
 
         prefills, decodes, health = [], [], []
-        engines = [("prefill", i) for i in range(self.topology.prefill)] + \
-                  [("decode", i) for i in range(self.topology.decode)]
-        for index, (role, i) in enumerate(engines):
+        for index, (role, i, _) in enumerate(self.topology.engines):
             port, side_channel = free_port(), free_port()  # free here; on a host of its own, free there too
             engine_id = f"{role}-{i}"
             host = self.hosts.address(engine_id) if self.hosts else "127.0.0.1"
@@ -202,10 +231,15 @@ class VllmServeSystem:
             else:
                 decodes.append(f"{host}:{port}")
         self.proxy_port = free_port()
-        self._spawn("proxy", ["kvpush.tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
-                              "--prefill", *prefills, "--decode", *decodes], {})
+        self._spawn("proxy", self.proxy_command(prefills, decodes), {})
         health.append(f"{self.base_url}/healthcheck")
         await asyncio.to_thread(_wait_until_answers, health, self.children, timeout)
+
+    def proxy_command(self, prefills: list[str], decodes: list[str]) -> list[str]:
+        """The proxy in front of the engines (``vllm_proxy``): its flow, its port, the
+        instances, and the prefills' TP, which a push decode leg names."""
+        return ["kvpush.tools.bench.vllm_proxy", "--flow", self.flow, "--port", str(self.proxy_port),
+                "--prefill", *prefills, "--decode", *decodes, "--prefill-tp", str(self.topology.prefill_tp)]
 
     @property
     def base_url(self) -> str:

