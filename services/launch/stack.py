@@ -50,7 +50,8 @@ class Stack:
         metrics: bool = False,
         launchers: dict[str, list[str]] | None = None,
         nats_host: str = "127.0.0.1",
-        prefill_tp: int = 1,
+        *,
+        prefill_tp: int = 1,  # each prefill worker's engine's tensor parallelism
         decode_tp: int = 1,
         placement: Placement = Placement.SPREAD,
     ):
