@@ -129,7 +129,7 @@ reader = shm_broadcast.MessageQueue.create_from_handle(writer.export_handle(), 0
 connecting = threading.Thread(target=reader.wait_until_ready)
 connecting.start(); writer.wait_until_ready(); connecting.join()
 read = []
-reading = threading.Thread(target=lambda: read.extend([reader.dequeue(), reader.dequeue()]))
+reading = threading.Thread(target=lambda: [read.append(reader.dequeue()) for _ in range(2)])
 reading.start()
 writer.enqueue("step")
 while not read:
