@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvpush.connector.block_ranges import BlockRun, byte_ranges, coalesce
+from kvpush.connector.block_ranges import BlockRun, HeadSlice, byte_ranges, coalesce
 from kvpush.shared.wire import KvRegion
 
 BLOCK = 64
@@ -79,6 +79,34 @@ def test_different_region_counts_are_refused():
     runs, src, dst = [BlockRun(0, 0, 1)], [_packed(0)], [_packed(0), _packed(100)]
     with pytest.raises(ValueError, match="1 vs 2 regions"):
         byte_ranges(runs, src, dst)
+
+
+def test_a_head_slice_is_one_range_per_block_at_its_heads_offset():
+    """Prefill TP 1 (4 heads a block) to a decode rank of TP 2 (2 heads a block): heads
+    2..3 of each source block fill the destination's whole block, block by block, even
+    where both sides' blocks are consecutive."""
+    head = BLOCK // 4
+    src, dst = byte_ranges(coalesce([0, 1], [5, 6]), [_packed(1000)],
+                           [KvRegion(base_addr=2000, block_stride=2 * head, block_len=2 * head)],
+                           src_part=HeadSlice(2, 2, 4))
+    assert src == [(1000 + 2 * head, 2 * head), (1000 + BLOCK + 2 * head, 2 * head)]
+    assert dst == [(2000 + 5 * 2 * head, 2 * head), (2000 + 6 * 2 * head, 2 * head)]
+
+
+def test_a_writer_fills_its_part_of_a_bigger_block():
+    half = BLOCK // 2
+    src, dst = byte_ranges([BlockRun(3, 7, 1)], [KvRegion(base_addr=0, block_stride=half, block_len=half)],
+                           [_packed(4000)], dst_part=HeadSlice(1, 1, 2))
+    assert (src, dst) == ([(3 * half, half)], [(4000 + 7 * BLOCK + half, half)])
+
+
+def test_slices_that_come_to_different_sizes_are_refused():
+    with pytest.raises(ValueError, match="the heads moved differ in size"):
+        byte_ranges([BlockRun(0, 0, 1)], [_packed(0)], [_packed(0)], src_part=HeadSlice(0, 1, 2))
+    with pytest.raises(ValueError, match="not within a block of 2"):
+        HeadSlice(1, 2, 2)
+    with pytest.raises(ValueError, match="does not split into 3 heads"):
+        HeadSlice(0, 1, 3).bytes(BLOCK)
 
 
 def test_runs_expand_back_to_the_pairs_and_are_minimal():
