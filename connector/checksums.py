@@ -33,6 +33,7 @@ from typing import Iterable
 
 import xxhash
 
+from kvpush.connector.block_ranges import HeadSlice, part_of
 from kvpush.connector.kv_layout import KvLayout
 from kvpush.shared import wire
 
@@ -47,15 +48,18 @@ def _regions(layout: KvLayout, regions: tuple[int, int] | None) -> list[wire.KvR
     return layout.regions[first:end]
 
 
-def digest(layout: KvLayout, block_ids: Iterable[int], regions: tuple[int, int] | None = None) -> str:
-    """Of these blocks (in this order), over ``layout.regions[first:end]`` (default all)."""
+def digest(layout: KvLayout, block_ids: Iterable[int], regions: tuple[int, int] | None = None,
+           part: HeadSlice | None = None) -> str:
+    """Of these blocks (in this order), over ``layout.regions[first:end]`` (default all);
+    of each block only ``part``'s heads when given (a copy between different TP sizes)."""
     hasher = xxhash.xxh3_64()
     runs = _runs(list(block_ids))
     for region in _regions(layout, regions):
-        contiguous = region.block_stride == region.block_len
+        offset, length = part_of(region.block_len, part)
+        contiguous = region.block_stride == region.block_len == length
         for first, count in runs if contiguous else ((block, 1) for block, n in runs for block in range(block, block + n)):
-            address = region.base_addr + first * region.block_stride
-            hasher.update((ctypes.c_char * (region.block_len * count)).from_address(address))
+            address = region.base_addr + first * region.block_stride + offset
+            hasher.update((ctypes.c_char * (length * count)).from_address(address))
     return hasher.hexdigest()
 
 
@@ -73,6 +77,15 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
 def block_digests(layout: KvLayout, block_ids: Iterable[int]) -> list[str]:
     """One digest per block, over all its regions."""
     return [digest(layout, [block]) for block in block_ids]
+
+
+def head_digests(layout: KvLayout, block_ids: Iterable[int]) -> list[list[str]]:
+    """Per block, one digest per KV head this rank holds (in order), each over that head's
+    bytes in every region; [] if the layout's heads are not known (``KvLayout.heads``)."""
+    if not layout.heads:
+        return []
+    heads = [HeadSlice(head, 1, layout.heads) for head in range(layout.heads)]
+    return [[digest(layout, [block], part=head) for head in heads] for block in block_ids]
 
 
 def flip_byte(layout: KvLayout, block_ids: list[int], seed: int) -> tuple[int, int, int]:

@@ -3,6 +3,14 @@
 Each layer's tensor has one dimension of size ``num_blocks``; every index of the
 dimensions before it (e.g. K/V on GPU layouts) is its own region of blocks. Blocks
 are treated as opaque bytes between identically configured engines.
+
+Between engines at different tensor-parallel sizes a copy moves some KV heads of each
+block (``block_ranges.HeadSlice``). That needs a block's heads outermost in its memory,
+each one contiguous run of bytes: vLLM's CPU layout ``[blocks, heads, block size,
+2 * head size]`` is so. ``describe`` takes the dimension right after the blocks' as the
+heads' when it has the rank's head count and lies outermost (``KvLayout.heads``; 0 when
+not, and then blocks move only whole: an engine whose block size equals its head count
+on a layout with tokens outermost would be misread, which no CPU engine has).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpush.connector.block_ranges import HeadSlice, part_of
 from kvpush.shared.wire import AgentInfo, KvRegion
 
 
@@ -23,6 +32,7 @@ class KvLayout:
     buffers: list[tuple[int, int]]  # distinct (addr, length) to register with NIXL
     # Each layer's regions, in layer order: (layer name, first region, end), as regions[first:end].
     layers: list[tuple[str, int, int]] = field(default_factory=list)
+    heads: int = 0  # KV heads in each block, outermost in its memory (0: not known, or not outermost)
 
     def layer_index(self, name: str) -> int | None:
         """The position of the layer vLLM calls ``name``, or None."""
@@ -32,8 +42,10 @@ class KvLayout:
         return None
 
 
-def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
+def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int, heads: int = 0) -> KvLayout:
+    """``heads``: the KV heads this rank holds (0: not known)."""
     regions: list[KvRegion] = []
+    outermost = heads > 0
     layers: list[tuple[str, int, int]] = []
     buffers: dict[int, int] = {}
     device = None
@@ -53,6 +65,7 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
             block_len *= size
         if not _dense(tensor[(0,) * (block_dim + 1)]):
             raise ValueError(f"layer {name}: a block is not contiguous in memory")
+        outermost = outermost and _heads_outermost(tensor, block_dim, heads, block_len)
         leading = tensor.shape[:block_dim]
         first = len(regions)
         for flat in range(_prod(leading)):
@@ -76,22 +89,44 @@ def describe(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KvLayout:
         regions=regions,
         buffers=_merge(buffers),
         layers=layers,
+        heads=heads if outermost else 0,
     )
 
 
-def compatible(local: list[KvRegion], remote: list[KvRegion]) -> str | None:
-    """None when blocks can be copied region by region, else why not."""
+def _heads_outermost(tensor: torch.Tensor, block_dim: int, heads: int, block_len: int) -> bool:
+    """The dimension after the blocks' holds ``heads`` heads, each a contiguous run of the block."""
+    dim = block_dim + 1
+    return (dim < tensor.dim() and tensor.shape[dim] == heads
+            and tensor.stride(dim) * tensor.element_size() * heads == block_len)
+
+
+def compatible(local: list[KvRegion], remote: list[KvRegion], local_part: HeadSlice | None = None,
+               remote_part: HeadSlice | None = None) -> str | None:
+    """None when blocks (``local_part`` of ours and ``remote_part`` of the remote's, each
+    None for whole blocks) can be copied region by region, else why not."""
     if len(local) != len(remote):
         return f"{len(local)} local KV regions but {len(remote)} remote"
     for i, (a, b) in enumerate(zip(local, remote)):
-        if a.block_len != b.block_len:
+        try:
+            here, there = part_of(a.block_len, local_part)[1], part_of(b.block_len, remote_part)[1]
+        except ValueError as exc:
+            return f"region {i}: {exc}"
+        if here != there and local_part is None and remote_part is None:
             return f"region {i}: block is {a.block_len} bytes here, {b.block_len} remote"
+        if here != there:
+            return f"region {i}: {here} bytes of each block here, {there} of each remote block"
     return None
 
 
-def copy_problem(layout: KvLayout, remote: AgentInfo, local_blocks: list[int], remote_blocks: list[int]) -> str | None:
-    """Why these blocks cannot be copied between our ``layout`` and ``remote``'s, or None."""
-    problem = compatible(layout.regions, remote.regions)
+def copy_problem(layout: KvLayout, remote: AgentInfo, local_blocks: list[int], remote_blocks: list[int],
+                 local_part: HeadSlice | None = None, remote_part: HeadSlice | None = None) -> str | None:
+    """Why these blocks (``local_part`` and ``remote_part`` of each, None: whole) cannot
+    be copied between our ``layout`` and ``remote``'s, or None."""
+    problem = compatible(layout.regions, remote.regions, local_part, remote_part)
+    if problem is None and local_part is not None and layout.heads != local_part.of:
+        problem = f"our blocks do not hold their {local_part.of} heads outermost: they move only whole"
+    if problem is None and remote_part is not None and remote.heads != remote_part.of:
+        problem = f"the remote's blocks do not hold their {remote_part.of} heads outermost: they move only whole"
     if problem is None and len(local_blocks) != len(remote_blocks):
         problem = f"{len(remote_blocks)} remote blocks for {len(local_blocks)} local ones"
     if problem is None and any(not 0 <= b < remote.num_blocks for b in remote_blocks):

@@ -27,7 +27,7 @@
     │   └── WrongParty          ...comes from a peer that has no part in that transfer
     └── TransferError           one transfer's KV will not be written or read (TransferFailed.code)
         ├── LeaseExpired        decode did not renew prefill's lease on the blocks
-        ├── TpMismatch          prefill and decode run different tensor-parallel sizes
+        ├── TpMismatch          the two tensor-parallel sizes cannot split the KV heads between them
         ├── BadRegistration     the registration does not fit the prompt or the blocks
         ├── TransferClosed      a registration for a transfer already given up
         ├── Revoked             decode gave the transfer up
@@ -183,6 +183,9 @@ class LeaseExpired(TransferError):
 
 
 class TpMismatch(TransferError):
+    """Prefill's and decode's tensor-parallel sizes cannot split the model's KV heads
+    between their ranks (``kvpush.connector.tp_map.problem`` says why)."""
+
     code = "tp_mismatch"
 
 

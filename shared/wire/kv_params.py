@@ -14,7 +14,7 @@ Pure: imports no NATS.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -23,8 +23,16 @@ from kvpush.shared.wire.public import KvChecksum
 
 
 class _KvParams(msgspec.Struct, kw_only=True):
+    # Fields left out of ``as_params`` while empty: added later, so that the dict a peer
+    # gets is the one it got before them unless they say something.
+    omitted_when_empty: ClassVar[tuple[str, ...]] = ()
+
     def as_params(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        params = msgspec.to_builtins(self)
+        for name in self.omitted_when_empty:
+            if not params.get(name):
+                params.pop(name, None)
+        return params
 
     @classmethod
     def of(cls, params: dict[str, Any]):
@@ -52,7 +60,11 @@ class PrefilledKv(_KvParams, kw_only=True):
     prefill_tp_size: int
     remote_block_ids: list[int]
     prefill_incarnation: str = ""  # read through this start's agents only
-    block_digests: list[str] = msgspec.field(default_factory=list)  # one checksum per block, when asked for
+    block_digests: list[str] = msgspec.field(default_factory=list)  # one checksum per block (from TP-1 peers)
+    kv_heads: int = 0  # the model's KV heads, all ranks together (0: not said)
+    # When asked for: one checksum per prompt block and KV head (global index), over that
+    # head's bytes in every layer, so a decode at any TP checks the heads it holds.
+    head_digests: list[list[str]] = msgspec.field(default_factory=list)
 
 
 class DecodeKvParams(_KvParams, kw_only=True):
@@ -70,6 +82,9 @@ class DecodeKvParams(_KvParams, kw_only=True):
     traceparent: str = ""
     transfer_key: str = ""
     block_digests: list[str] = msgspec.field(default_factory=list)  # pull: prefill's checksums of its blocks
+    head_digests: list[list[str]] = msgspec.field(default_factory=list)  # pull: the same per block and KV head
+
+    omitted_when_empty: ClassVar[tuple[str, ...]] = ("head_digests",)
 
 
 RECEIVED_KEY = "kvpush_received"  # a decode request's last output's kv_transfer_params: ReceivedKv
@@ -97,6 +112,7 @@ class ReceivedKv(_KvParams, kw_only=True):
     blocks: int  # the blocks they filled
     bytes: int  # the bytes written (read) into them
     checksum: KvChecksum = "unchecked"  # verified: equal to prefill's checksum before the request ran
+    bytes_by_rank: list[int] = msgspec.field(default_factory=list)  # of bytes, each tensor-parallel rank's
 
 
 class FetchedKv(_KvParams, kw_only=True):

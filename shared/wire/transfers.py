@@ -41,6 +41,12 @@ class AgentInfo(Internal):
     num_blocks: int
     regions: list[KvRegion]
     incarnation: str = ""  # the engine's start this agent belongs to
+    # Tensor parallelism: the engine's size, and the KV heads this rank's blocks hold,
+    # [head_start, head_start + heads), outermost in each block (heads 0: not known, or not
+    # outermost: its blocks move only whole, between equal sizes).
+    tp_size: int = 1
+    head_start: int = 0
+    heads: int = 0
 
 
 class Registration(Internal):
@@ -65,6 +71,7 @@ class Registration(Internal):
     transfer_key: str = ""
     decode_incarnation: str = ""
     first_block: int = 0
+    kv_heads: int = 0  # the model's KV heads, all ranks together (0: not said; only an equal TP then)
 
 
 class LeaseRenewal(Internal):
@@ -122,7 +129,8 @@ class TransferOutcome(Internal):
 
 
 class TransferDone(TransferOutcome):
-    """Rank ``rank``'s share of the KV landed: when, in what order the two sides met, and what it moved."""
+    """Rank ``rank``'s share of the KV landed, in every decode rank it writes to: when, in
+    what order the two sides met, and what it moved."""
 
     rank: int
     order: RendezvousOrder
@@ -131,14 +139,17 @@ class TransferDone(TransferOutcome):
     descriptors: int
     write_ms: float
     finished_at: float
+    tp_size: int = 1  # the sender's: with rank, which decode ranks it wrote to (connector/tp_map.py)
 
 
 class TransferFailed(TransferOutcome):
-    """Rank ``rank``'s share of the KV did not land, and why (``code``, ``reason``)."""
+    """Rank ``rank``'s share of the KV did not land, and why (``code``, ``reason``). Sent
+    once nothing of that rank can still land in any decode rank it writes to."""
 
     rank: int
     code: str
     reason: str
+    tp_size: int = 1  # the sender's: with rank, which decode ranks it wrote to (connector/tp_map.py)
 
 
 class TransferMoved(TransferOutcome):

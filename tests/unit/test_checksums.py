@@ -83,3 +83,34 @@ def test_pull_digests_wait_for_their_handoff_bounded():
     for name in "abc":
         book.put(name, [name])
     assert (book.take("a"), book.take("c"), book.take("c")) == (None, ["c"], None)
+
+
+def cpu_caches(seed: int, heads: int) -> dict[str, torch.Tensor]:
+    """Two layers as vLLM's CPU engine lays them out: (blocks, heads, block size 16, 2 * 8)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.attn": torch.randn(NUM_BLOCKS, heads, 16, 16, generator=generator)
+            for i in range(2)}
+
+
+def test_a_head_slice_digest_equals_the_same_heads_in_a_rank_that_holds_only_them():
+    """Prefill at TP 1 holds 4 heads a block; decode rank 1 at TP 2 holds heads 2..3. The
+    digest of heads 2..3 of prefill's blocks is that of decode's whole blocks once the
+    heads landed, and each head's digest is the same on both sides."""
+    from kvpush.connector.block_ranges import HeadSlice
+
+    whole, half = cpu_caches(3, heads=4), cpu_caches(4, heads=2)
+    src, dst = [2, 5], [7, 1]
+    for name in whole:
+        half[name][dst] = whole[name][src, 2:4]
+    here = kv_layout.describe(whole, NUM_BLOCKS, heads=4)
+    there = kv_layout.describe(half, NUM_BLOCKS, heads=2)
+    assert (here.heads, there.heads) == (4, 2)
+    assert checksums.digest(here, src, part=HeadSlice(2, 2, 4)) == checksums.digest(there, dst)
+    assert checksums.digest(here, src, part=HeadSlice(0, 2, 4)) != checksums.digest(there, dst)
+    assert [row[2:] for row in checksums.head_digests(here, src)] == checksums.head_digests(there, dst)
+
+
+def test_heads_that_are_not_outermost_in_a_block_are_not_known():
+    """The GPU-like layout (K/V leading, tokens before heads) cannot be split by heads."""
+    layout = kv_layout.describe(caches(1), NUM_BLOCKS, heads=2)
+    assert layout.heads == 0 and checksums.head_digests(layout, [0]) == []
