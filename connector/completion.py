@@ -6,9 +6,15 @@ receiver's side. The receiver recomputes it over the blocks it named itself, so 
 accepts a notification only from a peer that holds the key (the scheduler gave it to
 the two workers it chose, and no one else) and only for its own blocks.
 
-Pure Python and thread-safe. A transfer is complete when every expected producer
-rank has notified (with layer-wise push, once per layer: every part of every rank);
-notifications may arrive before decode says what it expects.
+Who sends how many. A notification's ``rank`` is the sender's place among the ranks
+that copy into its receiver for the transfer, and ``num_ranks`` how many those are
+(``kvpush.connector.tp_map``): push, the prefill ranks writing into one decode rank;
+pull, the decode ranks reading one prefill rank. At equal tensor-parallel sizes each
+receiver has one sender: 0 of 1.
+
+Pure Python and thread-safe. A transfer is complete when every sender has notified
+(with layer-wise push, once per layer: every part of every sender); notifications may
+arrive before decode says what it expects.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ def keys_match(given: str, expected: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Notification:
-    """One rank's copy landed; with layer-wise push, one part (a layer) of that rank's
-    copy: ``part`` of ``parts``, and the rank's copy is whole when all its parts came."""
+    """One sender's copy landed (``rank`` of the ``num_ranks`` that copy into this
+    receiver); with layer-wise push, one part (a layer) of it: ``part`` of ``parts``, and
+    the sender's copy is whole when all its parts came."""
 
     transfer_id: str
     rank: int
@@ -74,18 +81,20 @@ def parse_notification(message: bytes) -> Notification:
 
 
 class CompletionCounter:
-    """Counts, per transfer, each rank's parts; complete once every rank's parts all came.
-    A rank names its part count in each notification, and must name the same one each time."""
+    """Counts, per transfer, each sender's parts; complete once every sender's parts all
+    came. Every notification of a transfer must name the same number of senders, and a
+    sender the same part count each time."""
 
     def __init__(self, max_tombstones: int = 100_000) -> None:
-        self._lock = threading.Lock()  # protects _seen, _done and _taken
-        self._seen: dict[str, dict[int, tuple[int, set[int]]]] = {}  # transfer -> rank -> (parts, parts seen)
+        self._lock = threading.Lock()  # protects _seen, _senders, _done and _taken
+        self._seen: dict[str, dict[int, tuple[int, set[int]]]] = {}  # transfer -> sender -> (parts, parts seen)
+        self._senders: dict[str, int] = {}  # transfer -> how many senders its notifications named
         self._done: set[str] = set()
         self._taken: dict[str, None] = {}  # insertion-ordered tombstones of handed-out ids
         self._max_tombstones = max_tombstones
 
     def record(self, transfer_id: str, rank: int, num_ranks: int, part: int = 0, parts: int = 1) -> bool:
-        """Record one rank's notification (one part of it); True the first time the
+        """Record one sender's notification (one part of it); True the first time the
         transfer completes."""
         if not 0 <= rank < num_ranks:
             raise ValueError(f"rank {rank} outside 0..{num_ranks - 1}")
@@ -94,6 +103,9 @@ class CompletionCounter:
         with self._lock:
             if transfer_id in self._done or transfer_id in self._taken:
                 return False
+            senders = self._senders.setdefault(transfer_id, num_ranks)
+            if senders != num_ranks:
+                raise ValueError(f"a notification said {senders} senders, now {num_ranks}")
             ranks = self._seen.setdefault(transfer_id, {})
             expected, seen = ranks.setdefault(rank, (parts, set()))
             if expected != parts:
@@ -101,9 +113,14 @@ class CompletionCounter:
             seen.add(part)
             if len(ranks) < num_ranks or any(len(got) < want for want, got in ranks.values()):
                 return False
-            del self._seen[transfer_id]
+            del self._seen[transfer_id], self._senders[transfer_id]
             self._done.add(transfer_id)
             return True
+
+    def landed(self, transfer_id: str) -> set[int]:
+        """The senders of a transfer not yet complete whose parts all came."""
+        with self._lock:
+            return {rank for rank, (want, got) in self._seen.get(transfer_id, {}).items() if len(got) == want}
 
     def take_done(self, transfer_ids) -> set[str]:
         """Return and clear those of ``transfer_ids`` that completed."""
@@ -117,6 +134,7 @@ class CompletionCounter:
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             self._seen.pop(transfer_id, None)
+            self._senders.pop(transfer_id, None)
             self._done.discard(transfer_id)
             self._tombstone(transfer_id)
 

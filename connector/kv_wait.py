@@ -15,6 +15,11 @@ A wait ends in one of three ways:
   revoke the transfer at prefill and keep the blocks quarantined until prefill
   answers, a write lands, or ``quarantine_s`` passed without a word from prefill
   (a dead peer writes nothing). Blocks are never released while a write may land;
+- one of several prefill ranks writing into the blocks (tensor parallelism) said its
+  part will not land while the others have not answered (``writer_failed``): the load
+  fails with that rank's code, the transfer is revoked so the others stop, and the
+  blocks are kept as after decode gave up: until the others answered
+  (``prefill_gave_up``) or ``quarantine_s`` passed;
 - prefill said its write is stuck (posted, not ended, and NIXL cannot cancel it): no
   timer frees the blocks then. They stay held until prefill answers again (the write
   ended) or its process is proven gone (``prefill_gone``); ``stuck()`` lists them, for
@@ -51,7 +56,7 @@ class Waiting:
     prefill_answered: str | None = None  # prefill said no write will land, and why
     prefill_code: str = ""  # ...and prefill's error code for it
     given_up: str | None = None  # decode revoked the transfer, and why
-    given_up_code: OwnCode | None = None  # ...and decode's code for it
+    given_up_code: str | None = None  # ...and its code: decode's own (OwnCode), or a failed writer's
     revoked_at: float | None = None
     request_finished: bool = False  # vLLM finished (aborted) the request while it waited
     stuck: str | None = None  # prefill's write into the blocks is stuck: held until it answers again
@@ -119,6 +124,17 @@ class KvWaits:
                 self._remember_early(transfer_id, (None, (code, reason)))
             elif wait.prefill_answered is None:
                 wait.prefill_code, wait.prefill_answered = code, reason
+
+    def writer_failed(self, transfer_id: str, reason: str, *, code: str, now: float) -> Waiting | None:
+        """One prefill rank writing into the blocks said its part will not land, and others
+        have not answered yet: give the wait up with that rank's ``code`` and ``reason``
+        (the wait is returned, to revoke the transfer, the first time), and keep the blocks
+        until the others answered (``prefill_gave_up``) or ``quarantine_s`` passed."""
+        with self._lock:
+            wait = self._waits.get(transfer_id)
+            if wait is not None and self._give_up(wait, _prefill_code(code), reason, now):
+                return wait
+            return None
 
     def write_stuck(self, transfer_id: str, reason: str, now: float) -> bool:
         """Prefill's write into the blocks is posted and will not end soon: stop waiting
@@ -215,7 +231,7 @@ class KvWaits:
             if wait is not None and wait.stuck is not None and wait.prefill_answered is None:
                 wait.prefill_code, wait.prefill_answered = code, reason
 
-    def _give_up(self, wait: Waiting, code: OwnCode, why: str, now: float) -> bool:
+    def _give_up(self, wait: Waiting, code: str, why: str, now: float) -> bool:
         if wait.arrived or wait.prefill_answered is not None or wait.given_up is not None:
             return False
         wait.given_up, wait.given_up_code, wait.revoked_at = why, code, now

@@ -132,3 +132,22 @@ def test_a_rank_that_changes_its_part_count_is_refused():
         counter.record("t", 0, 1, 0, 1)
     with pytest.raises(ValueError, match="part 4 outside"):
         counter.record("t", 0, 1, 4, 4)
+
+
+def test_notifications_that_disagree_on_the_number_of_senders_are_refused():
+    """A receiver never counts fewer senders than the first notification named: a
+    sender saying 1 cannot complete a copy two senders share."""
+    counter = CompletionCounter()
+    assert counter.record("t", 0, 2) is False
+    with pytest.raises(ValueError, match="said 2 senders, now 1"):
+        counter.record("t", 0, 1)
+    assert counter.record("t", 1, 2) is True
+
+
+def test_the_senders_whose_parts_all_came_are_known_before_the_copy_completes():
+    counter = CompletionCounter()
+    counter.record("t", 1, 3, 0, 2)
+    counter.record("t", 1, 3, 1, 2)
+    counter.record("t", 2, 3, 0, 2)
+    assert counter.landed("t") == {1}
+    assert counter.landed("other") == set()

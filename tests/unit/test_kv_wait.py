@@ -291,3 +291,27 @@ def test_each_way_a_wait_ends_carries_its_code(before, after, ends_at, code):
         after(waits)
     [done] = waits.tick(ends_at)[1]
     assert done.code == code
+
+
+def test_a_failed_writer_among_several_fails_the_load_but_keeps_the_blocks_until_the_others_answered():
+    """Tensor parallelism: one of two prefill ranks writing into the blocks failed. The wait
+    is given up at once (to revoke the transfer, so the other stops), with that rank's
+    code, and released only once the other answered."""
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    wait = waits.writer_failed("t", "write_failed: lost", code="write_failed", now=1.0)
+    assert wait is not None and wait.transfer_id == "t"
+    assert waits.writer_failed("t", "again", code="write_failed", now=1.5) is None  # revoked once
+    assert waits.tick(5.0) == ([], [])  # the other rank may still be writing
+    waits.prefill_gave_up("t", "revoked: after it was written", code="revoked")
+    [done] = waits.tick(6.0)[1]
+    assert (done.failed, done.code, done.reason) == (True, "write_failed", "write_failed: lost")
+
+
+def test_a_failed_writer_whose_peers_stay_silent_is_released_after_quarantine():
+    waits = _waits()
+    waits.start("r", "t", now=0.0)
+    waits.writer_failed("t", "lost", code="write_failed", now=1.0)
+    assert waits.tick(10.5) == ([], [])
+    [done] = waits.tick(11.0)[1]
+    assert (done.failed, done.code) == (True, "write_failed")
