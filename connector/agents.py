@@ -1,6 +1,8 @@
 """The peers' NIXL agents a worker rank copies to or from: learnt from announcements
 (``kvpush.kv.agents.<engine_id>``, sent once when a rank is ready), or asked for on first
-contact (``kvpush.kv.agent.<engine_id>.<rank>``). Rank r talks to rank r of its peer engine.
+contact (``kvpush.kv.agent.<engine_id>.<rank>``). A rank talks to the ranks of its peer
+engine whose KV heads overlap its own (``kvpush.connector.tp_map``): at equal
+tensor-parallel sizes rank r to rank r, else one rank to several (``with_agents``).
 
 Only the engine itself may publish its announcements and answer its agent subject (NATS
 permissions, ``kvpush.shared.permissions``); the bridge refuses an announcement whose engine id
@@ -22,6 +24,7 @@ ASK_TIMEOUT_S = 5.0  # a peer rank that does not answer this fast is unreachable
 MAX_AGENTS = 4_096  # peer agents remembered; the least recently learnt go first (asked again if needed)
 
 Then = Callable[[wire.AgentInfo | None, str], None]
+ThenAll = Callable[[list[wire.AgentInfo] | None, str], None]
 
 
 class AgentDirectory:
@@ -46,11 +49,35 @@ class AgentDirectory:
         with self._agents_lock:
             return len(self._agents)
 
-    def with_agent(self, engine_id: str, then: Then, incarnation: str = "", fresh: bool = False) -> None:
-        """Call ``then(info, "")`` with the peer rank's agent (of ``incarnation``, if given),
-        asking for it over NATS unless it is known (and not ``fresh``); ``then(None, why)``
-        if it cannot be had."""
-        key = (engine_id, self.rank)
+    def with_agents(self, engine_id: str, ranks: list[int], then: ThenAll, incarnation: str = "") -> None:
+        """Call ``then(infos, "")`` once every one of the peer's ``ranks`` has its agent (in
+        the order asked), or ``then(None, why)`` once, at the first that cannot be had."""
+        found: dict[int, wire.AgentInfo] = {}
+        lock = threading.Lock()  # protects found (answers come on the bridge thread, or at once)
+        failed: list[str] = []
+
+        def on_agent(rank: int, info: wire.AgentInfo | None, why: str) -> None:
+            with lock:
+                if failed:
+                    return
+                if info is None:
+                    failed.append(why)
+                else:
+                    found[rank] = info
+                    if len(found) < len(ranks):
+                        return
+            then(None, why) if info is None else then([found[r] for r in ranks], "")
+
+        for rank in ranks:
+            self.with_agent(engine_id, lambda info, why, rank=rank: on_agent(rank, info, why), incarnation,
+                            rank=rank)
+
+    def with_agent(self, engine_id: str, then: Then, incarnation: str = "", fresh: bool = False,
+                   rank: int | None = None) -> None:
+        """Call ``then(info, "")`` with the agent of the peer's ``rank`` (default: ours), of
+        ``incarnation`` if given, asking for it over NATS unless it is known (and not
+        ``fresh``); ``then(None, why)`` if it cannot be had."""
+        key = (engine_id, self.rank if rank is None else rank)
         with self._agents_lock:
             known = self._agents.get(key)
         if known is not None and not fresh and (not incarnation or known.incarnation == incarnation):

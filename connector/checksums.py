@@ -10,25 +10,25 @@ in one call: the same bytes, in the same order). It detects damage (a torn or mi
 that differs between engine versions); it is not a signature: who wrote is proven by
 the notification's tag, which covers the digest (``completion.block_tag``).
 
-Push: one digest per copy (per layer with layer-wise push), in the WRITE's notification.
-Pull: one digest per prompt block, in the handoff's ``kv_transfer_params``
-(``wire.PrefilledKv.block_digests``), since decode reads only the blocks its own cache
-lacks and which those are is known only then.
+Push: one digest per copy (per layer with layer-wise push, per decode rank written to at
+tensor parallelism), in the WRITE's notification, over the heads that copy moves.
+Pull: one digest per prompt block and KV head, in the handoff's ``kv_transfer_params``
+(``wire.PrefilledKv.head_digests``), since decode reads only the blocks its own cache
+lacks and which those are is known only then, and a decode at any tensor-parallel size
+checks the heads it holds.
 
 Reads memory by address: engines whose KV is in host memory (``DRAM``). On a GPU the
 digest would have to run on the device; kvpush does not do that yet, and a prefill on a
 ``VRAM`` layout sends no digest (decode then reports its KV unchecked).
 
-No NATS, no NIXL; ``PullDigests`` hands pull digests from the worker side of the
-connector to its scheduler side when both live in one process (one rank, vLLM's
-in-process executor); otherwise none are sent and decode reports the KV unchecked.
+No NATS, no NIXL; ``HandoffDigests`` puts the ranks' pull digests, carried to the
+scheduler side by vLLM's worker meta, into the handoff.
 """
 
 from __future__ import annotations
 
 import ctypes
 import random
-import threading
 from typing import Iterable
 
 import xxhash
@@ -101,24 +101,45 @@ def flip_byte(layout: KvLayout, block_ids: list[int], seed: int) -> tuple[int, i
     return block, index, offset
 
 
-class PullDigests:
-    """Pull: digests the worker side computed for a finished prompt, until the scheduler
-    side's ``request_finished`` puts them in the handoff. Bounded; thread-safe."""
+class HandoffDigests:
+    """Pull: the ranks' digests of finished prompts, put into the handoffs vLLM returns.
 
-    def __init__(self, max_entries: int = 10_000) -> None:
-        self._lock = threading.Lock()
-        self._digests: dict[str, list[str]] = {}
+    Every rank computes its heads' digests after the forward pass that finished the prompt
+    (``head_digests``), in its own process at TP > 1; they reach the scheduler side in that
+    step's worker meta, which vLLM merges over the ranks. vLLM hands the scheduler side
+    that step's output in one call (``Scheduler.update_from_output``): ``request_finished``
+    builds the handoff first, ``update_connector_output`` brings the digests after. The
+    handoff's dict is kept (``handed``) and filled once every rank's digests came
+    (``arrived``), before vLLM sends it; digests that come first wait for their handoff.
+    Only on vLLM's scheduler thread; bounded.
+    """
+
+    def __init__(self, tp_size: int, max_entries: int = 10_000) -> None:
+        self.tp_size = tp_size
         self._max_entries = max_entries
+        self._handed: dict[str, dict] = {}  # transfer id -> the handoff's params, awaiting digests
+        self._digests: dict[str, dict[int, list[list[str]]]] = {}  # transfer id -> rank -> its rows
 
-    def put(self, transfer_id: str, digests: list[str]) -> None:
-        with self._lock:
-            self._digests[transfer_id] = digests
-            while len(self._digests) > self._max_entries:
-                del self._digests[next(iter(self._digests))]
+    def handed(self, transfer_id: str, params: dict) -> None:
+        """``request_finished`` returned ``params`` for a prompt whose digests were asked for."""
+        self._put(self._handed, transfer_id, params)
+        self._fill(transfer_id)
 
-    def take(self, transfer_id: str) -> list[str] | None:
-        with self._lock:
-            return self._digests.pop(transfer_id, None)
+    def arrived(self, transfer_id: str, by_rank: dict[int, list[list[str]]]) -> None:
+        """Ranks' digests (rank -> [prompt block][head the rank holds]) came in a worker meta."""
+        self._put(self._digests, transfer_id, {**self._digests.get(transfer_id, {}), **by_rank})
+        self._fill(transfer_id)
 
+    def _fill(self, transfer_id: str) -> None:
+        params, by_rank = self._handed.get(transfer_id), self._digests.get(transfer_id, {})
+        if params is None or any(rank not in by_rank for rank in range(self.tp_size)):
+            return
+        del self._handed[transfer_id], self._digests[transfer_id]
+        rows = [by_rank[rank] for rank in range(self.tp_size)]
+        if len({len(blocks) for blocks in rows}) == 1:  # one row per prompt block on every rank
+            params["head_digests"] = [[digest for blocks in rows for digest in blocks[b]] for b in range(len(rows[0]))]
 
-PULL_DIGESTS = PullDigests()  # the process's: both halves of a one-rank connector see it
+    def _put(self, entries: dict, transfer_id: str, value) -> None:
+        entries[transfer_id] = value
+        while len(entries) > self._max_entries:
+            del entries[next(iter(entries))]

@@ -14,6 +14,18 @@ locally or fails the request. A write prefill reports stuck keeps the blocks wit
 timer until prefill answers again or its engine is proven gone (it no longer answers on
 its agent subject, or another incarnation does); ``kvpush_kv_stuck_holds`` counts them.
 
+Tensor parallelism. Each rank waits for its own heads (``kvpush.connector.tp_map``), and
+vLLM runs the request only once every rank reported its wait ended. Push: the prefill
+ranks writing into this rank's blocks each notify, numbered among them; the KV is here
+once all of them landed (each checked against its own checksum). One writer's failure
+fails the load, but the blocks are kept until every writer answered (its part landed,
+or it failed or was revoked: ``kvpush.connector.writer_answers``) or its engine is proven
+gone; the others are revoked meanwhile. A writer's failure that is not about this rank's
+blocks is left to the ranks it writes to: vLLM unites every rank's failed loads, so the
+request never runs on part of its KV. Pull: one READ per prefill rank holding some of
+our heads, into our part of each block (``kvpush.connector.fanout``); it arrived once all
+landed, and our heads are checked against prefill's per-head checksums.
+
 Trust. A notification counts only with the transfer's tag over the blocks we registered
 (``kvpush.connector.completion``), and a ``TransferFailed`` only from the transfer's own prefill.
 """
@@ -29,19 +41,22 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from kvpush.connector import checksums, kv_layout
+from kvpush.connector import checksums, kv_layout, tp_map
 from kvpush.connector.agents import AgentDirectory
+from kvpush.connector.block_ranges import HeadSlice
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector.completion import CompletionCounter, Notification, block_tag, notification, tag_matches
+from kvpush.connector.fanout import Fanout, PartEnd
 from kvpush.connector.kv_wait import KvWaits, Released, Waiting
 from kvpush.connector.metadata import KvpushMetadata, PullRead
 from kvpush.connector.outcomes import record_transfer, report_failure
 from kvpush.connector.transfer_thread import TransferJob, TransferResult, TransferThread
+from kvpush.connector.writer_answers import WriterAnswers
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import context_from_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.shared import wire
-from kvpush.shared.errors import ChecksumMismatch, ReadFailed, WriteStuck, WrongParty, refusal
+from kvpush.shared.errors import ChecksumMismatch, ReadFailed, TpMismatch, TransferError, WriteStuck, WrongParty, refusal
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
@@ -49,6 +64,10 @@ _tracer = trace.get_tracer("kvpush.connector")
 RESEND_S = 1.0  # a registration goes to prefill again this often until prefill answers (it may be lost)
 PROBE_S = 5.0  # how often the prefill behind a stuck write is asked whether it is still there
 MAX_EARLY_NOTES = 10_000  # notifications kept until their wait starts
+
+# A checksum to check: (prefill's digest, the regions it covers (None: all), our blocks,
+# the heads of each block it covers (None: all)).
+Check = tuple[str, tuple[int, int] | None, list[int], HeadSlice | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,23 +83,28 @@ class _WaitContext:
 
 class Consumer:
     def __init__(self, engine_id: str, rank: int, tp_size: int, bridge: NatsBridge, agents: AgentDirectory,
-                 kv_wait_s: float, quarantine_s: float):
+                 kv_wait_s: float, quarantine_s: float, kv_heads: int = 0):
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
+        self.shard = tp_map.Shard(kv_heads, tp_size, rank)  # the KV heads this rank holds (kv_heads 0: not known)
         self.bridge = bridge
         self.agents = agents
         self.transfer: TransferThread | None = None
         self._wake: Callable[[], None] = lambda: None
         self._waits = KvWaits(kv_wait_s=kv_wait_s, quarantine_s=quarantine_s)
         self._counter = CompletionCounter()  # the producers' WRITE notifications
-        self._lock = threading.Lock()  # protects _released, _given_up, _early_notes, _early_failures, _ended
+        self._answers = WriterAnswers()  # push: the writers that said their part will not land
+        self._lock = threading.Lock()  # protects _released, _given_up, _early_notes, _early_failures, _ended,
+        # _digests, _verified, _failures and _stuck_ranks
         self._released: list[Released] = []  # waits ended on the clock, for the next get_finished
         self._given_up: set[str] = set()  # requests whose wait we gave up, for the scheduler side
         self._early_notes: dict[str, list[Notification]] = {}  # notifications before their wait started
-        self._early_failures: dict[str, wire.TransferFailed] = {}  # the same for prefill's answers
+        self._early_failures: dict[str, list[wire.TransferFailed]] = {}  # the same for prefill's answers
         self._ended: dict[str, str] = {}  # transfer id -> its prefill engine, for waits that ended
-        self._digests: dict[str, list[Notification]] = {}  # transfer id -> its notifications with a checksum
+        # transfer id -> its notifications with a checksum, and the part of our blocks each filled
+        self._digests: dict[str, list[tuple[Notification, HeadSlice | None]]] = {}
+        self._stuck_ranks: dict[str, int] = {}  # transfer id -> the prefill rank whose write is stuck
         self._verified: set[str] = set()  # requests whose KV matched prefill's checksum, for the scheduler side
         self._failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed, for the same
         self._last_probe = 0.0
@@ -107,12 +131,7 @@ class Consumer:
             self._await_kv(read.request_id, read.traceparent, False, _WaitContext(
                 None, False, read.prefill_engine_id, b"", read.transfer_key, (), read.prefill_incarnation),
                 read.transfer_id)
-            self.agents.with_agent(
-                read.prefill_engine_id,
-                lambda remote, why, read=read: self._submit_read(read, remote) if remote else self._read_failed(
-                    read, why),
-                incarnation=read.prefill_incarnation,
-            )
+            self._start_read(read)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose wait ended, those of them whose KV will not come)."""
@@ -135,6 +154,9 @@ class Consumer:
             span = ended.context.span
             if ended.context.notified:
                 self.transfer.expect(-1)
+            self._answers.forget(ended.transfer_id)
+            with self._lock:
+                self._stuck_ranks.pop(ended.transfer_id, None)
             if not ended.arrived:
                 self._counter.forget(ended.transfer_id)  # a late notification for it is then ignored
                 span.set_attribute(A.ERROR_CODE, "aborted" if ended.request_finished else "kv_failed")
@@ -225,20 +247,24 @@ class Consumer:
                                            f"a copy comes whole or in our {layers} layers")
             return
         try:
-            if note.digest and note.rank == self.rank:  # (another rank's copy is in that rank's memory)
+            part = tp_map.partner_slice(note.rank, note.num_ranks, self.transfer.layout.heads if self.transfer else 0)
+            if note.digest:  # every copy notified here landed in this rank's blocks: each is checked
                 with self._lock:
-                    self._digests.setdefault(note.transfer_id, []).append(note)
-            if not self._counter.record(note.transfer_id, note.rank, note.num_ranks, note.part, note.parts):
-                return
+                    self._digests.setdefault(note.transfer_id, []).append((note, part))
+            complete = self._counter.record(note.transfer_id, note.rank, note.num_ranks, note.part, note.parts)
         except ValueError as exc:
             self._refuse(note.transfer_id, f"a WRITE notification that does not add up: {exc}")
+            return
+        if not complete:
+            if self._answers.failing(note.transfer_id):  # this writer's part landed after another's failed
+                self._writer_answered(note.transfer_id)
             return
         self._counter.take_done([note.transfer_id])  # leaves a tombstone against late duplicates
         with self._lock:
             notes = self._digests.pop(note.transfer_id, [])
         blocks = list(context.block_ids)
         self._landed(note.transfer_id, blocks, context.span,
-                     [(note.digest, self._part_regions(note), blocks) for note in notes])
+                     [(note.digest, self._part_regions(note), blocks, part) for note, part in notes])
 
     def _part_regions(self, note: Notification) -> tuple[int, int] | None:
         """The regions a notification's copy covers: all, or its layer's."""
@@ -247,11 +273,10 @@ class Consumer:
         _, first, end = self.transfer.layout.layers[note.part]
         return first, end
 
-    def _landed(self, transfer_id: str, blocks: list[int], span,
-                checks: list[tuple[str, tuple[int, int] | None, list[int]]]) -> None:
+    def _landed(self, transfer_id: str, blocks: list[int], span, checks: list[Check]) -> None:
         """A transfer's KV is all in ``blocks``: check it against prefill's checksums
-        (``checks``: (digest, regions, our blocks)) before the request may run. A mismatch
-        is a failed transfer: the load fails, and decode applies the request's kv_policy."""
+        (``checks``) before the request may run. A mismatch is a failed transfer: the load
+        fails (vLLM fails it for every rank), and decode applies the request's kv_policy."""
         chaos = self.bridge.chaos
         seed = chaos.flips(transfer_id) if chaos is not None and blocks else None
         if seed is not None and checksums.readable(self.transfer.layout):  # the fault suite's corruption
@@ -260,8 +285,8 @@ class Consumer:
         if checks and checksums.readable(self.transfer.layout):
             with _tracer.start_as_current_span(A.KV_CHECKSUM, context=trace.set_span_in_context(span) if span
                                                else None, attributes={A.TRANSFER_ID: transfer_id}) as check:
-                wrong = [i for i, (digest, regions, mine) in enumerate(checks)
-                         if checksums.digest(self.transfer.layout, mine, regions) != digest]
+                wrong = [i for i, (digest, regions, mine, part) in enumerate(checks)
+                         if checksums.digest(self.transfer.layout, mine, regions, part) != digest]
                 if wrong:
                     check.set_attribute(A.ERROR_CODE, ChecksumMismatch.code)
             if wrong:
@@ -298,21 +323,51 @@ class Consumer:
         if wait is None:
             if prefill is None:  # before our wait started (this step's start_load_kv): checked then
                 with self._lock:
-                    self._early_failures[event.transfer_id] = event
+                    self._early_failures.setdefault(event.transfer_id, []).append(event)
                     while len(self._early_failures) > MAX_EARLY_NOTES:
                         del self._early_failures[next(iter(self._early_failures))]
             return
+        writers = tp_map.answering_ranks(self.tp_size, self.rank, event.tp_size)
+        if event.rank not in writers:
+            return  # it writes into other ranks of ours: theirs to count (vLLM fails the load for all)
         reason = f"{event.code}: {event.reason}"
         if event.code == WriteStuck.code:
+            with self._lock:
+                self._stuck_ranks[event.transfer_id] = event.rank
             if self._waits.write_stuck(event.transfer_id, reason, time.monotonic()):
                 log.error("prefill %s reports its write for %s stuck; its blocks stay held until it ends "
                           "or %s is gone", event.prefill_engine_id, event.transfer_id, event.prefill_engine_id)
             return
-        if wait.stuck is not None:
-            self._waits.write_ended(event.transfer_id, reason, code=event.code)
-        else:
-            self._waits.prefill_gave_up(event.transfer_id, reason, code=event.code)
-        self._wake()
+        try:
+            self._answers.failed(event.transfer_id, writers.index(event.rank), len(writers), event.code, reason)
+        except ValueError as exc:
+            self._refuse(event.transfer_id, f"a TransferFailed that does not add up: {exc}")
+            return
+        self._writer_answered(event.transfer_id)
+
+    def _writer_answered(self, transfer_id: str) -> None:
+        """A writer of a transfer another writer failed answered (it failed too, or its part
+        landed): the wait ends once every writer answered, with the first failure; until
+        then the load is given up and the transfer revoked, so that the others stop."""
+        first = self._answers.settled(transfer_id, self._counter.landed(transfer_id))
+        wait = self._waits.get(transfer_id)
+        if wait is None:
+            return
+        if first is not None:
+            if wait.stuck is not None:
+                self._waits.write_ended(transfer_id, first.reason, code=first.code)
+            else:
+                self._waits.prefill_gave_up(transfer_id, first.reason, code=first.code)
+            self._wake()
+            return
+        failure = self._answers.first(transfer_id)
+        if failure is None:
+            return
+        given_up = self._waits.writer_failed(transfer_id, failure.reason, code=failure.code, now=time.monotonic())
+        if given_up is not None:
+            log.warning("a prefill rank's part of %s will not land (%s); waiting for the others to answer",
+                        transfer_id, failure.reason)
+            self._revoke([given_up])
 
     # ---------------------------------------------------------------- waits and reads
 
@@ -329,53 +384,92 @@ class Consumer:
         self._waits.start(request_id, transfer_id, time.monotonic(), context)
         with self._lock:
             early = self._early_notes.pop(transfer_id, [])
-            failure = self._early_failures.pop(transfer_id, None)
+            failures = self._early_failures.pop(transfer_id, [])
         for note in early:
             self._count_note(context, note)
-        if failure is not None:
+        for failure in failures:
             self.on_completion(failure)
 
     def _ended_prefill(self, transfer_id: str) -> str | None:
         with self._lock:
             return self._ended.get(transfer_id)
 
-    def _submit_read(self, read: PullRead, remote: wire.AgentInfo) -> None:
-        problem = kv_layout.copy_problem(self.transfer.layout, remote, read.local_block_ids, read.sources)
-        if problem is not None:
-            self._read_failed(read, problem)
+    def _start_read(self, read: PullRead) -> None:
+        """Pull: READ our heads from every prefill rank holding some of them."""
+        try:
+            exchanges = tp_map.exchanges(self.shard, read.prefill_tp_size)
+        except ValueError as exc:
+            self._read_failed(read, str(exc), TpMismatch)
             return
-
-        def on_done(result: TransferResult) -> None:
-            if not result.ok:
-                self._read_failed(read, result.error)
-                return
-            record_transfer(result)
-            digests = read.block_digests[read.first_block:]
-            checks = [(digest, None, [block]) for digest, block in zip(digests, read.local_block_ids)] \
-                if len(digests) == len(read.local_block_ids) else []
-            wait = self._waits.get(read.transfer_id)
-            self._landed(read.transfer_id, list(read.local_block_ids), wait.context.span if wait else None, checks)
-
-        self.transfer.submit(
-            TransferJob(
-                "READ",
-                read.transfer_id,
-                remote,
-                read.local_block_ids,
-                read.sources,
-                notification(read.transfer_id, self.rank, self.tp_size,
-                             block_tag(read.transfer_key, read.remote_block_ids)),
-                on_done,
-                parent=context_from_traceparent(read.traceparent),
-            )
+        self.agents.with_agents(
+            read.prefill_engine_id, [exchange.peer_rank for exchange in exchanges],
+            lambda remotes, why: self._submit_reads(read, list(zip(exchanges, remotes))) if remotes is not None
+            else self._read_failed(read, why),
+            incarnation=read.prefill_incarnation,
         )
 
-    def _read_failed(self, read: PullRead, why: str) -> None:
-        error = ReadFailed(why)
+    def _submit_reads(self, read: PullRead, sources: list[tuple[tp_map.Exchange, wire.AgentInfo]]) -> None:
+        """One READ per prefill rank, into our part of each block; it arrived once all landed."""
+        for exchange, remote in sources:
+            problem = kv_layout.copy_problem(self.transfer.layout, remote, read.local_block_ids, read.sources,
+                                             exchange.mine, exchange.theirs)
+            if problem is None and remote.tp_size != read.prefill_tp_size:
+                problem = f"prefill said TP {read.prefill_tp_size}, its agent says {remote.tp_size}"
+            if problem is not None:
+                self._read_failed(read, problem if len(sources) == 1 else f"prefill rank {exchange.peer_rank}: "
+                                                                          f"{problem}")
+                return
+        ends = Fanout(len(sources))  # touched on the transfer thread only
+
+        def on_done(result: TransferResult) -> None:
+            if result.stuck:  # reported failed now, as a READ on its own always was
+                if ends.stuck():
+                    self._read_failed(read, result.error)
+                return
+            end = ends.ended(PartEnd(result.ok, result.bytes, result.descriptors, result.error, result.write_ms))
+            if end is None:
+                return
+            if not end.ok:
+                self._read_failed(read, end.error)
+                return
+            record_transfer(TransferResult(read.transfer_id, True, bytes=end.bytes, descriptors=end.descriptors,
+                                           write_ms=end.write_ms))
+            wait = self._waits.get(read.transfer_id)
+            self._landed(read.transfer_id, list(read.local_block_ids), wait.context.span if wait else None,
+                         self._pull_checks(read))
+
+        for exchange, remote in sources:
+            self.transfer.submit(TransferJob(
+                "READ", read.transfer_id, remote, read.local_block_ids, read.sources,
+                notification(read.transfer_id, exchange.index, exchange.partners,
+                             block_tag(read.transfer_key, read.remote_block_ids)),
+                on_done, parent=context_from_traceparent(read.traceparent),
+                local_part=exchange.mine, remote_part=exchange.theirs,
+            ))
+
+    def _pull_checks(self, read: PullRead) -> list[Check]:
+        """Prefill's checksums of what we read: one per block and head of ours (or, from a
+        TP-1 prefill that predates them, per block); none if it sent none."""
+        local = list(read.local_block_ids)
+        heads = self.transfer.layout.heads
+        if read.head_digests:
+            rows = read.head_digests[read.first_block:]
+            first = self.rank * heads
+            if not heads or len(rows) != len(local) or any(len(row) < first + heads for row in rows):
+                return []
+            return [(row[first + head], None, [block], HeadSlice(head, 1, heads))
+                    for block, row in zip(local, rows) for head in range(heads)]
+        digests = read.block_digests[read.first_block:]
+        if len(digests) != len(local) or not read.prefill_tp_size == self.tp_size == 1:
+            return []
+        return [(digest, None, [block], None) for digest, block in zip(digests, local)]
+
+    def _read_failed(self, read: PullRead, why: str, kind: type[TransferError] = ReadFailed) -> None:
+        error = kind(why)
         # nothing of ours is in flight
         self._waits.prefill_gave_up(read.transfer_id, f"{error.code}: {why}", code=error.code)
         self._wake()
-        report_failure(self.bridge, self.engine_id, self.rank, read.transfer_id, self.engine_id, error)
+        report_failure(self.bridge, self.engine_id, self.rank, read.transfer_id, self.engine_id, error, self.tp_size)
 
     def _kv_arrived(self, transfer_id: str) -> None:
         """All of a transfer's KV is in our blocks (any thread)."""
@@ -403,6 +497,8 @@ class Consumer:
         """Is the prefill engine that posted a stuck write still there? It is gone once its
         agent subject has no responder (its process left NATS) or another start answers."""
         context: _WaitContext = wait.context
+        with self._lock:
+            rank = self._stuck_ranks.get(wait.transfer_id, self.rank)
 
         def on_agent(info: wire.AgentInfo | None, why: str) -> None:
             if info is not None:
@@ -415,7 +511,7 @@ class Consumer:
                 self._wake()
 
         self.agents.with_agent(context.prefill_engine_id, on_agent, incarnation=context.prefill_incarnation,
-                               fresh=True)
+                               fresh=True, rank=rank)
 
     def _refuse(self, transfer_id: str, why: str) -> None:
         self.bridge.refuse(refusal(self.engine_id, wire.KV_COMPLETIONS.partly(engine_id=self.engine_id),

@@ -31,8 +31,16 @@ Worker side (``ConnectorWorker``, in each TP rank; its ``Producer`` and/or ``Con
     save_kv_layer               no-op: the push starts once the whole forward pass is done
     wait_for_save               prefill: offer finished prompts to the rendezvous (or hold them for a READ)
     get_transfer_results        blocks that may be freed, waits that ended, loads that failed
-    build_connector_worker_meta decode: the waits given up this step (their leases are not renewed)
+    build_connector_worker_meta decode: the waits given up, and verified, this step; prefill: pull digests
     shutdown                    stop the transfer thread
+
+Tensor parallelism: the scheduler side runs once, in the engine core's process, and a
+worker side in each rank's process (one process at TP 1, vLLM's in-process executor).
+Each rank moves its own KV heads (``kvpush.connector.tp_map``); vLLM's ``KVOutputAggregator``
+makes a request's transfer whole only once every rank reported it. Metrics: the engine
+core serves its connector's on ``KVPUSH_METRICS_PORT`` + 1 (``engine_metrics_port``); at
+TP > 1 rank r's process serves its own on that port + 1 + r, so a launcher reserves
+2 + TP ports per engine.
 """
 
 from __future__ import annotations
@@ -73,33 +81,38 @@ class KvpushConnector(KVConnectorBase_V1):
             raise ValueError("KvpushConnector needs kv_connector_extra_config['nats_url']")
         FaultSettings(lease_s=config.lease_s, kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)  # checks
         engine_id = transfer_config.engine_id
-        # The engine core is a process of its own: its metrics get a port of their own.
-        # Named by the worker's role: every kvpush engine runs kv_both (a prefill also reads
-        # prefixes it fetches, a decode also lends its own).
-        otel_setup.configure(f"kvpush-{config.role or SIDES[transfer_config.kv_role]}-connector",
-                             port=otel_setup.engine_metrics_port())
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        rank = 0
+        if role != KVConnectorRole.SCHEDULER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        # The engine core is a process of its own, and so is each rank at TP > 1: their
+        # metrics get ports of their own. Named by the worker's role: every kvpush engine
+        # runs kv_both (a prefill also reads prefixes it fetches, a decode also lends its own).
+        otel_setup.configure(f"kvpush-{config.role or SIDES[transfer_config.kv_role]}-connector",
+                             port=_metrics_port(role, tp_size, rank))
+        total_heads, heads_per_rank = _kv_heads(vllm_config)
+        kv_heads = total_heads if total_heads == heads_per_rank * tp_size else 0  # said only when split evenly
         bridge = NatsBridge.shared(config.nats_url, name=engine_id)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(
                 engine_id, vllm_config.cache_config.block_size, tp_size, bridge, incarnation=config.incarnation,
-                bytes_per_block=_bytes_per_block(kv_cache_config) * tp_size,
+                bytes_per_block=_bytes_per_block(kv_cache_config) * total_heads // heads_per_rank,
+                kv_heads=kv_heads,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else None
-            rank = get_tensor_model_parallel_rank()
             agents = AgentDirectory(bridge, rank, service=engine_id)
             producer = consumer = None
             if transfer_config.is_kv_producer:
                 producer = Producer(engine_id, rank, tp_size, bridge, agents, lease_s=config.lease_s,
-                                    push_by_layer=config.push_by_layer)
+                                    push_by_layer=config.push_by_layer, kv_heads=kv_heads)
             if transfer_config.is_kv_consumer:
-                consumer = Consumer(engine_id, rank, tp_size, bridge, agents,
-                                    kv_wait_s=config.kv_wait_s, quarantine_s=config.quarantine_s)
+                consumer = Consumer(engine_id, rank, tp_size, bridge, agents, kv_wait_s=config.kv_wait_s,
+                                    quarantine_s=config.quarantine_s, kv_heads=kv_heads)
             self._worker = ConnectorWorker(engine_id, rank, bridge, agents, producer=producer, consumer=consumer,
                                            incarnation=config.incarnation)
 
@@ -173,8 +186,26 @@ class KvpushConnector(KVConnectorBase_V1):
         otel_setup.shutdown()
 
 
+def _metrics_port(role: KVConnectorRole, tp_size: int, rank: int) -> int | None:
+    """The engine core's port (``engine_metrics_port``), or at TP > 1, for a rank's own
+    process, that port + 1 + rank (None: no port set)."""
+    port = otel_setup.engine_metrics_port()
+    if port is None or role == KVConnectorRole.SCHEDULER or tp_size == 1:
+        return port
+    return port + 1 + rank
+
+
+def _kv_heads(vllm_config) -> tuple[int, int]:
+    """(the model's KV heads, the heads each rank's blocks hold, as vLLM sizes them: at
+    least one, replicated at TP above the model's)."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    return model.get_total_num_kv_heads(), max(1, model.get_num_kv_heads(parallel))
+
+
 def _bytes_per_block(kv_cache_config) -> int:
-    """One block's KV over every layer, on one rank (0 if vLLM did not say)."""
+    """One block's KV over every layer, on one rank (0 if vLLM did not say); the scheduler
+    side scales it to all the model's heads (at TP above the KV heads vLLM replicates
+    them: the ranks together hold more than one copy moves)."""
     if kv_cache_config is None:
         return 0
     return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)

@@ -29,7 +29,7 @@ class ExpectedKv:
 
     request_id: str
     transfer_id: str
-    num_producer_ranks: int
+    num_producer_ranks: int  # unused: a decode rank counts the writers its notifications name (tp_map)
     traceparent: str = ""
     prefill_engine_id: str = ""
     registration: bytes = b""  # as published; sent again while the KV has not come
@@ -55,6 +55,8 @@ class PullRead:
     first_block: int = 0
     block_digests: list[str] = field(default_factory=list)  # prefill's, one per prompt block (none: unchecked)
     last_block: int | None = None  # a fetch: read only up to here (the holder's lend holds one block more)
+    prefill_tp_size: int = 1  # read our heads from each prefill rank holding some (tp_map)
+    head_digests: list[list[str]] = field(default_factory=list)  # prefill's, per prompt block and global KV head
 
     @property
     def sources(self) -> list[int]:
@@ -71,12 +73,24 @@ class KvpushMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvpushWorkerMeta(KVConnectorWorkerMetadata):
-    """What the worker side tells the scheduler side after a step."""
+    """What the worker side tells the scheduler side after a step, one per rank; vLLM's
+    ``KVOutputAggregator`` merges the ranks' (``aggregate``) before the scheduler side
+    sees them. The scheduler side runs in the engine core's process, and at TP > 1 every
+    rank in a process of its own: this is their only way there."""
 
     given_up: set[str] = field(default_factory=set)  # decode requests whose KV wait was given up: stop renewing
-    verified: set[str] = field(default_factory=set)  # decode requests whose KV matched prefill's checksum
+    # decode request -> the ranks whose KV matched prefill's checksum (verified once all did)
+    verified: dict[str, int] = field(default_factory=dict)
     load_failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # decode request -> (code, why)
+    # prefill, pull: transfer -> rank -> that rank's digests per prompt block and head it holds
+    pull_digests: dict[str, dict[int, list[list[str]]]] = field(default_factory=dict)
 
     def aggregate(self, other: "KvpushWorkerMeta") -> "KvpushWorkerMeta":
-        return KvpushWorkerMeta(self.given_up | other.given_up, self.verified | other.verified,
-                                {**self.load_failures, **other.load_failures})
+        verified = dict(self.verified)
+        for request_id, ranks in other.verified.items():
+            verified[request_id] = verified.get(request_id, 0) + ranks
+        digests = {transfer_id: dict(by_rank) for transfer_id, by_rank in self.pull_digests.items()}
+        for transfer_id, by_rank in other.pull_digests.items():
+            digests.setdefault(transfer_id, {}).update(by_rank)
+        return KvpushWorkerMeta(self.given_up | other.given_up, verified,
+                                {**self.load_failures, **other.load_failures}, digests)

@@ -19,6 +19,17 @@ write starts, and decode gets its answer once no write of ours can still land. A
 that does not end is reported stuck (``WriteStuck``) and its blocks stay held, on both
 sides, until it ends; then its end is reported.
 
+Tensor parallelism. Every rank of the engine gets the same steps and the same NATS
+messages, and moves its own KV heads: push, it writes them into every decode rank that
+holds some of them (``kvpush.connector.tp_map``), one WRITE per decode rank (per layer,
+layer by layer), each notification numbered among that decode rank's writers; the rank's
+write has ended once all of them ended (``kvpush.connector.fanout``), and only then does it
+answer decode (done or failed) and let vLLM free its blocks. vLLM frees them once every
+rank said so. Pull, it holds its blocks until the decode ranks that read its heads all
+notified (each notification names how many they are). A registration from a decode
+whose size cannot split the heads with ours is refused (``TpMismatch``) before anything
+moves.
+
 Trust. A registration or revoke comes from the decode its subject names (the bridge
 refuses a forged one). It is used only if it carries the transfer's key, which the
 scheduler gave only to us and the decode it chose, and (push) comes from that decode.
@@ -36,11 +47,13 @@ from typing import Callable
 
 from opentelemetry import trace
 
-from kvpush.connector import kv_layout
+from kvpush.connector import kv_layout, tp_map
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector import checksums
+from kvpush.connector.block_ranges import HeadSlice
 from kvpush.connector.completion import Notification, block_tag, notification
+from kvpush.connector.fanout import Fanout, PartEnd
 from kvpush.connector.layer_writes import LayerWrites, NotWritten, Written
 from kvpush.connector.metadata import KvpushMetadata, ReadyPrefill
 from kvpush.connector.outcomes import record_transfer, report_failure
@@ -67,6 +80,9 @@ from kvpush.shared.errors import (
 
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
+MAX_PULL_DIGESTS = 10_000  # transfers whose pull digests wait for the worker meta (bounded)
+
+Target = tuple[tp_map.Exchange, wire.AgentInfo]  # a decode rank our heads go to, and its agent
 
 
 def sources(registration: wire.Registration, ready: ReadyPrefill) -> list[int]:
@@ -80,16 +96,18 @@ class _LayeredPush:
 
     match: Match
     writes: LayerWrites
-    remote: wire.AgentInfo | None = None
+    targets: list[Target] = dataclasses.field(default_factory=list)  # once their agents are known
+    ends: dict[int, Fanout] = dataclasses.field(default_factory=dict)  # layer -> its WRITEs to every target
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class Producer:
     def __init__(self, engine_id: str, rank: int, tp_size: int, bridge: NatsBridge, agents: AgentDirectory,
-                 lease_s: float, push_by_layer: bool = False):
+                 lease_s: float, push_by_layer: bool = False, kv_heads: int = 0):
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
+        self.shard = tp_map.Shard(kv_heads, tp_size, rank)  # the KV heads this rank holds (kv_heads 0: not known)
         self.bridge = bridge
         self.agents = agents
         self.lease_s = lease_s
@@ -102,6 +120,7 @@ class Producer:
         self._this_step: list[str] = []  # transfers matched in this step's forward (vLLM's worker thread only)
         self._step_meta: KvpushMetadata | None = None  # the step whose forward is under way, once it saved a layer
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its position in our KV layout
+        self._pull_digests: dict[str, list[list[str]]] = {}  # transfer -> our heads' digests, for the worker meta
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
         """The rank's transfer thread, and what to call when blocks may go back."""
@@ -147,12 +166,8 @@ class Producer:
             chaos.point("producer.matched")
             if isinstance(outcome, Match):
                 self._rendezvous_span(outcome)
-                self.agents.with_agent(
-                    outcome.registration.decode_engine_id,
-                    lambda remote, why, match=outcome: self._layered_peer(match, remote) if remote
-                    else self._fail_match(match, AgentUnreachable(why), layered=True),
-                    incarnation=outcome.registration.decode_incarnation,
-                )
+                self._with_targets(outcome, lambda targets, match=outcome: self._layered_peer(match, targets),
+                                   layered=True)
             else:
                 self._settle(outcome, arrival.prefill)
 
@@ -184,13 +199,29 @@ class Producer:
                 self._refuse(arrival.forged)
             if ready.mode == "pull":
                 if ready.checksum and checksums.readable(self.transfer.layout):  # for the handoff (checksums.py)
-                    checksums.PULL_DIGESTS.put(ready.transfer_id,
-                                               checksums.block_digests(self.transfer.layout, ready.block_ids))
+                    self._keep_pull_digests(ready)
                 with self._lock:
                     self._book.serve(ready)
                 self.transfer.expect(1)
                 continue
             self._settle(self._offer(lambda: self._book.offer_prefill(ready)), ready)
+
+    def _keep_pull_digests(self, ready: ReadyPrefill) -> None:
+        """Pull: our heads' digests of the prompt's blocks, for the scheduler side's handoff
+        (it runs in another process at TP > 1: they go in the step's worker meta)."""
+        rows = checksums.head_digests(self.transfer.layout, ready.block_ids)
+        if not rows:
+            return
+        with self._lock:
+            self._pull_digests[ready.transfer_id] = rows
+            while len(self._pull_digests) > MAX_PULL_DIGESTS:
+                del self._pull_digests[next(iter(self._pull_digests))]
+
+    def take_pull_digests(self) -> dict[str, list[list[str]]]:
+        """Pull digests computed since the last call: transfer -> [block][our head]."""
+        with self._lock:
+            digests, self._pull_digests = self._pull_digests, {}
+        return digests
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose blocks may now be freed (their KV left, or will not)."""
@@ -277,9 +308,9 @@ class Producer:
             return
         if arrival.forged is not None:
             self._refuse(arrival.forged)
-        if registration.decode_tp_size != self.tp_size:
-            self._fail(registration.transfer_id, registration.decode_engine_id,
-                       TpMismatch(f"decode has TP {registration.decode_tp_size}, prefill has TP {self.tp_size}"))
+        mismatch = tp_map.problem(self.shard, tp_map.Shard(registration.kv_heads, registration.decode_tp_size))
+        if mismatch is not None:
+            self._fail(registration.transfer_id, registration.decode_engine_id, TpMismatch(mismatch))
             return
         self._settle(self._offer(lambda: self._book.offer_registration(registration)))
 
@@ -332,13 +363,36 @@ class Producer:
 
     def _start_write(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
         self._rendezvous_span(match)
-        self.agents.with_agent(
-            match.registration.decode_engine_id,
-            lambda remote, why: self._submit_write(match, remote) if remote else self._fail_match(
-                match, AgentUnreachable(why)),
-            incarnation=match.registration.decode_incarnation,
+        self._with_targets(match, lambda targets: self._submit_write(match, targets))
+
+    def _with_targets(self, match: Match[wire.Registration, ReadyPrefill], then: Callable[[list[Target]], None],
+                      layered: bool = False) -> None:
+        """``then(targets)``: every decode rank our heads go to, with its agent; the match
+        fails instead if one cannot be had."""
+        registration = match.registration
+        try:
+            exchanges = tp_map.exchanges(self.shard, registration.decode_tp_size)
+        except ValueError as exc:  # checked as the registration came; a guard all the same
+            self._fail_match(match, TpMismatch(str(exc)), layered=layered)
+            return
+        self.agents.with_agents(
+            registration.decode_engine_id, [exchange.peer_rank for exchange in exchanges],
+            lambda remotes, why: then(list(zip(exchanges, remotes))) if remotes is not None else self._fail_match(
+                match, AgentUnreachable(why), layered=layered),
+            incarnation=registration.decode_incarnation,
         )
 
+    def _targets_problem(self, match: Match[wire.Registration, ReadyPrefill], targets: list[Target]) -> str | None:
+        """Why our blocks cannot go into the registration's on some decode rank, or None."""
+        registration = match.registration
+        for exchange, remote in targets:
+            problem = kv_layout.copy_problem(self.transfer.layout, remote, sources(registration, match.prefill),
+                                             registration.block_ids, exchange.mine, exchange.theirs)
+            if problem is None and remote.tp_size != registration.decode_tp_size:
+                problem = f"decode registered at TP {registration.decode_tp_size}, its agent says {remote.tp_size}"
+            if problem is not None:
+                return problem if len(targets) == 1 else f"decode rank {exchange.peer_rank}: {problem}"
+        return None
     def _rendezvous_span(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
         now_ns = time.time_ns()
         wait_ms = match.waited_s * 1000
@@ -358,41 +412,59 @@ class Producer:
         span.end(end_time=now_ns)
         instruments().rendezvous_wait.record(wait_ms, {"second": second})
 
-    def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
-        registration, ready = match.registration, match.prefill
-        problem = kv_layout.copy_problem(self.transfer.layout, remote, sources(registration, ready),
-                                         registration.block_ids)
+    def _submit_write(self, match: Match[wire.Registration, ReadyPrefill], targets: list[Target]) -> None:
+        """One WRITE per decode rank; the rank's write ends once all of them ended."""
+        problem = self._targets_problem(match, targets)
         if problem is not None:
             self._fail_match(match, BadRegistration(problem))
             return
+        registration, ready = match.registration, match.prefill
         started = time.perf_counter()
+        ends = Fanout(len(targets))  # touched on the transfer thread only
 
         def on_done(result: TransferResult) -> None:
             if result.stuck:  # still posted: our blocks and decode's stay held until it ends
-                self._fail(match.transfer_id, registration.decode_engine_id, WriteStuck(result.error))
+                if ends.stuck():
+                    self._fail(match.transfer_id, registration.decode_engine_id, WriteStuck(result.error))
+                return
+            end = ends.ended(_part_end(result))
+            if end is None:
                 return
             with self._lock:  # a later Revoke finds the transfer matched: answered
-                self._book.write_ended(match.transfer_id, ready.request_id, result.ok)
+                self._book.write_ended(match.transfer_id, ready.request_id, end.ok)
             self._wake()
-            if not result.ok:
-                self._fail(match.transfer_id, registration.decode_engine_id, WriteFailed(result.error))
+            if not end.ok:
+                self._fail(match.transfer_id, registration.decode_engine_id, WriteFailed(end.error))
                 return
-            record_transfer(result)
-            self._done(match, result.bytes, result.descriptors, started)
+            record_transfer(TransferResult(match.transfer_id, True, bytes=end.bytes, descriptors=end.descriptors,
+                                           write_ms=end.write_ms))
+            self._done(match, end.bytes, end.descriptors, started)
 
-        digest = self._digest(ready, sources(registration, ready))
-        self.transfer.submit(
-            TransferJob(
-                "WRITE",
-                match.transfer_id,
-                remote,
-                sources(registration, ready),
-                registration.block_ids,
-                notification(match.transfer_id, self.rank, self.tp_size,
-                             block_tag(ready.transfer_key, registration.block_ids, digest), digest=digest),
-                on_done,
-                parent=context_from_traceparent(ready.traceparent),
-            )
+        for exchange, remote in targets:
+            self.transfer.submit(self._write_job(match, exchange, remote, on_done))
+
+    def _write_job(self, match: Match[wire.Registration, ReadyPrefill], exchange: tp_map.Exchange,
+                   remote: wire.AgentInfo, on_done: Callable[[TransferResult], None], part: int = 0, parts: int = 1,
+                   regions: tuple[int, int] | None = None) -> TransferJob:
+        """The WRITE of our heads ``exchange.mine`` into one decode rank's (``regions``: a
+        layer's, layer by layer), its notification numbered among that rank's writers."""
+        registration, ready = match.registration, match.prefill
+        blocks = sources(registration, ready)
+        digest = self._digest(ready, blocks, regions, exchange.mine)
+        return TransferJob(
+            "WRITE",
+            match.transfer_id,
+            remote,
+            blocks,
+            registration.block_ids,
+            notification(match.transfer_id, exchange.index, exchange.partners,
+                         block_tag(ready.transfer_key, registration.block_ids, digest), part=part, parts=parts,
+                         digest=digest),
+            on_done,
+            parent=context_from_traceparent(ready.traceparent),
+            regions=regions,
+            local_part=exchange.mine,
+            remote_part=exchange.theirs,
         )
 
     def _done(self, match: Match[wire.Registration, ReadyPrefill], nbytes: int, descriptors: int,
@@ -413,24 +485,23 @@ class Producer:
                     descriptors=descriptors,
                     write_ms=(time.perf_counter() - started) * 1000,
                     finished_at=time.time(),
+                    tp_size=self.tp_size,
                 )
             ),
         )
 
     # ---------------------------------------------------------------- layer by layer
 
-    def _layered_peer(self, match: Match[wire.Registration, ReadyPrefill], remote: wire.AgentInfo) -> None:
-        """The decode's agent is known: post the layers computed so far."""
-        registration, ready = match.registration, match.prefill
-        problem = kv_layout.copy_problem(self.transfer.layout, remote, sources(registration, ready),
-                                         registration.block_ids)
+    def _layered_peer(self, match: Match[wire.Registration, ReadyPrefill], targets: list[Target]) -> None:
+        """The decode ranks' agents are known: post the layers computed so far."""
+        problem = self._targets_problem(match, targets)
         if problem is not None:
             self._fail_match(match, BadRegistration(problem), layered=True)
             return
         with self._lock:
             push = self._layered.get(match.transfer_id)
             if push is not None:
-                push.remote = remote
+                push.targets = targets
         self._post_layers(lambda writes: writes.peer_found(), [match.transfer_id])
 
     def _post_layers(self, advance: Callable[[LayerWrites], list[int]], transfer_ids: list[str] | None = None) -> None:
@@ -442,33 +513,32 @@ class Producer:
                 if push is None:
                     continue
                 for index in advance(push.writes):
-                    jobs.append(self._layer_job(push, index))
+                    jobs.extend(self._layer_jobs(push, index))
         for job in jobs:
             self.transfer.submit(job)
         if jobs:
             chaos.point("producer.layers_posted")
 
-    def _layer_job(self, push: _LayeredPush, index: int) -> TransferJob:
-        registration, ready = push.match.registration, push.match.prefill
+    def _layer_jobs(self, push: _LayeredPush, index: int) -> list[TransferJob]:
+        """Under the lock: layer ``index``'s WRITE into every decode rank; the layer has
+        ended once all of them ended."""
         _, first, end = self.transfer.layout.layers[index]
-        digest = self._digest(ready, sources(registration, ready), (first, end))
-        return TransferJob(
-            "WRITE", push.match.transfer_id, push.remote, sources(registration, ready), registration.block_ids,
-            notification(push.match.transfer_id, self.rank, self.tp_size,
-                         block_tag(ready.transfer_key, registration.block_ids, digest), part=index,
-                         parts=push.writes.layers, digest=digest),
-            lambda result, index=index: self._layer_done(push.match.transfer_id, index, result),
-            parent=context_from_traceparent(ready.traceparent),
-            regions=(first, end),
-        )
+        push.ends[index] = Fanout(len(push.targets))
+        transfer_id = push.match.transfer_id
+        return [self._write_job(push.match, exchange, remote,
+                                lambda result: self._layer_done(transfer_id, index, result),
+                                part=index, parts=push.writes.layers, regions=(first, end))
+                for exchange, remote in push.targets]
 
-    def _digest(self, ready: ReadyPrefill, blocks: list[int], regions: tuple[int, int] | None = None) -> str:
-        """The checksum of what a WRITE sends, if the scheduler asked for one ("" if not)."""
+    def _digest(self, ready: ReadyPrefill, blocks: list[int], regions: tuple[int, int] | None = None,
+                part: HeadSlice | None = None) -> str:
+        """The checksum of what a WRITE sends (``part``: those heads of each block), if the
+        scheduler asked for one ("" if not)."""
         if not ready.checksum or not checksums.readable(self.transfer.layout):
             return ""
         with _tracer.start_as_current_span(A.KV_CHECKSUM, context=context_from_traceparent(ready.traceparent),
                                            attributes={A.TRANSFER_ID: ready.transfer_id, A.BLOCKS: len(blocks)}):
-            return checksums.digest(self.transfer.layout, blocks, regions)
+            return checksums.digest(self.transfer.layout, blocks, regions, part)
 
     def _layer_done(self, transfer_id: str, index: int, result: TransferResult) -> None:
         """The transfer thread: one layer's WRITE ended (or is stuck)."""
@@ -480,8 +550,9 @@ class Producer:
                 first = not push.writes.stuck_reported
                 push.writes.stuck_reported = True
             else:
-                end = self._layered_end(push, push.writes.layer_ended(index, result.ok, result.bytes,
-                                                                       result.descriptors, result.error))
+                layer = push.ends[index].ended(_part_end(result))  # None while a decode rank's WRITE runs
+                end = None if layer is None else self._layered_end(push, push.writes.layer_ended(
+                    index, layer.ok, layer.bytes, layer.descriptors, layer.error))
         if result.stuck:  # still posted: our blocks and decode's stay held until it ends
             if first:
                 self._fail(transfer_id, push.match.registration.decode_engine_id, WriteStuck(result.error))
@@ -528,9 +599,13 @@ class Producer:
         self._wake()
 
     def _fail(self, transfer_id: str, decode_engine_id: str, error: TransferError) -> None:
-        report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error)
+        report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error, self.tp_size)
 
     def _refuse(self, refused: Refuse) -> None:
         """A message about one of our transfers from a peer that has no part in it."""
         self.bridge.refuse(refusal(self.engine_id, wire.KV_CONTROL.partly(engine_id=self.engine_id),
                                    ValueError(f"{refused.transfer_id}: {refused.reason}"), WrongParty))
+
+
+def _part_end(result: TransferResult) -> PartEnd:
+    return PartEnd(result.ok, result.bytes, result.descriptors, result.error, result.write_ms)

@@ -15,6 +15,13 @@ wait ended or it finished, renew prefill's lease on the prompt's blocks: one
 ``LeaseRenewal`` per prefill engine every heartbeat, sent from the NATS bridge's loop.
 
 Requests' ``kv_transfer_params`` are ``wire.PrefillKvParams`` / ``wire.DecodeKvParams``.
+
+Tensor parallelism. This side runs once per engine, in the engine core's process; every
+rank is its own worker process. It speaks for the engine (its TP size and the model's KV
+heads, in registrations and handoffs) and hears the ranks only through vLLM: finished
+requests once every rank reported them, and the ranks' worker metas merged
+(``KvpushWorkerMeta``): a received prompt is verified only once every rank verified its
+heads, and a pulled prompt's handoff gets every rank's digests (``checksums.HandoffDigests``).
 """
 
 from __future__ import annotations
@@ -93,11 +100,12 @@ class _Prefill:
 class ConnectorScheduler:
     def __init__(self, engine_id: str, block_size: int, tp_size: int, bridge: NatsBridge,
                  renew_every_s: float = settings.HEARTBEAT_INTERVAL_S, incarnation: str = "",
-                 bytes_per_block: int = 0):
+                 bytes_per_block: int = 0, kv_heads: int = 0):
         self.engine_id = engine_id
         self.incarnation = incarnation  # the worker's start: registrations are for this process's agents only
         self.block_size = block_size
         self.tp_size = tp_size
+        self.kv_heads = kv_heads  # the model's KV heads, all ranks together (0: not known)
         self.bytes_per_block = bytes_per_block  # of every layer, all ranks: what one block's transfer moves
         self.bridge = bridge
         self.kv_cache_manager: "KVCacheManager | None" = None
@@ -107,7 +115,8 @@ class ConnectorScheduler:
         self._awaiting_send: set[str] = set()  # prefill requests whose blocks we hold
         self._received: dict[str, _Received] = {}  # decode: requests whose KV comes from prefill
         self._fetched: dict[str, _Received] = {}  # requests whose prefix is read from another engine's cache
-        self._verified: set[str] = set()  # of those, the ones whose KV matched prefill's checksum
+        self._verified: dict[str, int] = {}  # of those, how many ranks' KV matched prefill's checksum
+        self._handoff_digests = checksums.HandoffDigests(tp_size)  # prefill, pull: the ranks' digests
         self._load_failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed
         self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
         self._renewals_lock = threading.Lock()  # protects _renewals (vLLM's scheduler thread and the bridge's)
@@ -193,6 +202,8 @@ class ConnectorScheduler:
                 prefill_engine_id=params.prefill_engine_id,
                 remote_block_ids=list(params.remote_block_ids),  # what prefill's request_finished returned
                 block_digests=list(params.block_digests),
+                head_digests=[list(row) for row in params.head_digests],
+                prefill_tp_size=params.prefill_tp_size,
                 traceparent=params.traceparent,
                 transfer_key=params.transfer_key,
                 prefill_incarnation=params.prefill_incarnation,
@@ -215,6 +226,7 @@ class ConnectorScheduler:
             registered_at=time.time(),
             transfer_key=params.transfer_key,
             decode_incarnation=self.incarnation,
+            kv_heads=self.kv_heads,
         )
         with _tracer.start_as_current_span(
             A.KV_REGISTER,
@@ -269,27 +281,28 @@ class ConnectorScheduler:
             return False, {wire.LOAD_FAILURE_KEY: {"code": code, "reason": why}}
         received = self._received.pop(request.request_id, None)
         if received is not None:
-            verified = request.request_id in self._verified
-            self._verified.discard(request.request_id)
+            verified = self._verified.pop(request.request_id, 0) >= self.tp_size  # every rank checked its heads
             return False, {wire.RECEIVED_KEY: wire.ReceivedKv(
                 local_tokens=received.local_tokens, tokens=received.tokens, blocks=received.blocks,
                 bytes=received.blocks * self.bytes_per_block,
-                checksum="verified" if verified else "unchecked").as_params()}
+                checksum="verified" if verified else "unchecked",
+                bytes_by_rank=[received.blocks * self.bytes_per_block // self.tp_size] * self.tp_size).as_params()}
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
             return False, fetched or None
-        # Blocks stay ours until the worker reports the KV gone (get_finished).
+        # Blocks stay ours (every rank's) until the workers report the KV gone (get_finished).
         self._awaiting_send.add(request.request_id)
-        return True, fetched | wire.PrefilledKv(
+        handoff = fetched | wire.PrefilledKv(
             transfer_id=prefill.params.transfer_id,
             prefill_engine_id=self.engine_id,
             prefill_tp_size=self.tp_size,
             remote_block_ids=prefill.block_ids,
             prefill_incarnation=self.incarnation,
-            # Computed by the worker side after the forward pass, when it runs in this process.
-            block_digests=(checksums.PULL_DIGESTS.take(prefill.params.transfer_id) or []
-                           if prefill.params.checksum and prefill.params.mode == "pull" else []),
+            kv_heads=self.kv_heads,
         ).as_params()
+        if prefill.params.checksum and prefill.params.mode == "pull":  # the ranks' digests fill it (checksums.py)
+            self._handoff_digests.handed(prefill.params.transfer_id, handoff)
+        return True, handoff
 
     def _fetched_params(self, request_id: str) -> dict[str, Any]:
         """What came of the request's fetch, for its last output (``wire.FETCHED_KEY``):
@@ -315,7 +328,11 @@ class ConnectorScheduler:
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KvpushWorkerMeta):
             self._stop_renewing(worker_meta.given_up)  # decode gave up the wait: let prefill's lease run out
-            self._verified |= worker_meta.verified & self._received.keys()
+            for request_id, ranks in worker_meta.verified.items():
+                if request_id in self._received:
+                    self._verified[request_id] = self._verified.get(request_id, 0) + ranks
+            for transfer_id, by_rank in worker_meta.pull_digests.items():  # after request_finished: vLLM's order
+                self._handoff_digests.arrived(transfer_id, by_rank)
             for request_id, failure in worker_meta.load_failures.items():  # for the request recomputing it
                 self._load_failures[request_id] = failure
             while len(self._load_failures) > MAX_LOAD_FAILURES:

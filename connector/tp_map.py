@@ -79,8 +79,9 @@ def problem(prefill: Shard, decode: Shard, names: tuple[str, str] = ("prefill", 
         return None
     heads = prefill.kv_heads or decode.kv_heads
     if not (prefill.kv_heads and decode.kv_heads):
-        return (f"{first} runs TP {p} and {second} TP {d}, and {second if prefill.kv_heads else first} "
-                "did not say its KV heads: only equal sizes can be paired then")
+        silent = "neither" if not heads else second if prefill.kv_heads else first
+        return (f"{first} runs TP {p} and {second} TP {d}, and {silent} did not say its KV heads: "
+                "only equal sizes can be paired then")
     for side, tp in ((first, p), (second, d)):
         if heads % tp:
             return f"{side}'s TP {tp} does not divide the model's {heads} KV heads"
@@ -97,6 +98,15 @@ def peer_ranks(tp_size: int, rank: int, peer_tp_size: int) -> list[int]:
         return [rank * peer_tp_size // tp_size]
     ratio = peer_tp_size // tp_size
     return list(range(rank * ratio, (rank + 1) * ratio))
+
+
+def answering_ranks(tp_size: int, rank: int, peer_tp_size: int) -> list[int]:
+    """The peer ranks whose answers about a transfer this rank waits for: those it
+    exchanges with, or every one for sizes that do not divide each other (each peer rank
+    refuses such a pair, and answers so)."""
+    if max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
+        return list(range(peer_tp_size))
+    return peer_ranks(tp_size, rank, peer_tp_size)
 
 
 def exchanges(me: Shard, peer_tp_size: int) -> list[Exchange]:

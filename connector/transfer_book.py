@@ -38,7 +38,8 @@ The NATS thread
 - ``move(move)`` -> ``Refuse`` | ``MoveAnswer``: only before the write, only push.
 
 The transfer thread
-- ``serves(transfer_id)``; ``read_notified(note)`` -> ``Refuse`` | ``Release`` | None.
+- ``serves(transfer_id)``; ``read_notified(note)`` -> ``Refuse`` | ``Release`` | None: the
+  blocks go back once every decode rank that reads this rank's heads notified.
 - ``write_ended(transfer_id, request_id, ok)``; ``write_not_posted(transfer_id, request_id)``.
 - ``give_back(request_id)``: the prompt's blocks hold nothing decode will take.
 
@@ -153,7 +154,7 @@ class MoveAnswer:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Release:
-    """Pull: every rank's READ came; the blocks held for it go back."""
+    """Pull: the READ of every decode rank reading our heads came; the blocks held for it go back."""
 
     request_id: str
 
@@ -301,13 +302,17 @@ class TransferBook:
 
     def read_notified(self, note: Notification) -> Refuse | Release | None:
         """Decode's READ notification: counts only with the transfer's tag over our blocks;
-        once every rank's came, the blocks held for it go back (``Release``)."""
+        once every decode rank reading our heads notified (each notification names how
+        many they are: ``tp_map``), the blocks held for it go back (``Release``)."""
         transfer_id = note.transfer_id
         key, block_ids = self._keys.get(transfer_id, ("", []))
         if not tag_matches(note.tag, key, block_ids):
             return Refuse(transfer_id, "a READ notification without the transfer's tag over our blocks")
-        if not self._counter.record(transfer_id, note.rank, note.num_ranks):
-            return None
+        try:
+            if not self._counter.record(transfer_id, note.rank, note.num_ranks):
+                return None
+        except ValueError as exc:
+            return Refuse(transfer_id, f"a READ notification that does not add up: {exc}")
         self._counter.take_done([transfer_id])  # leaves a tombstone against late duplicates
         request_id = self._served.release(transfer_id)
         self._keys.pop(transfer_id)

@@ -24,8 +24,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from kvpush.connector.block_ranges import byte_ranges, coalesce
+from kvpush.connector.block_ranges import HeadSlice, byte_ranges, coalesce
 from kvpush.connector.kv_layout import KvLayout
+from kvpush.connector.tp_map import Shard
 from kvpush.otel import attributes as A
 from kvpush.shared import chaos
 from kvpush.shared.wire import AgentInfo
@@ -85,6 +86,9 @@ class TransferJob:
     on_done: Callable[[TransferResult], None]  # runs on the transfer thread, inside the job's span
     parent: Context | None = None  # the request's trace context, carried across the thread boundary
     regions: tuple[int, int] | None = None  # only regions[first:end] of the layout (a layer's); None: all
+    # Tensor parallelism: the heads of each block that move, ours and the remote's (None: whole blocks)
+    local_part: HeadSlice | None = None
+    remote_part: HeadSlice | None = None
 
 
 @dataclass
@@ -118,8 +122,10 @@ class TransferThread:
         on_notification: Callable[[bytes], None] | None = None,
         incarnation: str = "",
         max_remote_agents: int = MAX_REMOTE_AGENTS,
+        shard: Shard | None = None,
     ):
         self.engine_id = engine_id
+        self.shard = shard or Shard(0, 1, rank)  # the KV heads this rank holds, as its agent says
         self.max_remote_agents = max_remote_agents
         self.incarnation = incarnation
         self.rank = rank
@@ -155,6 +161,9 @@ class TransferThread:
             num_blocks=self.layout.num_blocks,
             regions=self.layout.regions,
             incarnation=self.incarnation,
+            tp_size=self.shard.tp_size,
+            head_start=self.shard.first_head if self.layout.heads else 0,
+            heads=self.layout.heads,
         )
 
     def submit(self, job: TransferJob) -> None:
@@ -304,7 +313,8 @@ class TransferThread:
             self._known_agents.move_to_end(remote.agent_name)
             runs = coalesce(job.local_block_ids, job.remote_block_ids)
             first, end = job.regions if job.regions is not None else (0, len(self.layout.regions))
-            local, far = byte_ranges(runs, self.layout.regions[first:end], remote.regions[first:end])
+            local, far = byte_ranges(runs, self.layout.regions[first:end], remote.regions[first:end],
+                                     job.local_part, job.remote_part)
             local_descs = self._agent.get_xfer_descs(
                 _as_array(local, self.layout.device_id), self.layout.mem_type
             )

@@ -5,6 +5,11 @@
 and the idle wait. It holds a ``Producer`` (prefill: ``kvpush.connector.producer``), a
 ``Consumer`` (decode: ``kvpush.connector.consumer``), or both (vLLM's kv_both), and merges what
 they report to vLLM. Peer agents are looked up in ``kvpush.connector.agents``.
+
+At tensor-parallel size N there are N of them, one per rank process, each with its own
+agent, registered memory and subscriptions; vLLM's ``KVOutputAggregator`` counts a
+request finished (sent or received) only once every rank reported it, and merges what
+each rank tells the scheduler side (``KvpushWorkerMeta``).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class ConnectorWorker:
         self.producer = producer
         self.consumer = consumer
         self._halves: list[Producer | Consumer] = [half for half in (producer, consumer) if half is not None]
+        self.shard = self._halves[0].shard  # the KV heads this rank holds
         self.transfer: TransferThread | None = None
         self._progress = threading.Event()  # set whenever a transfer ends; wakes an idle get_finished
         self._stop = threading.Event()
@@ -65,9 +71,9 @@ class ConnectorWorker:
     # ---------------------------------------------------------------- setup
 
     def register_kv_caches(self, kv_caches, num_blocks: int) -> None:
-        layout = kv_layout.describe(kv_caches, num_blocks)
+        layout = kv_layout.describe(kv_caches, num_blocks, heads=self.shard.heads)
         self.transfer = TransferThread(self.engine_id, self.rank, layout, on_notification=self.on_notification,
-                                       incarnation=self.incarnation)
+                                       incarnation=self.incarnation, shard=self.shard)
         self.transfer.start()
         for half in self._halves:
             half.attach(self.transfer, self._progress.set)
@@ -140,11 +146,16 @@ class ConnectorWorker:
         self._progress.set()
 
     def build_worker_meta(self) -> KvpushWorkerMeta | None:
-        if self.consumer is None:
-            return None
-        given_up, verified, failures = (self.consumer.take_given_up(), self.consumer.take_verified(),
-                                        self.consumer.take_failures())
-        return KvpushWorkerMeta(given_up, verified, failures) if given_up or verified or failures else None
+        """What this rank tells the scheduler side after the step (None: nothing)."""
+        meta = KvpushWorkerMeta()
+        if self.consumer is not None:
+            meta.given_up = self.consumer.take_given_up()
+            meta.verified = dict.fromkeys(self.consumer.take_verified(), 1)
+            meta.load_failures = self.consumer.take_failures()
+        if self.producer is not None:
+            meta.pull_digests = {transfer_id: {self.rank: rows}
+                                 for transfer_id, rows in self.producer.take_pull_digests().items()}
+        return meta if meta.given_up or meta.verified or meta.load_failures or meta.pull_digests else None
 
     # ---------------------------------------------------------------- the transfer thread
 

@@ -346,3 +346,17 @@ def test_early_revokes_kept_to_check_are_bounded(bound, forged):
     book.revoke(_revoke("a", key=WRONG_KEY))
     book.revoke(_revoke("b", key=WRONG_KEY))
     assert (book.prefill_ready(_ready("a")).forged is not None) == forged
+
+
+def test_pull_blocks_go_back_only_after_every_decode_rank_reading_them_notified():
+    """Tensor parallelism: two decode ranks read halves of this prefill rank's blocks; each
+    READ notification says it is one of two readers. A notification that counts the
+    readers otherwise does not count."""
+    book, _ = _book()
+    ready = _ready(mode="pull")
+    book.prefill_ready(ready)
+    book.serve(ready)
+    tag = block_tag(KEY, [0, 1, 2])
+    assert book.read_notified(Notification("t", 1, 2, tag)) is None
+    assert isinstance(book.read_notified(Notification("t", 0, 1, tag)), Refuse)
+    assert book.read_notified(Notification("t", 0, 2, tag)) == Release("prompt")
