@@ -79,10 +79,26 @@ def test_which_transfers_get_a_checksum():
 
 
 def test_pull_digests_wait_for_their_handoff_bounded():
-    book = checksums.PullDigests(max_entries=2)
+    """Every rank's digests fill the handoff, whichever comes first; a handoff missing a
+    rank's digests gets none (decode then reports the KV unchecked, never half-checked)."""
+    book = checksums.HandoffDigests(tp_size=2, max_entries=2)
+    rank0, rank1 = [["a0", "a1"], ["b0", "b1"]], [["a2", "a3"], ["b2", "b3"]]
+    early: dict = {}
+    book.arrived("early", {0: rank0, 1: rank1})  # the digests before request_finished
+    book.handed("early", early)
+    assert early["head_digests"] == [["a0", "a1", "a2", "a3"], ["b0", "b1", "b2", "b3"]]
+    late: dict = {}
+    book.handed("late", late)  # vLLM's order: request_finished, then the step's worker meta
+    book.arrived("late", {1: rank1})
+    assert "head_digests" not in late
+    book.arrived("late", {0: rank0})
+    assert late["head_digests"][0] == ["a0", "a1", "a2", "a3"]
     for name in "abc":
-        book.put(name, [name])
-    assert (book.take("a"), book.take("c"), book.take("c")) == (None, ["c"], None)
+        book.handed(name, {})
+    forgotten: dict = {}
+    book.handed("d", forgotten)
+    book.arrived("a", {0: rank0, 1: rank1})  # "a" was forgotten: its handoff went out without digests
+    assert forgotten == {}
 
 
 def cpu_caches(seed: int, heads: int) -> dict[str, torch.Tensor]:

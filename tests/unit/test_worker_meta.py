@@ -1,0 +1,44 @@
+"""What each rank tells the scheduler side after a step (``KvpushWorkerMeta``), merged
+by vLLM's own ``KVOutputAggregator`` as a multi-process engine merges its ranks' outputs:
+the scheduler side sees a request received, or sent, only once every rank reported it,
+a load failed if any rank's failed, a prompt verified only if every rank verified its
+heads, and every prefill rank's pull digests."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from kvpush.connector.metadata import KvpushWorkerMeta
+
+
+def _rank_output(sending=(), recving=(), failed=(), meta: KvpushWorkerMeta | None = None) -> ModelRunnerOutput:
+    output = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    output.kv_connector_output = KVConnectorOutput(finished_sending=set(sending) or None,
+                                                   finished_recving=set(recving) or None,
+                                                   failed_recving=set(failed), kv_connector_worker_meta=meta)
+    return output
+
+
+def test_a_request_is_received_only_when_every_rank_said_so_and_failed_if_any_rank_failed():
+    aggregator = KVOutputAggregator(expected_finished_count=2)  # world size 2: the kvpush connector sets no count
+    first = aggregator.aggregate([_rank_output(recving={"r"}, failed={"r"}), _rank_output()]).kv_connector_output
+    assert (first.finished_recving, first.failed_recving) == (None, set())  # rank 1 still holds its blocks
+    second = aggregator.aggregate([_rank_output(), _rank_output(recving={"r"})]).kv_connector_output
+    assert (second.finished_recving, second.failed_recving) == ({"r"}, {"r"})  # rank 1's part landed; rank 0's did not
+    sent = aggregator.aggregate([_rank_output(sending={"p"}), _rank_output()]).kv_connector_output
+    assert sent.finished_sending is None
+    sent = aggregator.aggregate([_rank_output(), _rank_output(sending={"p"})]).kv_connector_output
+    assert sent.finished_sending == {"p"}
+
+
+def test_the_ranks_metas_merge_into_one_the_scheduler_side_reads():
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    rank0 = KvpushWorkerMeta({"gone"}, {"r": 1}, {"x": ("checksum_mismatch", "rank 0")},
+                             {"t": {0: [["h0", "h1"]]}})
+    rank1 = KvpushWorkerMeta(set(), {"r": 1, "s": 1}, {}, {"t": {1: [["h2", "h3"]]}})
+    merged = aggregator.aggregate([_rank_output(meta=rank0), _rank_output(meta=rank1)]).kv_connector_output
+    meta = merged.kv_connector_worker_meta
+    assert meta.given_up == {"gone"} and meta.load_failures == {"x": ("checksum_mismatch", "rank 0")}
+    assert meta.verified == {"r": 2, "s": 1}  # "s": one rank so far
+    assert meta.pull_digests == {"t": {0: [["h0", "h1"]], 1: [["h2", "h3"]]}}
