@@ -107,10 +107,10 @@ class Producer:
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
-        self.shard = tp_map.Shard(kv_heads, tp_size, rank)  # the KV heads this rank holds (kv_heads 0: not known)
         self.bridge = bridge
         self.agents = agents
         self.lease_s = lease_s
+        self.shard = tp_map.Shard(kv_heads, tp_size, rank)  # the KV heads this rank holds (kv_heads 0: not known)
         self.transfer: TransferThread | None = None
         self._wake: Callable[[], None] = lambda: None
         self._lock = threading.Lock()  # protects the book: every call to it is made under this lock

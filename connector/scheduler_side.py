@@ -293,12 +293,9 @@ class ConnectorScheduler:
         # Blocks stay ours (every rank's) until the workers report the KV gone (get_finished).
         self._awaiting_send.add(request.request_id)
         handoff = fetched | wire.PrefilledKv(
-            transfer_id=prefill.params.transfer_id,
-            prefill_engine_id=self.engine_id,
-            prefill_tp_size=self.tp_size,
-            remote_block_ids=prefill.block_ids,
-            prefill_incarnation=self.incarnation,
-            kv_heads=self.kv_heads,
+            transfer_id=prefill.params.transfer_id, prefill_engine_id=self.engine_id,
+            prefill_tp_size=self.tp_size, kv_heads=self.kv_heads,  # each rank holds its share of the heads
+            remote_block_ids=prefill.block_ids, prefill_incarnation=self.incarnation,
         ).as_params()
         if prefill.params.checksum and prefill.params.mode == "pull":  # the ranks' digests fill it (checksums.py)
             self._handoff_digests.handed(prefill.params.transfer_id, handoff)

@@ -126,6 +126,7 @@ class TransferThread:
     ):
         self.engine_id = engine_id
         self.shard = shard or Shard(0, 1, rank)  # the KV heads this rank holds, as its agent says
+        self._chaos = chaos.Chaos.from_env()  # a fault test's dropped WRITEs (chaos.WRITE_POINT), if any
         self.max_remote_agents = max_remote_agents
         self.incarnation = incarnation
         self.rank = rank
@@ -276,6 +277,7 @@ class TransferThread:
         span = _tracer.start_span(name, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
         try:
             try:
+                self._chaos_drop(job)
                 posted = self._prepare_and_post(job, span)
             except Exception as exc:
                 if not _disconnected(exc):
@@ -301,6 +303,12 @@ class TransferThread:
         self.posted += 1
         # Posted, not yet progressed (this thread drives UCX): a test holds the write open here.
         chaos.point("transfer.posted")
+
+    def _chaos_drop(self, job: TransferJob) -> None:
+        """A fault test fails this rank's WRITEs (``kv.write.<rank>``): raise as NIXL's refusal would."""
+        point = f"{chaos.WRITE_POINT}.{self.rank}"
+        if job.op == "WRITE" and self._chaos is not None and self._chaos.drops(point):
+            raise RuntimeError(f"chaos dropped the WRITE ({point})")
 
     def _prepare_and_post(self, job: TransferJob, span) -> tuple:
         started = time.perf_counter()

@@ -13,7 +13,9 @@ faults), so a test can turn faults on and off in running engines. ``KVPUSH_CHAOS
 fixes the dice; ``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault,
 ``<kind> <subject>``, so a run can report what it injected. Under ``kv.flip`` (not a
 subject) a ``flip`` rate corrupts one byte of a transfer's blocks on decode once they
-landed (``flips``): what end-to-end KV checksums must catch.
+landed (``flips``): what end-to-end KV checksums must catch. Under ``kv.write.<rank>``
+a ``drop`` rate fails that prefill rank's WRITEs before they are posted (``drops``), as
+if NIXL refused them: one rank's part of a transfer lost, the others landing.
 
 No NATS: the bridge asks ``delays(subject)`` and sends accordingly. Standard library
 only, and in ``shared`` because both the connector and the scheduler have hold points.
@@ -32,6 +34,9 @@ RELOAD_EVERY_S = 0.5
 # Not a subject: a decode's connector flips one byte in a transfer's blocks after they
 # landed and before it checks them ({"kv.flip": {"flip": 1.0}}), to show what checksums catch.
 FLIP_POINT = "kv.flip"
+# Not a subject either: ``kv.write.<rank>`` {"drop": rate} fails that rank's WRITEs before
+# they are posted (the transfer thread asks ``drops``), one rank's part of the KV lost.
+WRITE_POINT = "kv.write"
 
 
 @dataclass(frozen=True)
@@ -93,14 +98,25 @@ class Chaos:
         """``FLIP_POINT``'s dice for one transfer that landed: a seed for where to flip a
         byte of its blocks, or None to leave it alone."""
         with self._lock:
-            self._reload()
-            rates = self.rates.get(FLIP_POINT)
-            if rates is None or self._random.random() >= rates.flip:
+            if not self._rolled(FLIP_POINT, "flip", f"flip {transfer_id}"):
                 return None
-            if self._log_path:
-                with open(self._log_path, "a") as out:
-                    out.write(f"flip {transfer_id}\n")
             return self._random.getrandbits(32)
+
+    def drops(self, point: str) -> bool:
+        """The dice of a named point's ``drop`` rate (``WRITE_POINT``'s, say): True to fail it."""
+        with self._lock:
+            return self._rolled(point, "drop", f"drop {point}")
+
+    def _rolled(self, point: str, rate: str, line: str) -> bool:
+        """Under the lock: the dice of ``point``'s ``rate`` came up (logged as ``line``)."""
+        self._reload()
+        rates = self.rates.get(point)
+        if rates is None or self._random.random() >= getattr(rates, rate):
+            return False
+        if self._log_path:
+            with open(self._log_path, "a") as out:
+                out.write(line + "\n")
+        return True
 
     def _reload(self) -> None:
         if self._spec_file is None or time.monotonic() - self._checked_at < RELOAD_EVERY_S:
