@@ -79,9 +79,8 @@ def problem(prefill: Shard, decode: Shard, names: tuple[str, str] = ("prefill", 
         return None
     heads = prefill.kv_heads or decode.kv_heads
     if not (prefill.kv_heads and decode.kv_heads):
-        silent = "neither" if not heads else second if prefill.kv_heads else first
-        return (f"{first} runs TP {p} and {second} TP {d}, and {silent} did not say its KV heads: "
-                "only equal sizes can be paired then")
+        silent = "neither said its" if not heads else f"{second if prefill.kv_heads else first} did not say its"
+        return f"{first} runs TP {p} and {second} TP {d}, and {silent} KV heads: only equal sizes can be paired then"
     for side, tp in ((first, p), (second, d)):
         if heads % tp:
             return f"{side}'s TP {tp} does not divide the model's {heads} KV heads"

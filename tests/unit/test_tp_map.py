@@ -81,6 +81,7 @@ def test_a_decode_rank_knows_the_part_each_writer_fills_from_the_notification_al
     (Shard(4, 2), Shard(8, 1), "prefill's model has 4 KV heads, decode's 8"),
     (Shard(0, 2), Shard(4, 1), "prefill did not say its KV heads"),
     (Shard(4, 1), Shard(0, 2), "decode did not say its KV heads"),
+    (Shard(0, 1), Shard(0, 2), "neither said its KV heads: only equal sizes can be paired then"),
     (Shard(4, 0), Shard(4, 1), "must be at least 1"),
 ])
 def test_unsupported_pairs_are_refused_with_a_reason(prefill, decode, why):

@@ -6,7 +6,10 @@ heads, and every prefill rank's pull digests."""
 
 from __future__ import annotations
 
+import inspect
+
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kvpush.connector.metadata import KvpushWorkerMeta
@@ -42,3 +45,16 @@ def test_the_ranks_metas_merge_into_one_the_scheduler_side_reads():
     assert meta.given_up == {"gone"} and meta.load_failures == {"x": ("checksum_mismatch", "rank 0")}
     assert meta.verified == {"r": 2, "s": 1}  # "s": one rank so far
     assert meta.pull_digests == {"t": {0: [["h0", "h1"]], 1: [["h2", "h3"]]}}
+
+
+def test_vllm_passes_a_steps_worker_meta_after_the_handoffs_it_finished_in_that_step():
+    """The pull digests fill the handoff in ``update_connector_output``
+    (``checksums.HandoffDigests``): that holds while vLLM's ``update_from_output`` frees a
+    finished request (``request_finished`` builds the handoff, kept by reference in the
+    step's outputs) before it passes the step's connector output on. A vLLM that changes
+    this order fails here (and the pulled KV of tests/stack/test_checksums.py would go
+    unchecked)."""
+    update = inspect.getsource(Scheduler.update_from_output)
+    assert update.index("self._free_request(request)") < update.index("self._update_from_kv_xfer_finished(")
+    assert "kv_transfer_params=kv_transfer_params" in update  # the dict itself goes into the output
+    assert "self.connector.update_connector_output(" in inspect.getsource(Scheduler._update_from_kv_xfer_finished)
