@@ -274,7 +274,8 @@ class TransferThread:
     def _post(self, job: TransferJob) -> None:
         chaos.point(f"transfer.posting.{job.op}")  # a test holds a READ (or WRITE) before it starts here
         name = A.KV_WRITE if job.op == "WRITE" else A.KV_READ
-        span = _tracer.start_span(name, context=job.parent, attributes={A.TRANSFER_ID: job.transfer_id})
+        span = _tracer.start_span(name, context=job.parent, attributes={
+            A.TRANSFER_ID: job.transfer_id, A.RANK: self.rank, A.PEER_RANK: job.remote.rank})
         try:
             try:
                 self._chaos_drop(job)

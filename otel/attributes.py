@@ -16,6 +16,8 @@ TTFT_MS = "kvpush.ttft_ms"  # time to first token, from the scheduler receiving 
 BLOCKS = "kvpush.kv.blocks"  # KV blocks registered or pushed
 BYTES = "kvpush.kv.bytes"  # bytes a WRITE moved
 DESCRIPTORS = "kvpush.kv.descriptors"  # descriptor ranges a WRITE used (after coalescing)
+RANK = "kvpush.kv.rank"  # the tensor-parallel rank whose transfer thread recorded the span
+PEER_RANK = "kvpush.kv.peer_rank"  # the rank of the other engine a transfer copied with
 RENDEZVOUS_SECOND = "kvpush.rendezvous.second"  # "registration" or "prefill": which half came last
 RENDEZVOUS_WAIT_MS = "kvpush.rendezvous.wait_ms"  # how long the first half waited for the second
 ERROR_CODE = "kvpush.error.code"  # the error code sent to the client or in a failure event
@@ -48,6 +50,8 @@ ATTRIBUTES: dict[str, str] = {
     BLOCKS: "KV blocks registered or pushed",
     BYTES: "bytes one NIXL WRITE moved",
     DESCRIPTORS: "descriptor ranges one WRITE used, after coalescing contiguous blocks",
+    RANK: "the tensor-parallel rank that made the transfer (one kv.write or kv.read span per pair of ranks)",
+    PEER_RANK: "the rank of the other engine the transfer copied with",
     RENDEZVOUS_SECOND: "which half of the rendezvous arrived second: registration or prefill",
     RENDEZVOUS_WAIT_MS: "how long the first half of the rendezvous waited for the second, in ms",
     ERROR_CODE: "the error code of a failed request or transfer",
