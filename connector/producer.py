@@ -393,6 +393,7 @@ class Producer:
             if problem is not None:
                 return problem if len(targets) == 1 else f"decode rank {exchange.peer_rank}: {problem}"
         return None
+
     def _rendezvous_span(self, match: Match[wire.Registration, ReadyPrefill]) -> None:
         now_ns = time.time_ns()
         wait_ms = match.waited_s * 1000
