@@ -51,7 +51,7 @@ from kvpush.connector.kv_wait import KvWaits, Released, Waiting
 from kvpush.connector.metadata import KvpushMetadata, PullRead
 from kvpush.connector.outcomes import record_transfer, report_failure
 from kvpush.connector.transfer_thread import TransferJob, TransferResult, TransferThread
-from kvpush.connector.writer_answers import WriterAnswers
+from kvpush.connector.writer_answers import Failure, WriterAnswers
 from kvpush.otel import attributes as A
 from kvpush.otel.messaging import context_from_traceparent
 from kvpush.otel.metrics import instruments
@@ -327,16 +327,30 @@ class Consumer:
                     while len(self._early_failures) > MAX_EARLY_NOTES:
                         del self._early_failures[next(iter(self._early_failures))]
             return
-        writers = tp_map.answering_ranks(self.tp_size, self.rank, event.tp_size)
+        if event.code == WriteStuck.code and self.tp_size == 1:  # every prefill rank writes into our one rank
+            self._rank_stuck(event)
+            return
+        # Which of our ranks it writes to depends on its engine's size: its agent says.
+        self.agents.with_agent(event.prefill_engine_id, lambda info, why: self._rank_failed(event, info, why),
+                               incarnation=wait.context.prefill_incarnation, rank=event.rank)
+
+    def _rank_failed(self, event: wire.TransferFailed, agent: wire.AgentInfo | None, why: str) -> None:
+        """A prefill rank said its part will not land. Its ``agent`` says its engine's TP,
+        and so whether it writes into our blocks and how many ranks do; without it, its
+        engine is gone (nothing of it can land: the wait ends) or did not answer (the load
+        is given up, and the blocks held until the rest answer or the quarantine passed)."""
+        reason = f"{event.code}: {event.reason}"
+        if agent is None:
+            if _gone(why):  # none of its ranks can write any more
+                self._end_wait(event.transfer_id, self._answers.first(event.transfer_id) or Failure(event.code, reason))
+            else:
+                self._give_up_load(event.transfer_id, event.code, reason)
+            return
+        writers = tp_map.answering_ranks(self.tp_size, self.rank, agent.tp_size)
         if event.rank not in writers:
             return  # it writes into other ranks of ours: theirs to count (vLLM fails the load for all)
-        reason = f"{event.code}: {event.reason}"
         if event.code == WriteStuck.code:
-            with self._lock:
-                self._stuck_ranks[event.transfer_id] = event.rank
-            if self._waits.write_stuck(event.transfer_id, reason, time.monotonic()):
-                log.error("prefill %s reports its write for %s stuck; its blocks stay held until it ends "
-                          "or %s is gone", event.prefill_engine_id, event.transfer_id, event.prefill_engine_id)
+            self._rank_stuck(event)
             return
         try:
             self._answers.failed(event.transfer_id, writers.index(event.rank), len(writers), event.code, reason)
@@ -345,28 +359,46 @@ class Consumer:
             return
         self._writer_answered(event.transfer_id)
 
+    def _rank_stuck(self, event: wire.TransferFailed) -> None:
+        """A prefill rank writing into our blocks says its write is stuck: they are held
+        until it answers again or its engine is proven gone (``_probe``)."""
+        with self._lock:
+            self._stuck_ranks[event.transfer_id] = event.rank
+        if self._waits.write_stuck(event.transfer_id, f"{event.code}: {event.reason}", time.monotonic()):
+            log.error("prefill %s reports its write for %s stuck; its blocks stay held until it ends "
+                      "or %s is gone", event.prefill_engine_id, event.transfer_id, event.prefill_engine_id)
+
     def _writer_answered(self, transfer_id: str) -> None:
         """A writer of a transfer another writer failed answered (it failed too, or its part
         landed): the wait ends once every writer answered, with the first failure; until
         then the load is given up and the transfer revoked, so that the others stop."""
         first = self._answers.settled(transfer_id, self._counter.landed(transfer_id))
+        if first is not None:
+            self._end_wait(transfer_id, first)
+            return
+        failure = self._answers.first(transfer_id)
+        if failure is not None:
+            self._give_up_load(transfer_id, failure.code, failure.reason)
+
+    def _end_wait(self, transfer_id: str, failure: Failure) -> None:
+        """No write of prefill's can land in our blocks any more: the wait ends, failed."""
         wait = self._waits.get(transfer_id)
         if wait is None:
             return
-        if first is not None:
-            if wait.stuck is not None:
-                self._waits.write_ended(transfer_id, first.reason, code=first.code)
-            else:
-                self._waits.prefill_gave_up(transfer_id, first.reason, code=first.code)
-            self._wake()
-            return
-        failure = self._answers.first(transfer_id)
-        if failure is None:
-            return
-        given_up = self._waits.writer_failed(transfer_id, failure.reason, code=failure.code, now=time.monotonic())
+        if wait.stuck is not None:
+            self._waits.write_ended(transfer_id, failure.reason, code=failure.code)
+        else:
+            self._waits.prefill_gave_up(transfer_id, failure.reason, code=failure.code)
+        self._wake()
+
+    def _give_up_load(self, transfer_id: str, code: str, reason: str) -> None:
+        """A writer's part will not land and others may still write: the load fails, the
+        transfer is revoked (once) so that they stop, and the blocks are held until they
+        answered or the quarantine passed."""
+        given_up = self._waits.writer_failed(transfer_id, reason, code=code, now=time.monotonic())
         if given_up is not None:
             log.warning("a prefill rank's part of %s will not land (%s); waiting for the others to answer",
-                        transfer_id, failure.reason)
+                        transfer_id, reason)
             self._revoke([given_up])
 
     # ---------------------------------------------------------------- waits and reads
@@ -469,7 +501,7 @@ class Consumer:
         # nothing of ours is in flight
         self._waits.prefill_gave_up(read.transfer_id, f"{error.code}: {why}", code=error.code)
         self._wake()
-        report_failure(self.bridge, self.engine_id, self.rank, read.transfer_id, self.engine_id, error, self.tp_size)
+        report_failure(self.bridge, self.engine_id, self.rank, read.transfer_id, self.engine_id, error)
 
     def _kv_arrived(self, transfer_id: str) -> None:
         """All of a transfer's KV is in our blocks (any thread)."""
@@ -503,8 +535,7 @@ class Consumer:
         def on_agent(info: wire.AgentInfo | None, why: str) -> None:
             if info is not None:
                 return  # the same process: the write may still land
-            gone = "no responders" in why.lower() or "restarted" in why
-            if gone:
+            if _gone(why):
                 log.warning("prefill %s is gone (%s): releasing the blocks of %s", context.prefill_engine_id, why,
                             wait.transfer_id)
                 self._waits.prefill_gone(wait.transfer_id, why)
@@ -516,3 +547,9 @@ class Consumer:
     def _refuse(self, transfer_id: str, why: str) -> None:
         self.bridge.refuse(refusal(self.engine_id, wire.KV_COMPLETIONS.partly(engine_id=self.engine_id),
                                    ValueError(f"{transfer_id}: {why}"), WrongParty))
+
+
+def _gone(why: str) -> bool:
+    """Asking for a prefill rank's agent proved its engine gone: its process left NATS
+    (no responders), or another start of it answers."""
+    return "no responders" in why.lower() or "restarted" in why

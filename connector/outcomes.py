@@ -23,9 +23,8 @@ def record_transfer(result: TransferResult) -> None:
 
 
 def report_failure(bridge: NatsBridge, engine_id: str, rank: int, transfer_id: str, decode_engine_id: str,
-                   error: TransferError, tp_size: int = 1) -> None:
-    """Tell decode (and the schedulers) that no copy of this rank's (of an engine at
-    ``tp_size``) will land for this transfer."""
+                   error: TransferError) -> None:
+    """Tell decode (and the schedulers) that no copy of this rank's will land for this transfer."""
     log.warning("transfer %s failed (%s): %s", transfer_id, error.code, error.message)
     instruments().failures.add(1, {"reason": error.code})
     bridge.publish(
@@ -38,7 +37,6 @@ def report_failure(bridge: NatsBridge, engine_id: str, rank: int, transfer_id: s
                 rank=rank,
                 code=error.code,
                 reason=error.message,
-                tp_size=tp_size,
             )
         ),
     )

@@ -486,7 +486,6 @@ class Producer:
                     descriptors=descriptors,
                     write_ms=(time.perf_counter() - started) * 1000,
                     finished_at=time.time(),
-                    tp_size=self.tp_size,
                 )
             ),
         )
@@ -600,7 +599,7 @@ class Producer:
         self._wake()
 
     def _fail(self, transfer_id: str, decode_engine_id: str, error: TransferError) -> None:
-        report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error, self.tp_size)
+        report_failure(self.bridge, self.engine_id, self.rank, transfer_id, decode_engine_id, error)
 
     def _refuse(self, refused: Refuse) -> None:
         """A message about one of our transfers from a peer that has no part in it."""

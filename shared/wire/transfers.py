@@ -139,17 +139,16 @@ class TransferDone(TransferOutcome):
     descriptors: int
     write_ms: float
     finished_at: float
-    tp_size: int = 1  # the sender's: with rank, which decode ranks it wrote to (connector/tp_map.py)
 
 
 class TransferFailed(TransferOutcome):
     """Rank ``rank``'s share of the KV did not land, and why (``code``, ``reason``). Sent
-    once nothing of that rank can still land in any decode rank it writes to."""
+    once nothing of that rank can still land in any decode rank it writes to; which those
+    are, decode reads from the rank's agent (``AgentInfo.tp_size``)."""
 
     rank: int
     code: str
     reason: str
-    tp_size: int = 1  # the sender's: with rank, which decode ranks it wrote to (connector/tp_map.py)
 
 
 class TransferMoved(TransferOutcome):
