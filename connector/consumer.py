@@ -278,7 +278,7 @@ class Consumer:
         (``checks``) before the request may run. A mismatch is a failed transfer: the load
         fails (vLLM fails it for every rank), and decode applies the request's kv_policy."""
         chaos = self.bridge.chaos
-        seed = chaos.flips(transfer_id) if chaos is not None and blocks else None
+        seed = chaos.flips(transfer_id, self.rank) if chaos is not None and blocks else None
         if seed is not None and checksums.readable(self.transfer.layout):  # the fault suite's corruption
             log.warning("chaos: flipped byte %s of %s", checksums.flip_byte(self.transfer.layout, blocks, seed),
                         transfer_id)

@@ -13,7 +13,8 @@ faults), so a test can turn faults on and off in running engines. ``KVPUSH_CHAOS
 fixes the dice; ``KVPUSH_CHAOS_LOG`` names a file that gets one line per fault,
 ``<kind> <subject>``, so a run can report what it injected. Under ``kv.flip`` (not a
 subject) a ``flip`` rate corrupts one byte of a transfer's blocks on decode once they
-landed (``flips``): what end-to-end KV checksums must catch. Under ``kv.write.<rank>``
+landed (``flips``): what end-to-end KV checksums must catch; under ``kv.flip.<rank>``, only in
+that decode rank's blocks (one rank's part of the KV corrupted). Under ``kv.write.<rank>``
 a ``drop`` rate fails that prefill rank's WRITEs before they are posted (``drops``), as
 if NIXL refused them: one rank's part of a transfer lost, the others landing.
 
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 
 RELOAD_EVERY_S = 0.5
 # Not a subject: a decode's connector flips one byte in a transfer's blocks after they
-# landed and before it checks them ({"kv.flip": {"flip": 1.0}}), to show what checksums catch.
+# landed and before it checks them ({"kv.flip": {"flip": 1.0}}), to show what checksums catch;
+# ``kv.flip.<rank>``: only that decode rank's connector does.
 FLIP_POINT = "kv.flip"
 # Not a subject either: ``kv.write.<rank>`` {"drop": rate} fails that rank's WRITEs before
 # they are posted (the transfer thread asks ``drops``), one rank's part of the KV lost.
@@ -94,11 +96,12 @@ class Chaos:
                     out.write(f"{kind} {subject}\n")
         return copies
 
-    def flips(self, transfer_id: str) -> int | None:
-        """``FLIP_POINT``'s dice for one transfer that landed: a seed for where to flip a
-        byte of its blocks, or None to leave it alone."""
+    def flips(self, transfer_id: str, rank: int = 0) -> int | None:
+        """``FLIP_POINT``'s dice (or ``kv.flip.<rank>``'s) for one transfer that landed in
+        ``rank``'s blocks: a seed for where to flip a byte of them, or None to leave them alone."""
         with self._lock:
-            if not self._rolled(FLIP_POINT, "flip", f"flip {transfer_id}"):
+            line = f"flip {transfer_id}"
+            if not (self._rolled(FLIP_POINT, "flip", line) or self._rolled(f"{FLIP_POINT}.{rank}", "flip", line)):
                 return None
             return self._random.getrandbits(32)
 

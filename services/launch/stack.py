@@ -53,6 +53,7 @@ class Stack:
         *,
         prefill_tp: int = 1,  # each prefill worker's engine's tensor parallelism
         decode_tp: int = 1,
+        worker_tp: dict[str, int] | None = None,  # per worker name (decode-1, ...), over its role's
         placement: Placement = Placement.SPREAD,
     ):
         self.model = model
@@ -77,6 +78,7 @@ class Stack:
         self.launchers = launchers or {}
         self.nats_host = nats_host  # where its own NATS listens (a launcher's hosts must reach it)
         self.tensor_parallel = {"prefill": prefill_tp, "decode": decode_tp}
+        self.worker_tp = worker_tp or {}
         self.placement = placement  # how engines above TP 1 share this machine's cores (cpu_binding)
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
@@ -121,25 +123,29 @@ class Stack:
         common = ["--nats-url", self.nats_url, "--model", self.model, "--max-model-len", str(self.max_model_len)]
         args = ["worker", "--role", role, *common, "--connector", self.connector,
                 "--prefix-caching", self.prefix_caching]
-        if self.tensor_parallel[role] != 1:
-            args += ["--tensor-parallel-size", str(self.tensor_parallel[role])]
+        if self.tp_of(role, name) != 1:
+            args += ["--tensor-parallel-size", str(self.tp_of(role, name))]
         if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
             # Our own NATS: nobody else's workers can share these names. (With per-worker
             # NATS users the user is the id; on a shared server without, each gets a new one.)
             args += ["--worker-id", name]
         return args
 
+    def tp_of(self, role: str, name: str) -> int:
+        """The tensor parallelism of worker ``name``'s engine: its own, else its role's."""
+        return self.worker_tp.get(name, self.tensor_parallel[role])
+
     def worker_binding(self, role: str, name: str) -> dict[str, str]:
         """Where the ranks of worker ``name``'s engine run, when it has more than one and
         nothing in its environment says: every worker's engine on this machine's cores, as
         ``placement`` shares them (``cpu_binding.engine_bindings``). At TP 1, nothing: vLLM's
         own binding of one rank stands."""
-        if self.tensor_parallel[role] == 1 or BIND_ENV in self._env(role, name):
+        if self.tp_of(role, name) == 1 or BIND_ENV in self._env(role, name):
             return {}
         engines = {**{f"prefill-{i}": "prefill" for i in range(self.num_prefill)},
                    **{f"decode-{i}": "decode" for i in range(self.num_decode)}}
         engines.setdefault(name, role)  # a worker beyond the first ones takes the next place
-        bindings = engine_bindings(sorted(os.sched_getaffinity(0)), [self.tensor_parallel[r] for r in engines.values()],
+        bindings = engine_bindings(sorted(os.sched_getaffinity(0)), [self.tp_of(r, n) for n, r in engines.items()],
                                    self.placement)
         return {BIND_ENV: bindings[list(engines).index(name)]}
 

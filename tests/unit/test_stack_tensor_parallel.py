@@ -67,3 +67,18 @@ def test_an_engine_at_tp1_or_a_binding_in_the_environment_is_left_as_it_is(monke
 def test_the_worker_command_still_parses_at_tp1(monkeypatch, role):
     args = build_parser().parse_args(_stack(monkeypatch).worker_args(role, f"{role}-0"))
     assert args.tensor_parallel_size == 1 and args.role == role
+
+
+def test_a_worker_named_in_worker_tp_runs_at_its_own_tp_and_the_others_at_their_roles(monkeypatch):
+    """One rig with engines of both sizes per role (tests/stack/test_tensor_parallel.py)."""
+    cores = sorted(os.sched_getaffinity(0))
+    stack = _stack(monkeypatch, prefill=2, decode=2, prefill_tp=2, decode_tp=2,
+                   worker_tp={"prefill-1": 1, "decode-1": 1})
+    sizes = {name: build_parser().parse_args(stack.worker_args(role, name)).tensor_parallel_size
+             for role, name in (("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"),
+                                ("decode", "decode-1"))}
+    assert sizes == {"prefill-0": 2, "prefill-1": 1, "decode-0": 2, "decode-1": 1}
+    expected = engine_bindings(cores, [2, 1, 2, 1], Placement.SPREAD)
+    assert stack.worker_binding("prefill", "prefill-0") == {BIND_ENV: expected[0]}
+    assert stack.worker_binding("decode", "decode-0") == {BIND_ENV: expected[2]}
+    assert stack.worker_binding("prefill", "prefill-1") == stack.worker_binding("decode", "decode-1") == {}  # TP 1

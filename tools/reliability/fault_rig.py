@@ -41,6 +41,7 @@ IDENTITIES = [
     Identity("scheduler", "scheduler-0", new_password()),
     Identity("scheduler", "scheduler-1", new_password()),
     Identity("prefill", "prefill-0", new_password()),
+    Identity("prefill", "prefill-1", new_password()),  # a second prefill, for rigs that start two
     Identity("decode", "decode-0", new_password()),
     Identity("decode", "decode-1", new_password()),  # a second decode, for rigs that start two
     Identity("client", "client-0", new_password()),
@@ -100,6 +101,8 @@ class FaultRig:
     model: str
     max_model_len: int
     decodes: int = 1
+    prefills: int = 1
+    worker_tp: dict[str, int] = field(default_factory=dict)  # worker name -> its engine's TP (else 1)
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service, over FAULT_ENV
     prefix_caching: str = "on"  # the engines' (--prefix-caching)
     nats: LocalNatsServer | None = None
@@ -115,7 +118,7 @@ class FaultRig:
     written_bytes: Counter = field(default_factory=Counter)  # transfer id -> bytes prefill reported written
     killed: set[str] = field(default_factory=set)  # stack child names killed on purpose
     killed_processes: list = field(default_factory=list)  # the processes killed on purpose
-    start_free: dict[str, int] = field(default_factory=dict)  # role -> free blocks when idle
+    start_free: dict[str, int] = field(default_factory=dict)  # worker id -> its free blocks when idle
     incarnations: set[tuple[str, str]] = field(default_factory=set)  # (worker id, incarnation) ever seen
 
     # ------------------------------------------------------------------ setup
@@ -133,12 +136,14 @@ class FaultRig:
         self.nats = self.start_nats()
         options = self.stack_options()
         self.stack = Stack(
-            self.model, nats_url=self.nats.url, prefill=1, decode=self.decodes, max_model_len=self.max_model_len,
+            self.model, nats_url=self.nats.url, prefill=self.prefills, decode=self.decodes,
+            max_model_len=self.max_model_len, worker_tp=self.worker_tp,
             log_dir=self.folder / "logs", metrics=options.pop("metrics", True), prefix_caching=self.prefix_caching,
             extra_env={**FAULT_ENV, **self.chaos_env(), **self.extra_env, **(extra_env or {})},
             schedulers=2,  # sharing the load; either may die, and the other takes its requests over
             role_env={"scheduler": self.identity_env("scheduler-0"), "scheduler-1": self.identity_env("scheduler-1"),
-                      "prefill-0": self.identity_env("prefill-0"), "client": self.identity_env("client-0"),
+                      "client": self.identity_env("client-0"),
+                      **{f"prefill-{i}": self.identity_env(f"prefill-{i}") for i in range(self.prefills)},
                       **{f"decode-{i}": self.identity_env(f"decode-{i}") for i in range(self.decodes)},
                       **options.pop("role_env", {})},
             **options,
@@ -155,7 +160,7 @@ class FaultRig:
         await watcher.subscribe(wire.CACHE_EVENTS.wildcard, cb=self._on_cache_events)
         await self.stack.wait_ready(timeout=400)
         for role in ("prefill", "decode"):
-            self.start_free[role] = await self.idle_free_blocks(role)
+            self.start_free.update(await self.idle_free_blocks(role))
         return self
 
     def start_nats(self):
@@ -322,32 +327,33 @@ class FaultRig:
         return {wid: b for wid, b in self.beats.items() if b.role == role and now - b.seen <= within_s}
 
     def _count(self, role: str) -> int:
-        return self.decodes if role == "decode" else 1
+        return self.decodes if role == "decode" else self.prefills
 
-    async def idle_free_blocks(self, role: str, timeout: float = 60.0) -> int:
-        """Free KV blocks of each live worker of ``role`` (all the same: one model, one
-        KV budget) once two beats agree."""
+    async def idle_free_blocks(self, role: str, timeout: float = 60.0) -> dict[str, int]:
+        """Free KV blocks of each live worker of ``role``, by worker id, once two beats agree
+        (engines of one TP have the same number; a TP-2 engine's ranks each hold half the
+        heads, so with the same KV space per rank it has twice as many)."""
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
             live = self.live_workers(role)
-            free = {b.free for b in live.values()}
-            if len(live) == self._count(role) and len(free) == 1:
+            free = {wid: b.free for wid, b in live.items()}
+            if len(live) == self._count(role):
                 if free == last:
-                    return free.pop()
+                    return free
                 last = free
             await asyncio.sleep(1.1)
         raise TimeoutError(f"no steady {role} heartbeats within {timeout} s")
 
-    async def assert_blocks_back(self, timeout: float = 45.0) -> None:
-        """Both engines' free KV block counts return to their starting values."""
+    async def assert_blocks_back(self, timeout: float = 45.0, workers: set[str] | None = None) -> None:
+        """Every engine's free KV block count returns to its starting value; with
+        ``workers``, those workers' engines' (the others may be stopped or dead)."""
         deadline = time.monotonic() + timeout
         while True:
-            now_free = {}
-            for role in ("prefill", "decode"):
-                live = self.live_workers(role)
-                now_free[role] = [b.free for b in live.values()]
-            if all(v == [self.start_free[r]] * self._count(r) for r, v in now_free.items()):
+            live = {**self.live_workers("prefill"), **self.live_workers("decode")}
+            now_free = {wid: beat.free for wid, beat in live.items()}
+            expected = workers if workers is not None else set(self.start_free)
+            if expected <= now_free.keys() and all(now_free[wid] == self.start_free[wid] for wid in expected):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks not back: free now {now_free}, at start {self.start_free}")
@@ -582,10 +588,11 @@ class FaultRig:
 
 @contextlib.asynccontextmanager
 async def running_rig(folder: Path, model: str, max_model_len: int, decodes: int = 1,
-                      extra_env: dict[str, str] | None = None, prefix_caching: str = "on"):
+                      extra_env: dict[str, str] | None = None, prefix_caching: str = "on", prefills: int = 1,
+                      worker_tp: dict[str, int] | None = None):
     """A started rig for a test module; on a failed start its services' logs go to stderr."""
     rig = FaultRig(folder, model, max_model_len, decodes=decodes, extra_env=extra_env or {},
-                   prefix_caching=prefix_caching)
+                   prefix_caching=prefix_caching, prefills=prefills, worker_tp=worker_tp or {})
     try:
         await rig.start()
         yield rig

@@ -170,8 +170,9 @@ class Soak:
             pass
         for role in ("prefill", "decode"):
             live = self.rig.live_workers(role)
-            now_free = min((b.free for b in live.values()), default=0)
-            self.tally.leaked_blocks[role] = self.rig.start_free[role] - now_free
+            # The engine that lost the most (one with none live: all it had at the start).
+            self.tally.leaked_blocks[role] = max((self.rig.start_free[wid] - b.free for wid, b in live.items()),
+                                                 default=max(self.rig.start_free.values(), default=0))
         for name, process in self.rig.stack.children:
             if name not in self.rig.killed and process.poll() is not None:
                 self.tally.died.append(name)
