@@ -56,6 +56,12 @@ class Service:
     async def close(self) -> None:
         raise NotImplementedError
 
+    async def until_failed(self) -> str:
+        """Returns (why) only if the service can serve no more and its process should exit
+        with an error (a worker whose engine died); most services never do."""
+        await asyncio.Event().wait()
+        return ""
+
     async def __aenter__(self):
         try:
             await self._start()

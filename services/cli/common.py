@@ -28,9 +28,22 @@ async def until_signalled() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.remove_signal_handler(sig)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def until_signalled_or_failed(service) -> str | None:
+    """Until SIGINT/SIGTERM (None) or the service can serve no more (why: ``Service.until_failed``)."""
+    signalled = asyncio.ensure_future(until_signalled())
+    failed = asyncio.ensure_future(service.until_failed())
+    await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (signalled, failed):
+        task.cancel()
+    await asyncio.gather(signalled, failed, return_exceptions=True)
+    return failed.result() if failed.done() and not failed.cancelled() else None
 
 
 async def connect(nats_url: str, **kwargs):

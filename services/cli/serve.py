@@ -9,7 +9,7 @@ import time
 
 from kvpush.otel import setup as otel_setup
 from kvpush.services import logs
-from kvpush.services.cli.common import model_path, say, until_signalled
+from kvpush.services.cli.common import model_path, say, until_signalled, until_signalled_or_failed
 from kvpush.services.cli.requests import describe_final, stream
 from kvpush.services.cli.tools import cmd_trace
 from kvpush.services.gateway.keys import KeyRing
@@ -43,15 +43,18 @@ def _run_service(service_name: str, log_level: str, make_service, metrics_port: 
         os.environ["KVPUSH_METRICS_HOST"] = metrics_host
     otel_setup.configure(service_name, prometheus=prometheus)
 
-    async def serve() -> None:
-        async with make_service():
-            await until_signalled()
+    async def serve() -> int:
+        async with make_service() as service:
+            failed = await until_signalled_or_failed(service)
+        if failed:
+            say(f"{service_name} stopped: {failed}")
+            return 1
+        return 0
 
     try:
-        asyncio.run(serve())
+        return asyncio.run(serve())
     finally:
         otel_setup.shutdown()
-    return 0
 
 
 def cmd_scheduler(args) -> int:

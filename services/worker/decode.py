@@ -44,7 +44,7 @@ from kvpush.services.worker.kinds import strategy, wake_engine
 from kvpush.services.worker.stages import EngineStages
 from kvpush.services.worker.fanout import fan_out
 from kvpush.services.worker import tool_calling
-from kvpush.services.worker.jobs import RunningJob, WorkerContext
+from kvpush.services.worker.jobs import EngineLost, RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import answer_sampling, sampling_params_kwargs
 from kvpush.shared import continuation, wire
@@ -120,11 +120,15 @@ class DecodeRole:
             outcome = running.ended_by or "cancelled"
             log.info("decode stopped", request_id=job.request_id, transfer_id=job.transfer_id, why=outcome)
             instruments().requests.add(1, {"outcome": outcome})
-            if running.claimed and running.cancel_error is not None:  # we answer, so we say why it ended
-                final = await self._send_final(job, wire.ErrorReply(job.request_id, running.cancel_error))
+            if running.claimed and running.cancel_error is not None and not self.worker.engine_dead:
+                final = await self._send_final(job, wire.ErrorReply(job.request_id, running.cancel_error))  # why
+        except EngineLost:
+            log.warning("the engine died under the request: left to the schedulers", request_id=job.request_id,
+                        transfer_id=job.transfer_id)
         finally:
             self._probes.pop(probe_key, None)
-            await self._progress(job, "ended", outcome, final)
+            if not self.worker.engine_dead:  # else silent: a scheduler moves it, as from a crashed worker
+                await self._progress(job, "ended", outcome, final)
 
     async def _claim(self, running: RunningJob) -> bool:
         """Win the right to answer this attempt's client, or learn a scheduler has it. A
@@ -161,6 +165,8 @@ class DecodeRole:
                      "to the client", transfer_id=job.transfer_id)
             return _not_ours(running), b""
         except Exception as exc:
+            if self.worker.engine_lost(exc):
+                raise EngineLost() from exc
             return "error", await self._fail(running, span, exc)
         if not await self._claim(running):
             return _not_ours(running), b""

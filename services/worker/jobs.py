@@ -11,6 +11,11 @@ from kvpush.services.bus import Bus
 from kvpush.shared import wire
 
 
+class EngineLost(Exception):
+    """The worker's engine died under a job (``WorkerContext.engine_lost``): the job ends
+    without a word, to its client or to the schedulers, as it would in a crash of the worker."""
+
+
 @dataclass
 class RunningJob:
     job: "wire.PrefillJob | wire.DecodeJob"
@@ -54,3 +59,5 @@ class WorkerContext(Protocol):
     def request_span(self, name: str, job, received_ns: int) -> ContextManager: ...
 
     cancel: Callable[..., None]  # (transfer id, why, detail="", error=None): stop that job if it runs
+    engine_dead: bool  # the engine died: the worker says nothing more of its jobs, and ends
+    engine_lost: Callable[[BaseException], bool]  # did this failure come from the engine's death?

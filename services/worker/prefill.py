@@ -15,7 +15,7 @@ from kvpush.otel.messaging import current_traceparent
 from kvpush.otel.metrics import instruments
 from kvpush.services.worker.kinds import strategy, wake_engine
 from kvpush.services.worker.stages import EngineStages
-from kvpush.services.worker.jobs import RunningJob, WorkerContext
+from kvpush.services.worker.jobs import EngineLost, RunningJob, WorkerContext
 from kvpush.services.worker.prompt_meter import PromptMeter
 from kvpush.services.worker.sampling import prompt_report
 from kvpush.shared import wire
@@ -50,6 +50,8 @@ class PrefillRole:
                 computed = await self._prefill(job, received_ns, span)
         except asyncio.CancelledError:
             log.info("prefill cancelled", request_id=job.request_id, transfer_id=job.transfer_id)
+        except EngineLost:  # no handoff: a scheduler finds this worker lost and tries the request again
+            log.warning("the engine died under the prefill", request_id=job.request_id, transfer_id=job.transfer_id)
         finally:
             self.meter.finished(tokens, time.monotonic(), computed)
 
@@ -74,6 +76,8 @@ class PrefillRole:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self.worker.engine_lost(exc):
+                raise EngineLost() from exc
             log.exception("prefill failed")
             error = to_error_body(EngineFailed(f"prefill failed: {exc}"))
             span.set_status(Status(StatusCode.ERROR, error.message))

@@ -6,6 +6,13 @@ The worker takes jobs on its job subject (``kvpush.prefill.<id>`` or
 free KV blocks. A ``CancelJob`` on the job subject drops the request (queued) or discards
 it (running); the engine then frees its blocks (decode's connector first makes sure no
 write can still land in them). Leases on prefill's blocks are the connectors' business.
+
+An engine that dies (its engine core, or one rank's process at tensor parallelism above 1:
+vLLM then stops every rank, and its client raises ``EngineDeadError``) ends the worker:
+it stops heartbeating, says nothing more of the jobs it held (no error to their clients,
+no end to the schedulers), and exits with status 1, as a crashed worker would. The
+schedulers find it lost by its silence and retry or migrate its requests; whatever
+restarts crashed workers restarts it with a new engine.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ log = structlog.get_logger("kvpush.worker")
 _tracer = trace.get_tracer("kvpush.worker")
 
 SHUTDOWN_GRACE_S = 10.0  # requests under way get this long to finish on shutdown
+ENGINE_WATCH_S = 0.25  # how often the worker asks whether its engine still runs
 ROLES = {"prefill": PrefillRole, "decode": DecodeRole}
 
 
@@ -109,6 +117,9 @@ class Worker(Service):
         self._closed = False
         self.engine = None
         self.bus: Bus | None = None
+        self.engine_dead = False
+        self._engine_died = asyncio.Event()
+        self._engine_watch: asyncio.Task | None = None
 
     async def _start(self) -> None:
         self.bus = await Bus.connect(self.nats_url, self.worker_id)
@@ -132,6 +143,7 @@ class Worker(Service):
         self._job_sub = await self.bus.subscribe(self.role.job_subject(worker_id=self.worker_id), self._on_job)
         await self.role.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        self._engine_watch = asyncio.get_running_loop().create_task(self._watch_engine())
         endpoint.mark_ready()  # /ready: the engine is up and the worker takes jobs
 
     async def close(self) -> None:
@@ -142,10 +154,11 @@ class Worker(Service):
             await self._job_sub.unsubscribe()  # no new jobs; let the ones under way finish
         if self.lender is not None:
             await self.lender.close()
-        await self._requests.close(grace_s=SHUTDOWN_GRACE_S)
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        await self._requests.close(grace_s=0.0 if self.engine_dead else SHUTDOWN_GRACE_S)
+        for task in (self._heartbeat, self._engine_watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._cache_relay is not None:
             await self._cache_relay.close()
         if self.bus is not None:
@@ -156,6 +169,35 @@ class Worker(Service):
             del engine
             gc.collect()  # run AsyncLLM.__del__ now, not at interpreter exit where it fails
         log.info("worker stopped", worker_id=self.worker_id)
+
+    async def until_failed(self) -> str:
+        """Returns (why) once the engine died: the worker can serve no more and must exit."""
+        await self._engine_died.wait()
+        return "its engine died"
+
+    async def _watch_engine(self) -> None:
+        """Notice the engine's death when no job is there to meet it."""
+        while not self.engine.errored:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self.engine_lost(None)
+
+    def engine_lost(self, exc: BaseException | None) -> bool:
+        """Whether the engine is dead (``exc`` is vLLM's ``EngineDeadError``, or its client
+        says it errored). The first time, the worker stops heartbeating and taking jobs, and
+        ``until_failed`` returns: from then on its jobs end without a word (``EngineLost``)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not (self.engine_dead or isinstance(exc, EngineDeadError)
+                or (self.engine is not None and self.engine.errored)):
+            return False
+        if not self.engine_dead:
+            self.engine_dead = True
+            log.error("the engine died: this worker stops heartbeating and exits; the schedulers retry or move "
+                      "its requests", worker_id=self.worker_id, error=str(exc) if exc is not None else "")
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+            self._engine_died.set()
+        return True
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -186,6 +228,8 @@ class Worker(Service):
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
 
     async def _on_job(self, msg) -> None:
+        if self.engine_dead:
+            return  # not acked: the scheduler sends it elsewhere
         job = await self.bus.decoded(msg, self.role.job_kind, refuse_as=BadJob, nack=True)
         if job is None:
             return
