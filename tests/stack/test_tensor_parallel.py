@@ -48,7 +48,7 @@ RANK_PAIRS = {"P2-D2": {(0, 0), (1, 1)}, "P2-D1": {(0, 0), (1, 0)}, "P1-D2": {(0
 CORRECT = (1, 3, 4)  # prompts.CORRECTNESS: 127, 129 and 1000 tokens
 SEEDED = 12  # prompts.SEEDED[12]: 500 tokens, sampled with SEEDED_SAMPLING (seed 7)
 STREAMED = prompts.token_prompt(300, 4400)  # long enough a stream that it still runs when its rank dies
-STREAMED_TOKENS = 1000
+STREAMED_TOKENS = 400
 WORKER_TIMEOUT_S = 3.0  # the rig's KVPUSH_WORKER_TIMEOUT_S
 
 
@@ -108,12 +108,11 @@ def seeded_body(mode: str) -> dict:
 
 
 def assert_received_whole(outcome: Outcome, mode: str, pair: tuple[str, str]) -> None:
-    """Served on the pair, the whole prompt's KV received and verified on every rank."""
+    """Served on the pair, the whole prompt's KV received (checked apart: ``kv_checksum``)."""
     assert isinstance(outcome.final, wire.FinalReply), outcome.final
     path = outcome.final.path
     assert (path.mode, path.prefill_worker, path.decode_worker, path.attempt) == (mode, *pair, 1), path
-    assert (path.received_tokens, path.decode_computed_tokens, path.kv_failure, path.kv_checksum) == (
-        path.prompt_tokens, 0, "", "verified"), path
+    assert (path.received_tokens, path.decode_computed_tokens, path.kv_failure) == (path.prompt_tokens, 0, ""), path
     assert path.received_bytes > 0, path
 
 
@@ -143,11 +142,14 @@ async def test_every_pair_of_tensor_parallel_sizes_gives_the_single_engines_toke
     sent += [(seeded_body(mode), "seeded", reference[prompts.SEEDED_AT + SEEDED]) for mode in ("push", "pull")]
     outcomes = await asyncio.gather(*(rig.request(b) for b, _, _ in sent))
     for (request, name, want), outcome in zip(sent, outcomes):
+        assert outcome.tokens == want, (pair, request["transfer_mode"], name, outcome.final)
         assert_received_whole(outcome, request["transfer_mode"], PAIRS[pair])
-        assert outcome.tokens == want, (pair, request["transfer_mode"], name)
     pushed = next(b for b, _, _ in sent if b["transfer_mode"] == "push")
     assert await write_pairs(otlp, pushed["request_id"], RANK_PAIRS[pair]) == RANK_PAIRS[pair]
     await rig.assert_blocks_back(workers=set(PAIRS[pair]))
+    # Every rank checked the heads that landed in its blocks against prefill's digests.
+    checked = {(b["transfer_mode"], o.final.path.kv_checksum) for (b, _, _), o in zip(sent, outcomes)}
+    assert checked == {("push", "verified"), ("pull", "verified")}, checked
 
 
 async def test_one_prefill_ranks_write_dropped_is_never_served_and_every_rank_frees_its_blocks(rig, router, reference):
@@ -186,10 +188,10 @@ async def test_one_decode_ranks_flipped_byte_fails_the_load_and_nothing_wrong_is
     *served, failed = outcomes
     for index, outcome in zip(CORRECT, served):
         assert isinstance(outcome.final, wire.FinalReply), outcome.final
+        assert outcome.tokens == reference[index], outcome.final.path  # nothing wrong served
         path = outcome.final.path
         assert (path.mode, path.kv_failure, path.received_tokens) == (mode, "checksum_mismatch", 0), path
         assert path.recomputed_tokens == path.prompt_tokens
-        assert outcome.tokens == reference[index]
     assert failed.code == "kv_transfer_failed" and failed.tokens == [], failed.final
     await rig.assert_blocks_back(workers=set(PAIRS["P2-D2"]))
 
@@ -240,12 +242,11 @@ async def test_a_decode_rank_killed_mid_stream_ends_its_engine_and_the_stream_co
     rig.killed.add("decode-0")
     rig.killed_processes.append(worker)
     outcome = await streaming
+    final = outcome.final
+    assert isinstance(final, wire.FinalReply), final
     assert await asyncio.to_thread(worker.wait, 60) == 1  # the worker saw its engine die, and exited
     await wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine), 30,
                      "every process of decode-0's engine gone")
-
-    final = outcome.final
-    assert isinstance(final, wire.FinalReply), final
     assert seqs == list(range(len(seqs))) and final.chunks == len(seqs)  # one stream: nothing lost, nothing twice
     assert len(outcome.tokens) == STREAMED_TOKENS == final.usage.completion_tokens
     path = final.path
