@@ -52,7 +52,7 @@ def test_a_tie_with_one_reference_is_enough_when_it_equals_neither():
 
 
 def test_counts_per_combination_count_each_outcome_and_the_paths_not_as_asked():
-    rows = [{"verdict": Verdict("equal", equals_tp=[2, 1]), "as_asked": True},
+    rows = [{"verdict": Verdict("equal", equals_tp=[2, 1]), "as_asked": True, "kv_checksum": "verified"},
             {"verdict": Verdict("equal", equals_tp=[1]), "as_asked": True},
             {"verdict": Verdict("tie"), "as_asked": True},
             {"verdict": Verdict("differs"), "as_asked": False},
@@ -60,6 +60,7 @@ def test_counts_per_combination_count_each_outcome_and_the_paths_not_as_asked():
     counts = count(rows, prefill_tp=2, decode_tp=1)
     assert (counts.requests, counts.equal_prefill_tp, counts.equal_decode_tp, counts.equal_either) == (5, 1, 2, 2)
     assert (counts.ties, counts.differs, counts.failed, counts.not_as_asked) == (1, 1, 1, 2)
+    assert counts.checksum_verified == 1
 
 
 def test_a_row_is_judged_against_the_references_at_both_its_tps():

@@ -88,8 +88,9 @@ def judge(output: list[int], references: list[Reference]) -> Verdict:
 class Counts:
     """The outputs of one (TP pair, mode, sampling): how many were asked, how many equal
     the reference at the prefill's TP, at the decode's TP, and either; how many departed at
-    a tie, how many differ, how many failed, and how many were served otherwise than asked
-    (a different mode, or their KV recomputed)."""
+    a tie, how many differ, how many failed, how many were served otherwise than asked
+    (a different mode, or their KV recomputed), and how many decode checked against
+    prefill's checksums (the path report's ``kv_checksum``: verified)."""
 
     requests: int = 0
     equal_prefill_tp: int = 0
@@ -99,10 +100,12 @@ class Counts:
     differs: int = 0
     failed: int = 0
     not_as_asked: int = 0
+    checksum_verified: int = 0
 
 
 def count(rows: list[dict], prefill_tp: int, decode_tp: int) -> Counts:
-    """``rows``: one per output, each with its ``verdict`` (a Verdict) and ``as_asked``."""
+    """``rows``: one per output, each with its ``verdict`` (a Verdict), ``as_asked`` and
+    (when served) its ``kv_checksum``."""
     counts = Counts(requests=len(rows))
     for row in rows:
         verdict: Verdict = row["verdict"]
@@ -113,4 +116,5 @@ def count(rows: list[dict], prefill_tp: int, decode_tp: int) -> Counts:
         counts.differs += verdict.outcome == "differs"
         counts.failed += verdict.outcome == "failed"
         counts.not_as_asked += not row["as_asked"]
+        counts.checksum_verified += row.get("kv_checksum") == "verified"
     return counts

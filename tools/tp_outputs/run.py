@@ -143,13 +143,13 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def table(counts: list[dict]) -> str:
     lines = ["| P TP -> D TP | mode | sampling | outputs | = prefill's TP | = decode's TP | = either "
-             "| ties | differ | failed | not as asked |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ties | differ | failed | not as asked | KV checksum verified |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in counts:
         p, d = c["combo"][2:].split("x")
         lines.append(f"| {p} -> {d} | {c['mode']} | {c['sampling']} | {c['requests']} | {c['equal_prefill_tp']} "
                      f"| {c['equal_decode_tp']} | {c['equal_either']} | {c['ties']} | {c['differs']} "
-                     f"| {c['failed']} | {c['not_as_asked']} |")
+                     f"| {c['failed']} | {c['not_as_asked']} | {c['checksum_verified']} |")
     return "\n".join(lines) + "\n"
 
 
