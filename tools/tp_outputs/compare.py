@@ -12,6 +12,7 @@ departure is a *difference*, which the issue's check does not allow.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -84,37 +85,26 @@ def judge(output: list[int], references: list[Reference]) -> Verdict:
     return Verdict("tie" if any(d.is_tie for d in departures) else "differs", departures=departures)
 
 
-@dataclass
-class Counts:
-    """The outputs of one (TP pair, mode, sampling): how many were asked, how many equal
-    the reference at the prefill's TP, at the decode's TP, and either; how many departed at
-    a tie, how many differ, how many failed, how many were served otherwise than asked
-    (a different mode, or their KV recomputed), and how many decode checked against
-    prefill's checksums (the path report's ``kv_checksum``: verified)."""
-
-    requests: int = 0
-    equal_prefill_tp: int = 0
-    equal_decode_tp: int = 0
-    equal_either: int = 0
-    ties: int = 0
-    differs: int = 0
-    failed: int = 0
-    not_as_asked: int = 0
-    checksum_verified: int = 0
+COLUMNS = ("requests", "equal_prefill_tp", "equal_decode_tp", "equal_either", "ties", "differs", "failed",
+           "not_as_asked", "checksum_verified")
 
 
-def count(rows: list[dict], prefill_tp: int, decode_tp: int) -> Counts:
-    """``rows``: one per output, each with its ``verdict`` (a Verdict), ``as_asked`` and
-    (when served) its ``kv_checksum``."""
-    counts = Counts(requests=len(rows))
+def count(rows: list[dict], prefill_tp: int, decode_tp: int) -> dict[str, int]:
+    """The outputs of one (TP pair, mode, sampling), by ``COLUMNS``: how many were asked,
+    how many equal the reference at the prefill's TP, at the decode's TP, and either; how
+    many departed at a tie, how many differ, how many failed, how many were served otherwise
+    than asked (a different mode, or their KV recomputed), and how many decode checked
+    against prefill's checksums (the path report's ``kv_checksum``: verified).
+
+    ``rows``: one per output, each with its ``verdict`` (a Verdict), ``as_asked`` and (when
+    served) its ``kv_checksum``."""
+    tally = Counter(requests=len(rows))
     for row in rows:
         verdict: Verdict = row["verdict"]
-        counts.equal_prefill_tp += prefill_tp in verdict.equals_tp
-        counts.equal_decode_tp += decode_tp in verdict.equals_tp
-        counts.equal_either += verdict.outcome == "equal"
-        counts.ties += verdict.outcome == "tie"
-        counts.differs += verdict.outcome == "differs"
-        counts.failed += verdict.outcome == "failed"
-        counts.not_as_asked += not row["as_asked"]
-        counts.checksum_verified += row.get("kv_checksum") == "verified"
-    return counts
+        tally.update({"equal_prefill_tp": prefill_tp in verdict.equals_tp,
+                      "equal_decode_tp": decode_tp in verdict.equals_tp,
+                      "equal_either": verdict.outcome == "equal", "ties": verdict.outcome == "tie",
+                      "differs": verdict.outcome == "differs", "failed": verdict.outcome == "failed",
+                      "not_as_asked": not row["as_asked"],
+                      "checksum_verified": row.get("kv_checksum") == "verified"})
+    return {column: int(tally[column]) for column in COLUMNS}

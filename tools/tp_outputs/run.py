@@ -137,7 +137,7 @@ def summary(rows: list[dict]) -> list[dict]:
     for row in rows:
         groups.setdefault((row["combo"], row["prefill_tp"], row["decode_tp"], row["mode"], row["sampling"]),
                           []).append(row)
-    return [{"combo": combo, "mode": mode, "sampling": sampling, **asdict(count(group, p, d))}
+    return [{"combo": combo, "mode": mode, "sampling": sampling, **count(group, p, d)}
             for (combo, p, d, mode, sampling), group in groups.items()]
 
 
