@@ -656,10 +656,11 @@ def _cpu_by_process_and_thread(roots: dict[str, int]) -> tuple[dict[str, dict[in
 
 
 def _engine_rates(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall: float) -> dict:
-    """CPU seconds per second over ``wall`` of each of vLLM's processes in each named tree,
-    by the title vLLM gives it (``VLLM::EngineCore`` as ``EngineCore``, ``VLLM::Worker_TP1``
-    as ``Worker_TP1``); a tree's other processes (the worker itself, a ``vllm serve``'s API
-    server) are left out. {tree name: {title: rate}}, only trees that have such processes."""
+    """CPU seconds per second over ``wall`` of each process vLLM titled in each named tree,
+    by that title (``VLLM::EngineCore`` as ``EngineCore``, ``VLLM::Worker_TP1`` as
+    ``Worker_TP1``, a ``vllm serve``'s ``APIServer_0``); the processes it did not title (a
+    kvpush worker itself) are left out. {tree name: {title: rate}}, only trees that have
+    such processes."""
     rates: dict[str, dict[str, float]] = {}
     for name, pids in after.items():
         for pid, used in pids.items():
