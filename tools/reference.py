@@ -1,7 +1,7 @@
 """Outputs of one plain vLLM instance (no connector): the reference that the
 disaggregated path must match token for token. Greedy unless a request says otherwise.
 
-    python -m kvpush.tools.reference --model DIR --requests in.json --out out.json
+    python -m kvpush.tools.reference --model DIR --requests in.json --out out.json [--tensor-parallel-size N]
 
 ``in.json`` is a list of {"prompt_token_ids": [...], "max_tokens": n, ...}, where ``...``
 is any more of vLLM's SamplingParams, by its own names (``temperature``, ``top_p``,
@@ -16,16 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpush.services.worker.engine import engine_kwargs
+from kvpush.services.worker.engine import engine_kwargs, rank_binding
 from kvpush.services.worker.engine_settings import EngineSettings
 from kvpush.shared import settings
 
 
-def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN) -> tuple[list, list]:
+def run(model: str, requests: list[dict], max_model_len: int = settings.MAX_MODEL_LEN,
+        tensor_parallel_size: int = 1) -> tuple[list, list]:
+    """At TP above 1 the engine's ranks are bound to this process's cores as a kvpush
+    worker's are (``engine.rank_binding``), unless the environment names a binding."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(EngineSettings(model=model, role=None, engine_id="reference", nats_url=None,
-                                             max_model_len=max_model_len)))
+    with rank_binding(tensor_parallel_size):
+        llm = LLM(**engine_kwargs(EngineSettings(model=model, role=None, engine_id="reference", nats_url=None,
+                                                 max_model_len=max_model_len,
+                                                 tensor_parallel_size=tensor_parallel_size)))
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=r.get("temperature", 0.0),
                              ignore_eos=r.get("ignore_eos", False),
@@ -51,10 +56,11 @@ def main() -> None:
     parser.add_argument("--requests", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-model-len", type=int, default=settings.MAX_MODEL_LEN)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     with open(args.requests) as f:
         requests = json.load(f)
-    tokens, logprobs = run(args.model, requests, args.max_model_len)
+    tokens, logprobs = run(args.model, requests, args.max_model_len, args.tensor_parallel_size)
     with open(args.out, "w") as f:
         json.dump(tokens, f)
     if any(entry is not None for entry in logprobs):

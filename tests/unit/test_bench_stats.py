@@ -58,3 +58,29 @@ def test_a_point_is_within_capacity_until_its_ttft_passes_the_knee():
     assert within_capacity(light, points) and within_capacity(loaded, points)
     assert not within_capacity(beyond, points)  # past 3x its own lightest TTFT
     assert not within_capacity(point(0.5, 100.0, error="client failed"), points)
+
+
+def test_cpu_at_rest_is_told_per_vllm_engine_process_by_its_title():
+    import os
+    import subprocess
+    import sys
+
+    from kvpush.tools.bench.report import at_rest_table
+    from kvpush.tools.bench.run import _engine_rates
+
+    # a process titled as vLLM titles a rank's worker; this test's own process has no such title
+    rank = subprocess.Popen([sys.executable, "-c", "import setproctitle, sys, time; "
+                             "setproctitle.setproctitle('VLLM::Worker_TP1'); print(flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE)
+    try:
+        rank.stdout.readline()
+        rates = _engine_rates({"decode-0": {rank.pid: 1.0, os.getpid(): 0.0}},
+                              {"decode-0": {rank.pid: 3.0, os.getpid(): 5.0}, "scheduler": {os.getpid(): 9.0}}, 4.0)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert rates == {"decode-0": {"Worker_TP1": 0.5}}
+    table = at_rest_table([{"system": "kvpush", "binding": "auto", "topology": "1P1D-tp2x2",
+                            "cpu_s_per_s": {"decode-0": 0.75}, "busiest_thread_s_per_s": {"decode-0": 0.5},
+                            "engine_processes": rates}])
+    assert "| kvpush | 1P1D-tp2x2 | auto | 0.75 |" in table and "decode-0: Worker_TP1 0.500" in table

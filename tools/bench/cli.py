@@ -67,6 +67,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--repeats", type=int, default=1,
                        help="measure each point this many times in a row, fresh prompts each time: its noise")
     bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--at-rest-s", type=float, default=5.0,
+                       help="seconds over which each system's CPU at rest (no request, after its start) is measured, "
+                            "per process and per vLLM engine process (EngineCore, Worker_TP<rank>)")
     bench.add_argument("--sampling-flags", default="",
                        help="vllm bench serve's sampling flags for every point, e.g. \"--temperature 0.7 --top-p 0.9\" "
                             "(default: none, its own defaults)")

@@ -200,11 +200,17 @@ def _cut(base, value) -> str:
 
 
 def at_rest_table(rows: list[dict]) -> str:
-    out = "| system | binding | total | by process (busiest thread) |\n|---|---|---:|---|\n"
+    """One row per system started: its CPU at rest in total, per process (with its busiest
+    thread), and per vLLM engine process (EngineCore and each Worker_TP rank) of each."""
+    out = ("| system | topology | binding | total | by process (busiest thread) | engine processes |\n"
+           "|---|---|---|---:|---|---|\n")
     for row in rows:
         by = ", ".join(f"{name} {rate:.2f} ({row['busiest_thread_s_per_s'].get(name, 0.0):.2f})"
                        for name, rate in sorted(row["cpu_s_per_s"].items()))
-        out += f"| {row['system']} | {row['binding']} | {sum(row['cpu_s_per_s'].values()):.2f} | {by} |\n"
+        engines = "; ".join(f"{name}: " + ", ".join(f"{title} {rate:.3f}" for title, rate in sorted(titles.items()))
+                            for name, titles in sorted(row.get("engine_processes", {}).items())) or "–"
+        out += (f"| {row['system']} | {row.get('topology', '–')} | {row['binding']} "
+                f"| {sum(row['cpu_s_per_s'].values()):.2f} | {by} | {engines} |\n")
     return out
 
 

@@ -112,6 +112,7 @@ class BenchConfig:
     # so that the retry below runs on purpose (KVPUSH_BENCH_FIRST_ATTEMPT_TIMEOUT=system:seconds).
     first_attempt_timeout: tuple[str, float] | None = None
     push_by_layer: str = settings.PUSH_BY_LAYER  # kvpush's prefill workers: layer-wise push on or off
+    at_rest_s: float = 5.0  # how long each system's CPU at rest is measured, after its start
 
     @property
     def systems(self) -> list[str]:
@@ -405,21 +406,27 @@ class Bench:
         """The best raw NIXL WRITE bandwidth of this run (bytes per ms), 0 if not measured."""
         return max((r["raw_gib_s"] * 2**30 / 1000 for r in self.raw_nixl), default=0.0)
 
-    async def _at_rest(self, system: str, binding: str, stack, settle_s: float = 5.0, seconds: float = 5.0) -> dict:
+    async def _at_rest(self, system: str, binding: str, stack, settle_s: float = 5.0,
+                       seconds: float | None = None) -> dict:
         """CPU seconds per second of each process (with its children) while the system serves
-        nothing, and of its busiest thread: what it takes from the cores its engines compute
-        on before any request comes. ``settle_s`` first: vLLM's readers spin a second after
-        the last message (the health checks)."""
+        nothing, of its busiest thread, and of each of vLLM's engine processes by its title
+        (``EngineCore``, one ``Worker_TP<rank>`` per rank above TP 1): what it takes from the
+        cores its engines compute on before any request comes. ``settle_s`` first: vLLM's
+        readers spin a second after the last message (the health checks); then over
+        ``seconds`` (``--at-rest-s``)."""
         await asyncio.sleep(settle_s)
+        seconds = self.config.at_rest_s if seconds is None else seconds
         before, threads_before = _cpu_by_process_and_thread(stack.processes())
         await asyncio.sleep(seconds)
         after, threads_after = _cpu_by_process_and_thread(stack.processes())
         busiest = {name: round(max((used - threads_before.get(name, {}).get(tid, 0.0)
                                     for tid, used in tids.items()), default=0.0) / seconds, 3)
                    for name, tids in threads_after.items()}
-        result = {"system": system, "binding": binding, "cpu_s_per_s": _cpu_rates(before, after, seconds),
-                  "busiest_thread_s_per_s": busiest}
-        self.say(f"{system} at rest: {result['cpu_s_per_s']} CPU-s/s (busiest thread: {busiest})")
+        result = {"system": system, "binding": binding, "topology": stack.topology.label,
+                  "seconds": seconds, "cpu_s_per_s": _cpu_rates(before, after, seconds),
+                  "busiest_thread_s_per_s": busiest, "engine_processes": _engine_rates(before, after, seconds)}
+        self.say(f"{system} at rest: {result['cpu_s_per_s']} CPU-s/s (busiest thread: {busiest}; "
+                 f"engine processes: {result['engine_processes']})")
         return result
 
     async def _idle_wait_cpu(self, system: KvpushSystem, seconds: float = 5.0) -> dict:
@@ -575,7 +582,7 @@ def cmd(args) -> int:
                          try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated,
                          resume=getattr(args, "resume", False), repeats=args.repeats,
                          point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout(),
-                         push_by_layer=args.push_by_layer)
+                         push_by_layer=args.push_by_layer, at_rest_s=args.at_rest_s)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()
@@ -646,6 +653,32 @@ def _cpu_by_process_and_thread(roots: dict[str, int]) -> tuple[dict[str, dict[in
         by_thread[name].update({t.id: t.user_time + t.system_time for t in threads})
         by_process[name][process.pid] = times.user + times.system
     return by_process, by_thread
+
+
+def _engine_rates(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall: float) -> dict:
+    """CPU seconds per second over ``wall`` of each process vLLM titled in each named tree,
+    by that title (``VLLM::EngineCore`` as ``EngineCore``, ``VLLM::Worker_TP1`` as
+    ``Worker_TP1``, a ``vllm serve``'s ``APIServer_0``); the processes it did not title (a
+    kvpush worker itself) are left out. {tree name: {title: rate}}, only trees that have
+    such processes."""
+    rates: dict[str, dict[str, float]] = {}
+    for name, pids in after.items():
+        for pid, used in pids.items():
+            title = _vllm_title(pid)
+            if title is not None:
+                rates.setdefault(name, {})[title] = round((used - before.get(name, {}).get(pid, 0.0)) / wall, 3)
+    return rates
+
+
+def _vllm_title(pid: int) -> str | None:
+    """The title vLLM set on process ``pid`` (``setproctitle``: ``VLLM::<title>``), or None."""
+    import psutil
+
+    try:
+        words = " ".join(psutil.Process(pid).cmdline()).split()
+    except psutil.Error:
+        return None
+    return words[0].removeprefix("VLLM::") if words and words[0].startswith("VLLM::") else None
 
 
 def _cpu_rates(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], wall: float) -> dict:

@@ -1,0 +1,5 @@
+import sys
+
+from kvpush.tools.tp_outputs.run import main
+
+sys.exit(main())
