@@ -116,6 +116,7 @@ class KvpushStrategy(KindStrategy):
             params.prefill_tp_size = prefilled.prefill_tp_size
             params.remote_block_ids = prefilled.remote_block_ids
             params.block_digests = prefilled.block_digests
+            params.head_digests = prefilled.head_digests  # per block and KV head: what a decode at any TP checks
             params.prefill_incarnation = prefilled.prefill_incarnation
         return f"{job.request_id}-d-{job.transfer_id[:8]}", params.as_params()
 

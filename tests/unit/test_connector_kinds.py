@@ -183,6 +183,15 @@ def test_the_decode_request_of_each_kind(name, case):
     same(strategy(name).decode_request(decode_job(case), "00-tp-02"), DECODES[name, case])
 
 
+def test_a_pulled_prompts_digests_per_head_reach_decodes_connector():
+    """Prefill's per-head checksums (PrefilledKv.head_digests, from every rank) go on to
+    decode's connector, which checks the heads each of its ranks holds."""
+    job = decode_job("pull")
+    job.kv_transfer_params = {**PULLED, "head_digests": [["a", "b"], ["c", "d"], ["e", "f"]]}
+    _, params = strategy("kvpush").decode_request(job, "")
+    assert wire.DecodeKvParams.of(params).head_digests == [["a", "b"], ["c", "d"], ["e", "f"]]
+
+
 def test_a_decode_request_is_a_copy_of_what_prefill_said():
     job = decode_job("pull")
     _, params = strategy("vllm-nixl").decode_request(job, "")
