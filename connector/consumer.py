@@ -96,7 +96,7 @@ class Consumer:
         self._counter = CompletionCounter()  # the producers' WRITE notifications
         self._answers = WriterAnswers()  # push: the writers that said their part will not land
         self._lock = threading.Lock()  # protects _released, _given_up, _early_notes, _early_failures, _ended,
-        # _digests, _verified, _failures and _stuck_ranks
+        # _digests, _verified, _received, _failures and _stuck_ranks
         self._released: list[Released] = []  # waits ended on the clock, for the next get_finished
         self._given_up: set[str] = set()  # requests whose wait we gave up, for the scheduler side
         self._early_notes: dict[str, list[Notification]] = {}  # notifications before their wait started
@@ -106,6 +106,7 @@ class Consumer:
         self._digests: dict[str, list[tuple[Notification, HeadSlice | None]]] = {}
         self._stuck_ranks: dict[str, int] = {}  # transfer id -> the prefill rank whose write is stuck
         self._verified: set[str] = set()  # requests whose KV matched prefill's checksum, for the scheduler side
+        self._received: dict[str, wire.RankKv] = {}  # request -> what landed in this rank, for the same
         self._failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed, for the same
         self._last_probe = 0.0
         for reason in ("checksum_mismatch", "kv_wait_expired"):  # a series at 0 from the start, for alerts
@@ -176,6 +177,13 @@ class Consumer:
         with self._lock:
             failures, self._failures = self._failures, {}
         return failures
+
+    def take_received(self) -> dict[str, wire.RankKv]:
+        """What landed in this rank's blocks since the last call, per request whose KV
+        arrived (checked, where it had checksums): its path report's part for this rank."""
+        with self._lock:
+            received, self._received = self._received, {}
+        return received
 
     def take_verified(self) -> set[str]:
         """Requests whose KV matched prefill's checksum since the last call (their path
@@ -264,7 +272,8 @@ class Consumer:
             notes = self._digests.pop(note.transfer_id, [])
         blocks = list(context.block_ids)
         self._landed(note.transfer_id, blocks, context.span,
-                     [(note.digest, self._part_regions(note), blocks, part) for note, part in notes])
+                     [(note.digest, self._part_regions(note), blocks, part) for note, part in notes],
+                     len(blocks) * self.transfer.layout.block_bytes)  # every writer's heads together: our blocks
 
     def _part_regions(self, note: Notification) -> tuple[int, int] | None:
         """The regions a notification's copy covers: all, or its layer's."""
@@ -273,16 +282,18 @@ class Consumer:
         _, first, end = self.transfer.layout.layers[note.part]
         return first, end
 
-    def _landed(self, transfer_id: str, blocks: list[int], span, checks: list[Check]) -> None:
-        """A transfer's KV is all in ``blocks``: check it against prefill's checksums
-        (``checks``) before the request may run. A mismatch is a failed transfer: the load
-        fails (vLLM fails it for every rank), and decode applies the request's kv_policy."""
+    def _landed(self, transfer_id: str, blocks: list[int], span, checks: list[Check], landed_bytes: int) -> None:
+        """A transfer's KV is all in ``blocks`` (``landed_bytes`` of them): check it against
+        prefill's checksums (``checks``) before the request may run. A mismatch is a failed
+        transfer: the load fails (vLLM fails it for every rank), and decode applies the
+        request's kv_policy."""
         chaos = self.bridge.chaos
         seed = chaos.flips(transfer_id, self.rank) if chaos is not None and blocks else None
         if seed is not None and checksums.readable(self.transfer.layout):  # the fault suite's corruption
             log.warning("chaos: flipped byte %s of %s", checksums.flip_byte(self.transfer.layout, blocks, seed),
                         transfer_id)
-        if checks and checksums.readable(self.transfer.layout):
+        checked = bool(checks) and checksums.readable(self.transfer.layout)
+        if checked:
             with _tracer.start_as_current_span(A.KV_CHECKSUM, context=trace.set_span_in_context(span) if span
                                                else None, attributes={A.TRANSFER_ID: transfer_id}) as check:
                 wrong = [i for i, (digest, regions, mine, part) in enumerate(checks)
@@ -297,10 +308,12 @@ class Consumer:
                 self._waits.prefill_gave_up(transfer_id, reason, code=ChecksumMismatch.code)
                 self._wake()
                 return
-            wait = self._waits.get(transfer_id)
-            if wait is not None:
-                with self._lock:
+        wait = self._waits.get(transfer_id)
+        if wait is not None:  # for the scheduler side: the request's path report
+            with self._lock:
+                if checked:
                     self._verified.add(wait.request_id)
+                self._received[wait.request_id] = wire.RankKv(rank=self.rank, blocks=len(blocks), bytes=landed_bytes)
         self._kv_arrived(transfer_id)
 
     # ---------------------------------------------------------------- NATS
@@ -468,7 +481,7 @@ class Consumer:
                                            write_ms=end.write_ms))
             wait = self._waits.get(read.transfer_id)
             self._landed(read.transfer_id, list(read.local_block_ids), wait.context.span if wait else None,
-                         self._pull_checks(read))
+                         self._pull_checks(read), end.bytes)
 
         for exchange, remote in sources:
             self.transfer.submit(TransferJob(

@@ -34,6 +34,11 @@ class KvLayout:
     layers: list[tuple[str, int, int]] = field(default_factory=list)
     heads: int = 0  # KV heads in each block, outermost in its memory (0: not known, or not outermost)
 
+    @property
+    def block_bytes(self) -> int:
+        """The bytes of one block in every region: what this rank holds of a block, all layers."""
+        return sum(region.block_len for region in self.regions)
+
     def layer_index(self, name: str) -> int | None:
         """The position of the layer vLLM calls ``name``, or None."""
         for index, (layer, _, _) in enumerate(self.layers):

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvpush.shared.wire import RankKv
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +89,22 @@ class KvpushWorkerMeta(KVConnectorWorkerMetadata):
     load_failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # decode request -> (code, why)
     # prefill, pull: transfer -> rank -> that rank's digests per prompt block and head it holds
     pull_digests: dict[str, dict[int, list[list[str]]]] = field(default_factory=dict)
+    # decode request -> rank -> what landed in that rank's blocks (its path report, per rank)
+    received: dict[str, dict[int, RankKv]] = field(default_factory=dict)
 
     def aggregate(self, other: "KvpushWorkerMeta") -> "KvpushWorkerMeta":
         verified = dict(self.verified)
         for request_id, ranks in other.verified.items():
             verified[request_id] = verified.get(request_id, 0) + ranks
-        digests = {transfer_id: dict(by_rank) for transfer_id, by_rank in self.pull_digests.items()}
-        for transfer_id, by_rank in other.pull_digests.items():
-            digests.setdefault(transfer_id, {}).update(by_rank)
         return KvpushWorkerMeta(self.given_up | other.given_up, verified,
-                                {**self.load_failures, **other.load_failures}, digests)
+                                {**self.load_failures, **other.load_failures},
+                                _by_rank(self.pull_digests, other.pull_digests),
+                                _by_rank(self.received, other.received))
+
+
+def _by_rank(mine: dict[str, dict[int, T]], theirs: dict[str, dict[int, T]]) -> dict[str, dict[int, T]]:
+    """Two ranks' (or groups of ranks') entries per request or transfer, together."""
+    merged = {key: dict(by_rank) for key, by_rank in mine.items()}
+    for key, by_rank in theirs.items():
+        merged.setdefault(key, {}).update(by_rank)
+    return merged

@@ -21,7 +21,8 @@ rank is its own worker process. It speaks for the engine (its TP size and the mo
 heads, in registrations and handoffs) and hears the ranks only through vLLM: finished
 requests once every rank reported them, and the ranks' worker metas merged
 (``KvpushWorkerMeta``): a received prompt is verified only once every rank verified its
-heads, and a pulled prompt's handoff gets every rank's digests (``checksums.HandoffDigests``).
+heads, its path report says what landed in each rank (``wire.ReceivedKv.by_rank``), and a
+pulled prompt's handoff gets every rank's digests (``checksums.HandoffDigests``).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class ConnectorScheduler:
         self._received: dict[str, _Received] = {}  # decode: requests whose KV comes from prefill
         self._fetched: dict[str, _Received] = {}  # requests whose prefix is read from another engine's cache
         self._verified: dict[str, int] = {}  # of those, how many ranks' KV matched prefill's checksum
+        self._landed: dict[str, dict[int, wire.RankKv]] = {}  # of those, what landed in each rank that said
         self._handoff_digests = checksums.HandoffDigests(tp_size)  # prefill, pull: the ranks' digests
         self._load_failures: dict[str, tuple[str, str]] = {}  # request -> (code, why) its load failed
         self._renewals = Renewals()  # decode side: transfers whose prefill blocks we still want
@@ -282,11 +284,12 @@ class ConnectorScheduler:
         received = self._received.pop(request.request_id, None)
         if received is not None:
             verified = self._verified.pop(request.request_id, 0) >= self.tp_size  # every rank checked its heads
+            landed = self._landed.pop(request.request_id, {})
             return False, {wire.RECEIVED_KEY: wire.ReceivedKv(
                 local_tokens=received.local_tokens, tokens=received.tokens, blocks=received.blocks,
                 bytes=received.blocks * self.bytes_per_block,
                 checksum="verified" if verified else "unchecked",
-                bytes_by_rank=[received.blocks * self.bytes_per_block // self.tp_size] * self.tp_size).as_params()}
+                by_rank=[landed[rank] for rank in sorted(landed)]).as_params()}
         prefill = self._prefills.pop(request.request_id, None)
         if prefill is None or prefill.block_ids is None:
             return False, fetched or None
@@ -328,6 +331,9 @@ class ConnectorScheduler:
             for request_id, ranks in worker_meta.verified.items():
                 if request_id in self._received:
                     self._verified[request_id] = self._verified.get(request_id, 0) + ranks
+            for request_id, by_rank in worker_meta.received.items():  # before request_finished: it ran on them
+                if request_id in self._received:
+                    self._landed.setdefault(request_id, {}).update(by_rank)
             for transfer_id, by_rank in worker_meta.pull_digests.items():  # after request_finished: vLLM's order
                 self._handoff_digests.arrived(transfer_id, by_rank)
             for request_id, failure in worker_meta.load_failures.items():  # for the request recomputing it

@@ -152,10 +152,13 @@ class ConnectorWorker:
             meta.given_up = self.consumer.take_given_up()
             meta.verified = dict.fromkeys(self.consumer.take_verified(), 1)
             meta.load_failures = self.consumer.take_failures()
+            meta.received = {request_id: {self.rank: part}
+                             for request_id, part in self.consumer.take_received().items()}
         if self.producer is not None:
             meta.pull_digests = {transfer_id: {self.rank: rows}
                                  for transfer_id, rows in self.producer.take_pull_digests().items()}
-        return meta if meta.given_up or meta.verified or meta.load_failures or meta.pull_digests else None
+        return meta if meta.given_up or meta.verified or meta.load_failures or meta.pull_digests or meta.received \
+            else None
 
     # ---------------------------------------------------------------- the transfer thread
 

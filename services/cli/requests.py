@@ -53,6 +53,9 @@ def describe_path(path: wire.PathReport) -> str:
         f"{count(path.received_bytes)} bytes), found in decode's cache {count(path.decode_cached_tokens)}, "
         f"computed on decode {path.decode_computed_tokens} (recomputed {path.recomputed_tokens})",
     ]
+    if len(path.received_by_rank) > 1:  # tensor parallelism: each decode rank received its own heads
+        lines.append("  received by rank: " + "; ".join(
+            f"rank {part.rank} {part.blocks} blocks, {part.bytes} bytes" for part in path.received_by_rank))
     if path.prefix_source:
         lines.append(f"  cached prefix: {path.prefix_source}" + (
             f", {path.fetched_tokens} tokens read from {path.fetched_from}'s cache" if path.fetched_tokens else ""))

@@ -83,8 +83,9 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "KV connector of the engines: ours, or vLLM's NixlConnector (pull) or NixlPushConnector, "
             "for side-by-side comparison", str, connector_kinds.NAMES),
     Setting("--tensor-parallel-size", "KVPUSH_TENSOR_PARALLEL_SIZE", 1,
-            "worker: the engine's tensor parallelism, one process per rank (vLLM's --tensor-parallel-size); on CPUs "
-            "above 1, each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND says where (docs/scaling.md)",
+            "worker: the engine's tensor parallelism, one process per rank (vLLM's --tensor-parallel-size); "
+            "on CPUs above 1, each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND says where "
+            "(docs/tensor-parallel.md)",
             int),
     Setting("--prefix-caching", "KVPUSH_PREFIX_CACHING", defaults.PREFIX_CACHING,
             "the engines' prefix caching: a prompt's cached prefix is neither computed nor transferred again",

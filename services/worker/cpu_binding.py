@@ -5,7 +5,7 @@ each rank's OpenMP threads to a core list of its own: the variable holds one lis
 separated by ``|`` ("0|1": rank 0 on core 0, rank 1 on core 1). Its default, ``auto``, gives
 each rank a NUMA node of its own and refuses to start with fewer nodes than ranks, which is
 every one-node machine. So at TP above 1 kvpush names the lists itself, unless the
-environment already does (docs/scaling.md, "Tensor parallelism on CPUs").
+environment already does (docs/tensor-parallel.md, "CPUs: binding and the executor's spin").
 
 Two ways to place several engines on cores (``Placement``):
 

@@ -5,8 +5,9 @@ Where the prompt's tokens came from, by the path the request took:
 
 - push or pull, the KV arrived: decode's connector says (``wire.ReceivedKv``, in the
   engine's last output) how many tokens its own prefix cache held and how many came from
-  prefill, in how many blocks and bytes; prefill computed the prompt less its own cache
-  hits (its ``wire.PromptReport``, unknown if it never reached decode);
+  prefill, in how many blocks and bytes, and what landed in each of its tensor-parallel
+  ranks; prefill computed the prompt less its own cache hits (its ``wire.PromptReport``,
+  unknown if it never reached decode);
 - push or pull, the KV did not arrive intact and the policy is ``recompute``: decode
   computed the prompt itself, less what its prefix cache held; those tokens are
   ``recomputed_tokens`` too (prefill had computed them already);
@@ -74,6 +75,7 @@ def path_report(job: wire.DecodeJob, decode_worker: str, saw: DecodeSaw, kv_poli
         report.received_tokens = saw.received.tokens
         report.received_blocks = saw.received.blocks
         report.received_bytes = saw.received.bytes
+        report.received_by_rank = list(saw.received.by_rank)
         report.decode_cached_tokens = saw.received.local_tokens
         report.kv_checksum = saw.received.checksum
     return report

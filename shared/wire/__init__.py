@@ -31,8 +31,8 @@ from kvpush.shared.wire.identity import (IDENTITY_PATTERN, identity_problem, MAX
 from kvpush.shared.wire.public import (ServeMode, RequestedMode, KvPolicy, KV_POLICIES, KvChecksum, KV_CHECKSUMS,
                                        ModeChooser, StructuredOutput, ToolChoiceKind, ToolFunction, ToolCalling,
                                        GenerateRequest, CancelRequest, FinalRequest, ErrorBody, TokenLogprob,
-                                       TokenChunk, Usage, PathReport, Timings, FinalReply, ErrorReply, LastMessage,
-                                       Reply, SchedulerStatus)
+                                       TokenChunk, Usage, RankKv, PathReport, Timings, FinalReply, ErrorReply,
+                                       LastMessage, Reply, SchedulerStatus)
 from kvpush.shared.wire.codec import (encode, decode, encode_json, decode_json, decode_reply, decode_last)
 from kvpush.shared.wire.internal import (PROTOCOL_VERSION, Role, TransferMode, Internal, Connector, WorkerHeartbeat,
                                          SamplingSpec, PromptReport, Fetch, PrefixSource, PrefillJob, RouteReport,

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from kvpush.shared.connector_kinds import TransferMode
-from kvpush.shared.wire.public import KvChecksum
+from kvpush.shared.wire.public import KvChecksum, RankKv
 
 
 class _KvParams(msgspec.Struct, kw_only=True):
@@ -112,7 +112,7 @@ class ReceivedKv(_KvParams, kw_only=True):
     blocks: int  # the blocks they filled
     bytes: int  # the bytes written (read) into them
     checksum: KvChecksum = "unchecked"  # verified: equal to prefill's checksum before the request ran
-    bytes_by_rank: list[int] = msgspec.field(default_factory=list)  # of bytes, each tensor-parallel rank's
+    by_rank: list[RankKv] = msgspec.field(default_factory=list)  # each rank's part, as the ranks said (rank order)
 
 
 class FetchedKv(_KvParams, kw_only=True):

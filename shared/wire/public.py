@@ -8,7 +8,7 @@ Pure: imports no NATS.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -160,6 +160,21 @@ class Usage(msgspec.Struct, omit_defaults=True):  # no cached_tokens key when it
     cached_tokens: int | None = None
 
 
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RankKv(msgspec.Struct, forbid_unknown_fields=True):
+    """What one tensor-parallel rank of decode's engine received: the blocks its copies
+    filled and the bytes that landed in them (the KV heads that rank holds, of every
+    layer). At TP N each rank receives its own part, and the ranks' bytes add up to the
+    request's ``received_bytes`` (above the model's KV heads, where vLLM gives every rank a
+    copy of one, to more)."""
+
+    rank: Count
+    blocks: Count
+    bytes: Count
+
+
 class PathReport(msgspec.Struct):
     """How one request was served, in its final (``FinalReply.path``): the path it took
     and where each of its prompt's tokens came from. Counts are of the first answer's
@@ -204,6 +219,9 @@ class PathReport(msgspec.Struct):
     fetched_tokens: int = 0
     fetched_from: str = ""
     prefix_reason: str = ""  # why the scheduler chose that source (its costs), or why a fetch did not happen
+    # Each decode rank's part of what was received, in rank order (one entry at TP 1); empty
+    # when nothing was received or the connector did not say (an older one, or vLLM's own).
+    received_by_rank: list[RankKv] = []
 
     @property
     def retries(self) -> int:

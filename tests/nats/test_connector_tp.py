@@ -6,7 +6,8 @@ every block lands in the decode rank that holds it, a decode rank starts only on
 prefill rank writing into it landed, and a prefill rank frees its blocks only once every
 decode rank reading it did. One rank's WRITE failing, or one rank's bytes flipped with
 checksums on, fails the request's load (vLLM's ``KVOutputAggregator`` unites the ranks'
-failures) and every rank's blocks go back.
+failures) and every rank's blocks go back. What landed in each decode rank, as that rank
+says, reaches the engine core and the request's path report (``ReceivedKv.by_rank``).
 
 The model has 4 KV heads. A rank's KV per layer is ``[blocks, 4 / TP heads, block size,
 2 * head size]``, numbered so that each value names its layer, block and global head.
@@ -312,6 +313,15 @@ def test_every_head_lands_in_the_decode_rank_that_holds_it_and_is_verified_there
     assert (united.finished_recving, united.failed_recving) == ({request_id}, set())
     assert united.kv_connector_worker_meta.verified == {request_id: decode.tp}
     _assert_heads_landed(decode, src, dst)
+    # What landed in each rank, as each rank said it, reaches the request's path report.
+    per_rank = len(dst) * LAYERS * (KV_HEADS // decode.tp) * BLOCK_SIZE * 2 * HEAD * 4
+    parts = [wire.RankKv(rank=rank, blocks=len(dst), bytes=per_rank) for rank in range(decode.tp)]
+    assert [meta.received for _, _, meta in outcomes] == [{request_id: {part.rank: part}} for part in parts]
+    decode.scheduler.update_connector_output(united)
+    _, params = decode.scheduler.request_finished(SimpleNamespace(request_id=request_id, kv_transfer_params={}), [])
+    received = wire.ReceivedKv.of(params[wire.RECEIVED_KEY])
+    assert (received.by_rank, received.checksum) == (parts, "verified")
+    assert sum(part.bytes for part in received.by_rank) == received.bytes
 
 
 def test_a_decode_rank_starts_only_once_every_prefill_rank_writing_into_it_landed(engines):
@@ -388,6 +398,7 @@ def test_one_decode_ranks_flipped_bytes_are_caught_and_fail_the_requests_load(en
         request_id, outcomes = _move(engines, prefill, decode, mode, [2, 3], [6, 7])
     assert [(received, failed) for received, failed, _ in outcomes] == [(True, False), (True, True)]
     assert outcomes[0][2].verified == {request_id: 1} and not outcomes[1][2].verified
+    assert request_id in outcomes[0][2].received and not outcomes[1][2].received  # rank 1's did not count
     united = _united(request_id, outcomes)
     assert (united.finished_recving, united.failed_recving) == ({request_id}, {request_id})
     assert united.kv_connector_worker_meta.verified == {request_id: 1}  # not every rank: unchecked

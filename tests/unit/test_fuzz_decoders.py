@@ -88,8 +88,8 @@ def strategy_for(info: mi.Type) -> st.SearchStrategy:
         return st.text(max_size=20)
     if isinstance(info, mi.BoolType):
         return st.booleans()
-    if isinstance(info, mi.IntType):
-        return MSGPACK_INT
+    if isinstance(info, mi.IntType):  # within the type's bounds, if it has a lower one
+        return MSGPACK_INT if info.ge is None else st.integers(min_value=info.ge, max_value=2**64 - 1)
     if isinstance(info, mi.FloatType):
         return FINITE
     if isinstance(info, mi.BytesType):  # within the type's length bounds, if it has any

@@ -4,8 +4,10 @@ scheduler gives it (services/scheduler/dispatch.py), and how the gateway shows i
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from kvpush.services.cli.requests import describe_path
 from kvpush.services.gateway import requests, responses
 from kvpush.services.scheduler import dispatch
 from kvpush.services.scheduler.flights import Flight
@@ -41,6 +43,40 @@ def test_a_transfer_that_arrived_says_what_came_from_where():
             report.recomputed_tokens) == (100, 84, 68, 5, 20480, 32, 0, 0)
     assert report.received_tokens + report.decode_cached_tokens + report.decode_computed_tokens == 100
     assert (report.kv_checksum, report.kv_failure) == ("verified", "")
+
+
+def test_a_transfer_into_decode_at_tp_2_says_what_landed_in_each_rank_and_explain_prints_it():
+    parts = [wire.RankKv(rank=0, blocks=5, bytes=5 * 2048), wire.RankKv(rank=1, blocks=5, bytes=5 * 2048)]
+    received = wire.ReceivedKv(local_tokens=32, tokens=68, blocks=5, bytes=5 * 4096, by_rank=parts)
+    report = path_report(job(), "decode-0", DecodeSaw(received=received), "recompute", None)
+    assert report.received_by_rank == parts
+    assert sum(part.bytes for part in report.received_by_rank) == report.received_bytes
+    assert "  received by rank: rank 0 5 blocks, 10240 bytes; rank 1 5 blocks, 10240 bytes" in (
+        describe_path(report).splitlines())
+    # At TP 1 the one rank's part is the whole: explain says it once.
+    whole = wire.ReceivedKv(local_tokens=0, tokens=68, blocks=5, bytes=5 * 4096,
+                            by_rank=[wire.RankKv(rank=0, blocks=5, bytes=5 * 4096)])
+    one = path_report(job(), "decode-0", DecodeSaw(received=whole), "recompute", None)
+    assert len(one.received_by_rank) == 1 and "by rank" not in describe_path(one)
+    # Recomputed after a failed transfer: nothing received, in any rank.
+    failed = path_report(job(), "d", DecodeSaw(computed_here=True, cached_here=0), "recompute", None)
+    assert failed.received_by_rank == []
+
+
+@pytest.mark.parametrize("part", [{"rank": 0, "blocks": 5, "bytes": -1}, {"rank": 0, "blocks": 5},
+                                  {"rank": "0", "blocks": 5, "bytes": 1}, {"rank": 0, "blocks": 5, "bytes": 1, "x": 1}])
+def test_a_malformed_rank_part_is_refused(part):
+    said = {"local_tokens": 0, "tokens": 4, "blocks": 1, "bytes": 1, "by_rank": [part]}
+    assert received_of({wire.RECEIVED_KEY: said}) is None  # unknown, never guessed
+    report = msgspec.json.decode(wire.encode_json(path_report(job(), "d", DecodeSaw(), "recompute", None)))
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_json(msgspec.json.encode(report | {"received_by_rank": [part]}), wire.PathReport)
+
+
+def test_a_path_report_from_a_decode_that_predates_rank_parts_reads_as_none_said():
+    report = msgspec.json.decode(wire.encode_json(path_report(job(), "d", DecodeSaw(), "recompute", None)))
+    del report["received_by_rank"]
+    assert wire.decode_json(msgspec.json.encode(report), wire.PathReport).received_by_rank == []
 
 
 def test_prefill_computed_is_unknown_when_its_report_never_came():

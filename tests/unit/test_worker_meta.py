@@ -7,12 +7,14 @@ heads, and every prefill rank's pull digests."""
 from __future__ import annotations
 
 import inspect
+import pickle
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kvpush.connector.metadata import KvpushWorkerMeta
+from kvpush.shared import wire
 
 
 def _rank_output(sending=(), recving=(), failed=(), meta: KvpushWorkerMeta | None = None) -> ModelRunnerOutput:
@@ -45,6 +47,21 @@ def test_the_ranks_metas_merge_into_one_the_scheduler_side_reads():
     assert meta.given_up == {"gone"} and meta.load_failures == {"x": ("checksum_mismatch", "rank 0")}
     assert meta.verified == {"r": 2, "s": 1}  # "s": one rank so far
     assert meta.pull_digests == {"t": {0: [["h0", "h1"]], 1: [["h2", "h3"]]}}
+
+
+def test_what_landed_in_each_rank_crosses_to_the_engine_core_and_merges_by_rank():
+    """Each decode rank says what landed in its blocks (the path report's ``received_by_rank``);
+    a worker's output crosses to the engine core pickled (vLLM's shm queue)."""
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    rank0 = KvpushWorkerMeta(received={"r": {0: wire.RankKv(rank=0, blocks=3, bytes=300)}})
+    rank1 = KvpushWorkerMeta(received={"r": {1: wire.RankKv(rank=1, blocks=3, bytes=300)},
+                                       "s": {1: wire.RankKv(rank=1, blocks=1, bytes=100)}})
+    outputs = [pickle.loads(pickle.dumps(_rank_output(meta=meta))) for meta in (rank0, rank1)]
+    meta = aggregator.aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+    assert meta.received == {"r": {0: wire.RankKv(rank=0, blocks=3, bytes=300),
+                                   1: wire.RankKv(rank=1, blocks=3, bytes=300)},
+                             "s": {1: wire.RankKv(rank=1, blocks=1, bytes=100)}}
+    assert rank0.received == {"r": {0: wire.RankKv(rank=0, blocks=3, bytes=300)}}  # merging leaves each rank's
 
 
 def test_vllm_passes_a_steps_worker_meta_after_the_handoffs_it_finished_in_that_step():
