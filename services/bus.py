@@ -79,5 +79,16 @@ class Bus(TracedNats):
 
     async def close(self) -> None:
         """Stop taking messages, finish the callbacks under way, and close."""
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        await close_connection(self.nc)
+
+
+async def close_connection(nc) -> None:
+    """Drain ``nc`` (stop taking messages, finish the callbacks under way) and close it. A
+    connection that is reconnecting cannot drain (nats-py raises): it is closed as it is, so a
+    service stopping while its server is away still stops cleanly."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.drain()
+    except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+        await nc.close()

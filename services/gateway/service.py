@@ -36,6 +36,7 @@ import uvicorn
 
 from kvpush.client import generate
 from kvpush.otel import endpoint
+from kvpush.services.bus import close_connection
 from kvpush.services.gateway import tool_calls
 from kvpush.services.gateway.app import Guard, build_app
 from kvpush.services.gateway.keys import KeyRing, Tenant
@@ -123,8 +124,8 @@ class Gateway(Service):
         if self._serving is not None:
             await asyncio.gather(self._serving, return_exceptions=True)
         for nc in [*self._tenant_connections.values(), self.nc]:
-            if nc is not None and not nc.is_closed:
-                await nc.drain()
+            if nc is not None:
+                await close_connection(nc)
         self.prompts.close()
 
     # ------------------------------------------------------------------ requests
