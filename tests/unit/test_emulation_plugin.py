@@ -93,13 +93,13 @@ def poll(times):
 def test_the_queue_s_spin_is_paced_once_its_module_is_imported(tmp_path, monkeypatch):
     (tmp_path / "kvpush_probe_queue.py").write_text(SPINNING_QUEUE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    patch_on_import("kvpush_probe_queue", lambda module: plugin._pace_shm_spin(module, 200e-6))
+    patch_on_import("kvpush_probe_queue", lambda module: plugin._pace_shm_spin(module, plugin.paced_yield(200e-6)))
     try:
         import kvpush_probe_queue as queue
 
         paced = queue.sched_yield
         assert paced is not os.sched_yield and paced.kvpush_paced
-        plugin._pace_shm_spin(queue, 1.0)
+        plugin._pace_shm_spin(queue, plugin.paced_yield(1.0))
         assert queue.sched_yield is paced  # once: a second load of the plugin changes nothing
         started, cpu = time.monotonic(), time.thread_time()
         queue.poll(100)
@@ -110,9 +110,50 @@ def test_the_queue_s_spin_is_paced_once_its_module_is_imported(tmp_path, monkeyp
         sys.modules.pop("kvpush_probe_queue", None)
 
 
-def test_the_spin_is_paced_by_default_for_100_us_and_the_switch_takes_paced_or_on_only():
-    assert plugin.shm_spin_pause({}) == pytest.approx(100e-6)
-    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "paced", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}) == pytest.approx(500e-6)
+def test_the_spin_is_paced_by_default_for_100_us_and_the_switch_takes_paced_backoff_or_on_only():
+    assert plugin.shm_spin_pause({}).sleep_s == pytest.approx(100e-6)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "paced", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}).sleep_s == pytest.approx(500e-6)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff"}).backoff.longest_sleep_s == pytest.approx(1e-3)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff", "KVPUSH_SHM_SPIN_SLEEP_US": "2000"}).backoff.longest_sleep_s \
+        == pytest.approx(2e-3)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "on", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}) is None
-    with pytest.raises(ValueError, match="'paced' or 'on'"):
+    with pytest.raises(ValueError, match="'paced', 'backoff' or 'on'"):
         plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "off"})
+
+
+def test_a_backoff_yields_for_the_first_millisecond_then_sleeps_doubling_up_to_its_longest():
+    backoff, state = plugin.Backoff(spin_s=1e-3, first_sleep_s=50e-6, longest_sleep_s=400e-6, new_wait_after_s=1e-3), {}
+    now, pauses = 0.0, []
+    for _ in range(12):
+        pause = backoff.next_pause(now, state)
+        pauses.append(pause)
+        now += pause + 100e-6  # the poll's own work, and a yield's return, between calls
+        state["ended"] = now
+    yields = pauses[:pauses.index(next(p for p in pauses if p))]
+    assert len(yields) == 10 and set(yields) == {0.0}  # 1 ms of sched_yield at 100 us a poll
+    assert pauses[10:] == pytest.approx([50e-6, 100e-6])
+    for _ in range(4):
+        pauses.append(backoff.next_pause(now, state))
+        now += pauses[-1]
+        state["ended"] = now
+    assert pauses[12:] == pytest.approx([200e-6, 400e-6, 400e-6, 400e-6])  # never past the longest
+
+
+def test_a_backoff_begins_again_after_the_thread_did_something_else():
+    backoff, state = plugin.Backoff(spin_s=1e-3, first_sleep_s=50e-6, longest_sleep_s=1e-3, new_wait_after_s=1e-3), {}
+    assert backoff.next_pause(0.0, state) == 0.0
+    state["ended"] = 0.0
+    assert backoff.next_pause(0.0015, state) == 0.0  # 1.5 ms since the last poll: a new wait, spun again
+    state["ended"] = 0.0015
+    assert backoff.next_pause(0.0020, state) == 0.0  # 0.5 ms into this wait
+    state["ended"] = 0.0020
+    assert backoff.next_pause(0.0026, state) == pytest.approx(50e-6)  # 1.1 ms into it: sleeps begin
+
+
+def test_a_backoff_pause_sleeps_in_a_long_wait_instead_of_spinning():
+    pause = plugin.backoff_yield(plugin.Backoff(spin_s=1e-3, longest_sleep_s=1e-3))
+    started, cpu = time.monotonic(), time.thread_time()
+    while time.monotonic() - started < 0.2:
+        pause()
+    wall, used = time.monotonic() - started, time.thread_time() - cpu
+    assert used < 0.3 * wall, (used, wall)  # after the first millisecond, asleep

@@ -40,7 +40,9 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 PROGRESS_THREAD_ENV = "KVPUSH_NIXL_PROGRESS_THREAD"  # "on" (NIXL's own) or "paced"
@@ -50,7 +52,7 @@ MODULE = "kvpush.tools.emulation.timed_model"
 TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # the emulated deployment, set in every emulated engine
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
-SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "paced" (the default) or "on" (vLLM's own spin)
+SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "paced" (the default), "backoff" or "on" (vLLM's own spin)
 SHM_SPIN_SLEEP_ENV = "KVPUSH_SHM_SPIN_SLEEP_US"
 SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
@@ -65,9 +67,9 @@ def register() -> None:
         _pace_progress_threads(int(os.environ.get(PROGRESS_DELAY_ENV, "1000")))
     elif switch != "on":
         raise ValueError(f"{PROGRESS_THREAD_ENV}={switch!r}: use 'on' or 'paced'")
-    pause_s = shm_spin_pause(os.environ)
-    if pause_s is not None:
-        patch_on_import(SHM_BROADCAST_MODULE, lambda module: _pace_shm_spin(module, pause_s))
+    pause = shm_spin_pause(os.environ)
+    if pause is not None:
+        patch_on_import(SHM_BROADCAST_MODULE, lambda module: _pace_shm_spin(module, pause))
     if os.environ.get(TARGET_ENV):
         patch_on_import(NIXL_WORKER_MODULE, _keep_the_builders_cores)
 
@@ -93,15 +95,18 @@ def _keep_the_builders_cores(module) -> None:
         worker.__init__ = keeping_thread_cores(worker.__init__)
 
 
-def shm_spin_pause(environ) -> float | None:
-    """The pause, in seconds, between the shared-memory queue's polls that ``environ`` asks
-    for (``KVPUSH_SHM_SPIN``, ``KVPUSH_SHM_SPIN_SLEEP_US``); None: vLLM's own spin."""
+def shm_spin_pause(environ) -> Callable[[], None] | None:
+    """What the shared-memory queue's waiting readers call between polls, as ``environ`` asks
+    (``KVPUSH_SHM_SPIN``: ``paced``, ``backoff`` or ``on``; ``KVPUSH_SHM_SPIN_SLEEP_US``, the
+    paced sleep and the backoff's longest); None: vLLM's own ``sched_yield``."""
     spin = environ.get(SHM_SPIN_ENV, "paced")
     if spin == "on":
         return None
-    if spin != "paced":
-        raise ValueError(f"{SHM_SPIN_ENV}={spin!r}: use 'paced' or 'on'")
-    return int(environ.get(SHM_SPIN_SLEEP_ENV, "100")) / 1e6
+    if spin == "paced":
+        return paced_yield(int(environ.get(SHM_SPIN_SLEEP_ENV, "100")) / 1e6)
+    if spin == "backoff":
+        return backoff_yield(Backoff(longest_sleep_s=int(environ.get(SHM_SPIN_SLEEP_ENV, "1000")) / 1e6))
+    raise ValueError(f"{SHM_SPIN_ENV}={spin!r}: use 'paced', 'backoff' or 'on'")
 
 
 def paced_yield(sleep_s: float) -> Callable[[], None]:
@@ -110,17 +115,58 @@ def paced_yield(sleep_s: float) -> Callable[[], None]:
     def pause() -> None:
         time.sleep(sleep_s)
 
-    pause.kvpush_paced = True
+    pause.kvpush_paced, pause.sleep_s = True, sleep_s
     return pause
 
 
-def _pace_shm_spin(module, sleep_s: float) -> None:
+@dataclass
+class Backoff:
+    """How one thread waits between polls: vLLM's ``sched_yield`` for the first ``spin_s``
+    of a wait (a step's answer usually comes by then, and the core is handed over, not
+    taken), then sleeps that double from ``first_sleep_s`` up to ``longest_sleep_s``, so a
+    long wait (a decode waiting for KV) wakes ~1/``longest_sleep_s`` times a second instead
+    of 10,000. A call more than ``new_wait_after_s`` after the previous one ended begins a
+    new wait (between two polls of one wait the thread does microseconds of work)."""
+
+    spin_s: float = 1e-3
+    first_sleep_s: float = 50e-6
+    longest_sleep_s: float = 1e-3
+    new_wait_after_s: float = 1e-3
+
+    def next_pause(self, now: float, state: dict) -> float:
+        """Seconds to sleep now (0: yield instead), for a thread whose ``state`` this keeps."""
+        if now - state.get("ended", float("-inf")) > self.new_wait_after_s:
+            state["began"], state["sleep"] = now, self.first_sleep_s
+        if now - state["began"] < self.spin_s:
+            return 0.0
+        pause, state["sleep"] = state["sleep"], min(state["sleep"] * 2, self.longest_sleep_s)
+        return pause
+
+
+def backoff_yield(backoff: Backoff) -> Callable[[], None]:
+    """A stand-in for ``sched_yield`` that waits as ``backoff`` says, each thread on its own."""
+    local = threading.local()
+
+    def pause() -> None:
+        state = local.__dict__
+        seconds = backoff.next_pause(time.monotonic(), state)
+        if seconds:
+            time.sleep(seconds)
+        else:
+            os.sched_yield()
+        state["ended"] = time.monotonic()
+
+    pause.kvpush_paced, pause.backoff = True, backoff
+    return pause
+
+
+def _pace_shm_spin(module, pause: Callable[[], None]) -> None:
     """Make the shared-memory queue's spins (readers waiting for a step's input or output,
-    writers for a free slot) sleep ``sleep_s`` between polls. The module imported
+    writers for a free slot) call ``pause`` between polls. The module imported
     ``sched_yield`` by name, so its own global is the one replaced; queues that already
     exist read it at each call."""
     if not getattr(module.sched_yield, "kvpush_paced", False):
-        module.sched_yield = paced_yield(sleep_s)
+        module.sched_yield = pause
 
 
 def patch_on_import(name: str, patch: Callable) -> None:
