@@ -64,7 +64,7 @@ class SchedulerProcess:
     def __init__(self, server, name: str, model_dir: str, hold_file: Path, point: str | None):
         self.server, self.name, self.hold_file = server, name, hold_file
         hold_file.write_text(point or "")
-        env = {**os.environ, "KVPUSH_HOLD_FILE": str(hold_file), "KVPUSH_LOG_LEVEL": "WARNING",
+        env = {**os.environ, "KVPUSH_HOLD_FILE": str(hold_file), "KVPUSH_LOG_LEVEL": "INFO",  # its failure shows how far it got
                "KVPUSH_TRACE_DIR": str(hold_file.parent / "traces")}
         if server.deployed:
             env |= {"KVPUSH_NATS_USER": name, "KVPUSH_NATS_PASSWORD": server._passwords[name]}
@@ -118,9 +118,12 @@ async def test_a_request_survives_the_kill_of_the_scheduler_that_took_it(
     try:
         # A bound on a hang, not a speed: a CI run's lane (a compose stack) starved this host
         # enough that the process took over 60 s to start, and the test's own loop stalled 24 s.
-        await until(lambda: victim.process.poll() is not None
-                    or victim.name in survivor.admission.live_schedulers(time.monotonic()), timeout=STARTING_S,
-                    what="the victim scheduler heartbeating")
+        try:
+            await until(lambda: victim.process.poll() is not None
+                        or victim.name in survivor.admission.live_schedulers(time.monotonic()), timeout=STARTING_S,
+                        what="the victim scheduler heartbeating")
+        except AssertionError as unseen:
+            raise AssertionError(f"{unseen}; the victim's log:\n{victim.output()}") from None
         assert victim.process.poll() is None, f"the victim scheduler exited: {victim.output()}"
         await workers_seen(client, prefill, decode)
         # The client: plain nats-py, one publish, then only its reply subject. It never asks again.
