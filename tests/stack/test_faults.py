@@ -78,14 +78,21 @@ async def test_a_cancel_ends_the_request_at_every_stage_and_frees_both_engines_b
         for done in await asyncio.gather(*busy):
             assert_served(done, reference[LONG])
 
-        # registered at decode, waiting for the KV that prefill is computing
+        # registered at decode, waiting for the KV that prefill computed: held there (at
+        # producer.ready, before prefill offers it), not raced. Raced, a prompt prefill had
+        # cached went through in 0.16 s and its final beat the cancel (a CI run).
         waiting = {**body(LONG), "request_id": f"waiting-{uuid.uuid4().hex[:6]}"}
 
-        async def registered():
+        async def registered_and_held():
             await wait_until(lambda: any(getattr(r, "request_id", "") == waiting["request_id"] for r in registrations),
                              30, "the registration")
+            await rig.wait_held("producer.ready", 60)
 
-        outcome = await _cancel_when(rig, waiting, registered)
+        rig.hold("producer.ready")
+        try:
+            outcome = await _cancel_when(rig, waiting, registered_and_held)
+        finally:
+            rig.release()
         assert outcome.code == "cancelled"
 
         # streaming tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
+from tests import early
 from tests.early import EarlyRun, EarlyRuns
 
 
@@ -50,3 +51,10 @@ def test_a_run_nothing_queued_is_made_and_run_when_asked(tmp_path):
     lane = EarlyRuns()
     run = lane.result("late", lambda: _printing(tmp_path, "late", f"import os; print({os.getpid()})"))
     assert run.returncode == 0 and run.output().strip() == str(os.getpid())
+
+
+def test_the_lanes_bench_paces_the_nixl_progress_threads_of_vllms_own_pairs():
+    """Beside the tests, vLLM's NIXL agents must not spin a core each (they took both of CI's)."""
+    run = early.bench("/no/model")
+    assert run.env["KVPUSH_NIXL_PROGRESS_THREAD"] == "paced"
+    assert any(system.startswith("vllm-nixl") for system in early.BENCH_VARIANTS)
