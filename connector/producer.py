@@ -148,6 +148,7 @@ class Producer:
         self._this_step = []
         if not self.push_by_layer or self.transfer is None or not self.transfer.layout.layers:
             return
+        chaos.point("producer.first_layer")  # a test holds a layer-wise forward here, prompts matched after it
         if not self._layer_of:
             self._layer_of = {name: i for i, (name, _, _) in enumerate(self.transfer.layout.layers)}
         for ready in meta.ready_prefills:
