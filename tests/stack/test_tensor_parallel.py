@@ -16,6 +16,10 @@ and they go on when let go. Prefix caching is off, so every request's whole prom
   every engine's blocks come back.
 - One decode rank's landed bytes flipped (``kv.flip.1``): its checksum fails the load;
   nothing wrong is served, in push and pull.
+- A transfer moved before its write: decode-0 (TP 2) stalls after registering, and prefill-0's
+  two ranks write into decode-1 (TP 1) instead; decode-0's ranks free their blocks after.
+- Layer-wise push from the TP-2 prefill (started again with ``--push-by-layer on``) to the
+  TP-2 and the TP-1 decode: one WRITE a layer per pair of ranks, every rank verified.
 - One decode rank's process killed mid-stream (kill -9 of ``VLLM::Worker_TP1``): vLLM stops
   the engine, the worker exits without a word (services/worker/service.py), and the
   schedulers continue the stream on the other decode; the client gets one whole stream.
@@ -25,8 +29,11 @@ and they go on when let go. Prefix caching is off, so every request's whole prom
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
+from collections import Counter
+from pathlib import Path
 
 import psutil
 import pytest
@@ -194,6 +201,109 @@ async def test_one_decode_ranks_flipped_byte_fails_the_load_and_nothing_wrong_is
         assert path.recomputed_tokens == path.prompt_tokens
     assert failed.code == "kv_transfer_failed" and failed.tokens == [], failed.final
     await rig.assert_blocks_back(workers=set(PAIRS["P2-D2"]))
+
+
+async def test_a_transfer_moves_before_its_write_from_the_tp_2_decode_to_the_tp_1_decode(rig, router, reference):
+    """Prefill-0's two ranks hold the prompt's KV before writing it (``producer.ready``);
+    decode-0 (TP 2), which registered, stalls: the scheduler moves the transfer to decode-1
+    (TP 1), each prefill rank writes its heads into decode-1's one rank, the tokens are a
+    single engine's, and decode-0's ranks give back their blocks once it runs again."""
+    await router.only(*PAIRS["P2-D2"])
+    registrations, reg_sub = await rig.observe("prefill", wire.KV_CONTROL.partly(engine_id="prefill-0"),
+                                               wire.KvControl)
+    events, event_sub = await rig.observe("scheduler", wire.COMPLETION_SUBJECTS, wire.Completion)
+    request = body(4, "push")
+
+    def registered(by: str) -> list[wire.Registration]:
+        return [r for r in registrations if isinstance(r, wire.Registration)
+                and r.request_id == request["request_id"] and r.decode_engine_id == by]
+
+    rig.hold("producer.ready")
+    try:
+        served = asyncio.create_task(rig.request(request))
+        first = (await wait_until(lambda: registered("decode-0"), 60, "decode-0's registration"))[0]
+        await rig.wait_held("producer.ready", 60)
+        rig.pause("decode-0")
+        rig.resume("decode-1")
+        router.stopped = {"prefill-1", "decode-0"}
+        moved = await wait_until(lambda: [e for e in events if isinstance(e, wire.TransferMoved)
+                                          and e.transfer_id == first.transfer_id], 30, "the move's answer")
+        assert moved[0].moved and moved[0].decode_engine_id == "decode-1"
+        second = (await wait_until(lambda: registered("decode-1"), 30, "decode-1's registration"))[0]
+        assert second.transfer_id == first.transfer_id and second.decode_tp_size == 1
+        rig.release()
+        outcome = await served
+    finally:
+        rig.release()
+        await reg_sub.unsubscribe()
+        await event_sub.unsubscribe()
+    assert outcome.tokens == reference[4], outcome.final
+    path = outcome.final.path
+    assert (path.mode, path.attempt, path.moves, path.prefill_worker, path.decode_worker) == (
+        "push", 1, 1, "prefill-0", "decode-1"), path
+    assert (path.received_tokens, path.kv_checksum) == (path.prompt_tokens, "verified"), path
+    done = [e for e in events if isinstance(e, wire.TransferDone) and e.transfer_id == first.transfer_id]
+    assert {e.decode_engine_id for e in done} == {"decode-1"}  # written once, into the new decode only
+    await rig.assert_blocks_back(workers={"prefill-0", "decode-1"})
+    await router.only(*PAIRS["P2-D2"])  # decode-0 runs again and hears its registration is gone
+    await rig.assert_blocks_back(workers={"decode-0"})
+
+
+async def write_spans(otlp, request_id: str, expected: int) -> Counter:
+    """How many kv.write spans each (rank, peer rank) has in the request's trace, once
+    ``expected`` came."""
+    def writes(spans: list[dict]) -> list[dict] | None:
+        found = [s for s in view.find_trace(spans, request_id) or [] if s["name"] == A.KV_WRITE]
+        return found if len(found) >= expected else None
+
+    return Counter(_ranks(s) for s in await asyncio.to_thread(otlp.wait_for, writes, 20) or [])
+
+
+async def test_layer_wise_push_from_a_tp_2_prefill_writes_each_ranks_layers_to_either_decode(rig, router, otlp,
+                                                                                           reference):
+    """prefill-0 again with ``--push-by-layer on``: each of its ranks WRITEs its heads one
+    layer at a time as the forward finishes them, into decode-0's two ranks and into
+    decode-1's one; every rank's KV is verified and the tokens are a single engine's."""
+    layers = json.loads((Path(rig.model) / "config.json").read_text())["num_hidden_layers"]
+    rig.stack.extra_env["KVPUSH_PUSH_BY_LAYER"] = "on"
+    try:
+        old = rig.live_incarnations("prefill")
+        rig.replace("prefill", rig.kill_worker("prefill-0"))
+        await rig.wait_for_new_worker("prefill", old)
+    finally:
+        del rig.stack.extra_env["KVPUSH_PUSH_BY_LAYER"]  # a later start of any worker: whole prompts
+    for pair in ("P2-D2", "P2-D1"):
+        await router.only(*PAIRS[pair])
+        sent = [(body(i, "push"), reference[i]) for i in CORRECT]
+        outcomes = await _behind_a_held_forward(rig, [b for b, _ in sent])
+        for (request, want), outcome in zip(sent, outcomes):
+            assert outcome.tokens == want, (pair, outcome.final)
+            assert_received_whole(outcome, "push", PAIRS[pair])
+            assert outcome.final.path.kv_checksum == "verified", outcome.final.path
+            writes = await write_spans(otlp, request["request_id"], layers * len(RANK_PAIRS[pair]))
+            assert writes == {ranks: layers for ranks in RANK_PAIRS[pair]}, writes  # a WRITE a layer, per pair of ranks
+        await rig.assert_blocks_back(workers=set(PAIRS[pair]))
+
+
+async def _behind_a_held_forward(rig: FaultRig, bodies: list[dict]) -> list[Outcome]:
+    """Send ``bodies`` while prefill's forward of another prompt is held at its first layer,
+    and let it go once decode registered every one of them: they are computed in a later
+    step, with their registrations there (a prompt whose registration comes after its
+    forward began is written whole, after it)."""
+    registrations, sub = await rig.observe("prefill", wire.KV_CONTROL.partly(engine_id="prefill-0"), wire.KvControl)
+    rig.hold("producer.first_layer")
+    try:
+        blocker = asyncio.create_task(rig.request(body(4, "push")))
+        await rig.wait_held("producer.first_layer", 120)
+        tasks = [asyncio.create_task(rig.request(b)) for b in bodies]
+        wanted = {b["request_id"] for b in bodies}
+        await wait_until(lambda: wanted <= {getattr(r, "request_id", "") for r in registrations}, 60,
+                         "decode's registrations")
+    finally:
+        rig.release()
+        await sub.unsubscribe()
+    assert isinstance((await blocker).final, wire.FinalReply)
+    return await asyncio.gather(*tasks)
 
 
 def engine_processes(rig: FaultRig, worker: str) -> list[psutil.Process]:
