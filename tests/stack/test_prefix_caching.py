@@ -4,7 +4,7 @@ equals the single-instance reference (prefix caching on there too), and no block
 
 One rig (tools/reliability/fault_rig.py), cases in order: what each engine has cached is
 set up by the cases before it. A local request (computed by decode alone) warms decode
-only; restarting decode leaves a prefix cached on prefill only.
+only; restarting decode leaves a prefix cached on prefill only. Decode runs at TP 2, prefill at TP 1.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ BLOCK = prompts.BLOCK_SIZE
 
 @pytest.fixture(scope="module")
 async def rig(model_dir, tmp_path_factory):
-    async with running_rig(tmp_path_factory.mktemp("prefix"), model_dir, prompts.MAX_MODEL_LEN) as rig:
+    """Decode at TP 2 (issue 44), prefill at TP 1: decode's two ranks each hold half the KV
+    heads of every cached block, lend them as two ranks (prefill READs its one rank's heads
+    from both) and receive their halves of the pushed and pulled blocks. The same at TP 1
+    on both sides, one rank lending: tests/nats/test_prefix_fetch.py, and the lane's
+    bench-multiturn with --fetch on."""
+    async with running_rig(tmp_path_factory.mktemp("prefix"), model_dir, prompts.MAX_MODEL_LEN,
+                           worker_tp={"decode-0": 2}) as rig:
         registrations, sub = await rig.observe("prefill", wire.KV_CONTROL.partly(engine_id="prefill-0"),
                                                wire.KvControl)
         rig.registrations = registrations

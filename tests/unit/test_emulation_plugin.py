@@ -116,6 +116,8 @@ def test_the_spin_is_paced_by_default_for_100_us_and_the_switch_takes_paced_back
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff"}).backoff.longest_sleep_s == pytest.approx(1e-3)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff", "KVPUSH_SHM_SPIN_SLEEP_US": "2000"}).backoff.longest_sleep_s \
         == pytest.approx(2e-3)
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff", "KVPUSH_SHM_SPIN_YIELD_US": "20000"}).backoff.spin_s \
+        == pytest.approx(20e-3)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "on", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}) is None
     with pytest.raises(ValueError, match="'paced', 'backoff' or 'on'"):
         plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "off"})

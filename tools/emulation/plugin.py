@@ -54,6 +54,7 @@ NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_wor
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
 SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "paced" (the default), "backoff" or "on" (vLLM's own spin)
 SHM_SPIN_SLEEP_ENV = "KVPUSH_SHM_SPIN_SLEEP_US"
+SHM_SPIN_YIELD_ENV = "KVPUSH_SHM_SPIN_YIELD_US"  # backoff: how long a wait yields before it sleeps
 SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
@@ -98,14 +99,16 @@ def _keep_the_builders_cores(module) -> None:
 def shm_spin_pause(environ) -> Callable[[], None] | None:
     """What the shared-memory queue's waiting readers call between polls, as ``environ`` asks
     (``KVPUSH_SHM_SPIN``: ``paced``, ``backoff`` or ``on``; ``KVPUSH_SHM_SPIN_SLEEP_US``, the
-    paced sleep and the backoff's longest); None: vLLM's own ``sched_yield``."""
+    paced sleep and the backoff's longest; ``KVPUSH_SHM_SPIN_YIELD_US``, how long a backoff
+    yields first); None: vLLM's own ``sched_yield``."""
     spin = environ.get(SHM_SPIN_ENV, "paced")
     if spin == "on":
         return None
     if spin == "paced":
         return paced_yield(int(environ.get(SHM_SPIN_SLEEP_ENV, "100")) / 1e6)
     if spin == "backoff":
-        return backoff_yield(Backoff(longest_sleep_s=int(environ.get(SHM_SPIN_SLEEP_ENV, "1000")) / 1e6))
+        return backoff_yield(Backoff(spin_s=int(environ.get(SHM_SPIN_YIELD_ENV, "1000")) / 1e6,
+                                     longest_sleep_s=int(environ.get(SHM_SPIN_SLEEP_ENV, "1000")) / 1e6))
     raise ValueError(f"{SHM_SPIN_ENV}={spin!r}: use 'paced', 'backoff' or 'on'")
 
 
