@@ -110,8 +110,10 @@ def test_the_queue_s_spin_is_paced_once_its_module_is_imported(tmp_path, monkeyp
         sys.modules.pop("kvpush_probe_queue", None)
 
 
-def test_the_spin_is_paced_by_default_for_100_us_and_the_switch_takes_paced_backoff_or_on_only():
-    assert plugin.shm_spin_pause({}).sleep_s == pytest.approx(100e-6)
+def test_the_spin_backs_off_by_default_and_the_switch_takes_paced_backoff_or_on_only():
+    default = plugin.shm_spin_pause({}).backoff
+    assert (default.spin_s, default.first_sleep_s, default.longest_sleep_s) == pytest.approx((1e-3, 50e-6, 1e-3))
+    assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "paced"}).sleep_s == pytest.approx(100e-6)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "paced", "KVPUSH_SHM_SPIN_SLEEP_US": "500"}).sleep_s == pytest.approx(500e-6)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff"}).backoff.longest_sleep_s == pytest.approx(1e-3)
     assert plugin.shm_spin_pause({"KVPUSH_SHM_SPIN": "backoff", "KVPUSH_SHM_SPIN_SLEEP_US": "2000"}).backoff.longest_sleep_s \

@@ -24,9 +24,17 @@ At tensor parallelism above 1, vLLM's multiprocess executor passes every step th
 shared-memory queues whose readers busy-poll for a second after each read
 (``shm_broadcast.SpinCondition``), yielding the core between polls (``sched_yield``). While a
 step waits in a worker (kvpush's connector waiting for KV), the engine core's reader spins a
-whole core: ~0.9 CPU-s/s, measured. With ``KVPUSH_SHM_SPIN=paced`` (the default) each of those
-yields is a sleep of ``KVPUSH_SHM_SPIN_SLEEP_US`` (default 100) instead: ~0.15 CPU-s/s in the
-same wait, the same tokens, 256 tokens in 1.19 s instead of 1.09 s on the tiny model (docs/tensor-parallel.md).
+whole core: ~1.0 CPU-s/s, measured. ``KVPUSH_SHM_SPIN`` chooses what a reader does between polls:
+
+- ``backoff`` (the default): ``sched_yield`` for the first ``KVPUSH_SHM_SPIN_YIELD_US`` (1000)
+  of a wait, then sleeps doubling from 50 µs to ``KVPUSH_SHM_SPIN_SLEEP_US`` (1000);
+- ``paced``: a sleep of ``KVPUSH_SHM_SPIN_SLEEP_US`` (100) every time;
+- ``on``: vLLM's own ``sched_yield``.
+
+At TP 2 on both sides, kv-heavy 1k prompts at 0.5 req/s, 16 requests, one run each on the
+2-core Xeon (docs/benchmarks.md): TTFT p50 push/pull 467/471 ms backoff, 518/573 paced,
+470/436 on; TPOT p50 19/17, 22/23, 14/15 ms; a decode engine waiting for KV 0.10, 0.21 and
+1.02 CPU-s/s. A 20 ms yield window was worse on every count (568/545 ms, 22/19 ms, 0.22).
 The readers still poll the shared memory in that second: only the pause between polls
 changes. ``on`` keeps vLLM's own spin. Setting the queue's ``busy_loop_s`` to 0 instead (every
 wait on the notification socket) hung TP-2 engines at their first step, 3 of 3 times: not
@@ -52,7 +60,7 @@ MODULE = "kvpush.tools.emulation.timed_model"
 TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # the emulated deployment, set in every emulated engine
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
-SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "paced" (the default), "backoff" or "on" (vLLM's own spin)
+SHM_SPIN_ENV = "KVPUSH_SHM_SPIN"  # "backoff" (the default), "paced" or "on" (vLLM's own spin)
 SHM_SPIN_SLEEP_ENV = "KVPUSH_SHM_SPIN_SLEEP_US"
 SHM_SPIN_YIELD_ENV = "KVPUSH_SHM_SPIN_YIELD_US"  # backoff: how long a wait yields before it sleeps
 SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
@@ -101,7 +109,7 @@ def shm_spin_pause(environ) -> Callable[[], None] | None:
     (``KVPUSH_SHM_SPIN``: ``paced``, ``backoff`` or ``on``; ``KVPUSH_SHM_SPIN_SLEEP_US``, the
     paced sleep and the backoff's longest; ``KVPUSH_SHM_SPIN_YIELD_US``, how long a backoff
     yields first); None: vLLM's own ``sched_yield``."""
-    spin = environ.get(SHM_SPIN_ENV, "paced")
+    spin = environ.get(SHM_SPIN_ENV, "backoff")
     if spin == "on":
         return None
     if spin == "paced":
