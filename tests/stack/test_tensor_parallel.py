@@ -121,6 +121,10 @@ def assert_received_whole(outcome: Outcome, mode: str, pair: tuple[str, str]) ->
     assert (path.mode, path.prefill_worker, path.decode_worker, path.attempt) == (mode, *pair, 1), path
     assert (path.received_tokens, path.decode_computed_tokens, path.kv_failure) == (path.prompt_tokens, 0, ""), path
     assert path.received_bytes > 0, path
+    if TP[pair[1]] > 1:  # each decode rank says what landed in its blocks (kvpush explain prints it)
+        assert [part.rank for part in path.received_by_rank] == list(range(TP[pair[1]])), path
+        assert all(part.blocks == path.received_blocks for part in path.received_by_rank), path
+        assert sum(part.bytes for part in path.received_by_rank) == path.received_bytes, path
 
 
 def _ranks(span: dict) -> tuple[int, int]:
