@@ -93,9 +93,20 @@ ATTRIBUTES: dict[str, str] = {
 
 
 def path_attributes(path) -> dict:
-    """A ``wire.PathReport`` as span attributes (its unknown counts left out)."""
-    return {f"{PATH_PREFIX}{name}": value for name, value in msgspec.structs.asdict(path).items()
-            if value is not None}
+    """A ``wire.PathReport`` as span attributes (its unknown counts left out). A list of
+    structs (``received_by_rank``) becomes one list attribute per field of theirs
+    (``kvpush.path.received_by_rank.bytes``: every rank's, in order): OpenTelemetry takes
+    scalars and lists of scalars only, and drops anything else with a warning."""
+    attributes = {}
+    for name, value in msgspec.structs.asdict(path).items():
+        if value is None:
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], msgspec.Struct):
+            for field in value[0].__struct_fields__:
+                attributes[f"{PATH_PREFIX}{name}.{field}"] = [getattr(item, field) for item in value]
+        else:
+            attributes[f"{PATH_PREFIX}{name}"] = value
+    return attributes
 
 # ----------------------------------------------------------------------------- business spans
 SCHEDULER_QUEUE = "scheduler.queue"  # request received -> the scheduler starts on it

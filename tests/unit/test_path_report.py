@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvpush.otel.attributes import path_attributes
 from kvpush.services.cli.requests import describe_path
 from kvpush.services.gateway import requests, responses
 from kvpush.services.scheduler import dispatch
@@ -154,3 +155,23 @@ def test_the_gateway_shows_the_report_in_the_body_and_a_header():
     header.encode("latin-1")  # a header value
     with pytest.raises(Exception, match="kv_policy"):
         requests.parse("completion", {"prompt": "x", "kv_policy": "retry"}, "m")
+
+
+def test_a_path_report_becomes_span_attributes_opentelemetry_takes_each_rank_a_list_entry():
+    """OpenTelemetry takes scalars and lists of scalars; a RankKv in a list it dropped with a
+    warning (seen in the demo's log once ranks reported)."""
+    path = wire.PathReport(mode="push", chosen_by="auto", reason="asked", prefill_worker="prefill-0",
+                           decode_worker="decode-0", attempt=1, moves=0, takeovers=0, kv_policy="recompute",
+                           prompt_tokens=100, prefill_computed_tokens=100, received_tokens=100, received_blocks=7,
+                           received_bytes=300, decode_cached_tokens=0, decode_computed_tokens=0, recomputed_tokens=0,
+                           resumed_after=[4],
+                           received_by_rank=[wire.RankKv(rank=0, blocks=7, bytes=100),
+                                             wire.RankKv(rank=1, blocks=7, bytes=200)])
+    attributes = path_attributes(path)
+    scalar = (bool, str, int, float)
+    for name, value in attributes.items():
+        assert isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(v, scalar) for v in value)), \
+            (name, value)
+    assert attributes["kvpush.path.received_by_rank.rank"] == [0, 1]
+    assert attributes["kvpush.path.received_by_rank.bytes"] == [100, 200]
+    assert attributes["kvpush.path.mode"] == "push" and attributes["kvpush.path.resumed_after"] == [4]
