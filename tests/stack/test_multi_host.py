@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from openai import AsyncOpenAI
 
 from kvpush.shared import wire
 from tests import prompts
+from kvpush.tools.hosts.network import Network, run
 from kvpush.tools.hosts.rig import PLACEMENT, running_multi_host_rig
 from kvpush.tools.reliability.fault_rig import DEADLINE_S, wait_until
 
@@ -30,6 +32,23 @@ STREAM = len(prompts.CORRECTNESS) + 3  # prompts.STREAM_PROMPT in the reference
 async def rig(model_dir, tmp_path_factory):
     async with running_multi_host_rig(tmp_path_factory.mktemp("multi-host"), model_dir, prompts.MAX_MODEL_LEN) as rig:
         yield rig
+
+
+def test_a_run_that_was_killed_leaves_nothing_the_next_run_trips_on():
+    """A run killed mid-test never deletes its namespaces, and its operator link keeps
+    198.18.0.254/24 in the root namespace: the kernel routed the next run's monitor probes
+    through that dead switch, and CI's multi-host rig saw "connection refused" for 60 s."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process id that no longer runs: the killed run's
+    killed = Network(tag=f"kvp{gone.pid}").start()
+    try:
+        killed.add_host("h1", 1)  # and never stopped
+        with Network() as net:
+            net.add_host("h1", 1)
+            assert not [ns for ns in run("ip", "netns", "list").split() if ns.startswith(f"kvp{gone.pid}-")]
+            assert f"dev {net.tag}op " in run("ip", "route", "get", "198.18.0.1")
+    finally:
+        killed.stop()  # where the sweep did its work, nothing is left: said without error
 
 
 def kv_bytes_per_token(model_dir: str) -> int:

@@ -123,12 +123,54 @@ class Host:
             "pfifo", "limit", str(limit))
 
 
+TAG_PREFIX = "kvp"  # a run's namespaces are kvp<pid>-<name>, its root-namespace link kvp<pid>op
+
+
+def leftover_tags(namespaces: list[str], alive) -> set[str]:
+    """The tags among ``namespaces`` whose process is gone (``alive(pid)`` says false): what a
+    killed run left behind. Its operator link still holds 198.18.0.254/24 in the root namespace,
+    and the kernel routes the subnet through the first such link, so a later run's monitor
+    probes would reach a dead switch (seen in CI: "does not answer its monitor port")."""
+    tags = set()
+    for namespace in namespaces:
+        tag, _, rest = namespace.partition("-")
+        digits = tag[len(TAG_PREFIX):]
+        if tag.startswith(TAG_PREFIX) and rest and digits.isdigit() and not alive(int(digits)):
+            tags.add(tag)
+    return tags
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> set[str]:
+    """Delete what runs that were killed left (their namespaces and operator links); returns their tags."""
+    names = [line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip()]
+    tags = leftover_tags(names, process_alive)
+    for namespace in names:
+        if namespace.partition("-")[0] in tags:
+            for pid in run("ip", "netns", "pids", namespace, check=False).split():
+                run("kill", "-9", pid, check=False)  # a nats-server or engine the killed run left
+            run("ip", "netns", "delete", namespace, check=False)
+    for tag in tags:
+        run("ip", "link", "delete", f"{tag}op", check=False)
+    return tags
+
+
 class Network:
     """``with Network() as net: h1 = net.add_host("h1", 1)``; the names carry this process's
-    id, so two runs on one machine do not meet."""
+    id, so two runs on one machine do not meet, and a run that was killed is cleared away by
+    the next one (``remove_leftovers``)."""
 
     def __init__(self, tag: str | None = None):
-        self.tag = tag or f"kvp{os.getpid() % 100_000}"
+        self.tag = tag or f"{TAG_PREFIX}{os.getpid()}"
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
         self._namespaces: list[str] = []
@@ -138,6 +180,7 @@ class Network:
             raise NetworkError("the multi-host rig makes network namespaces: run it as root (CI does)")
         if shutil.which("ip") is None or shutil.which("tc") is None:
             raise NetworkError("the multi-host rig needs iproute2's `ip` and `tc` (apt-get install iproute2)")
+        remove_leftovers()
         try:
             self._add_namespace(self.switch)
             run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
