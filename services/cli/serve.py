@@ -18,7 +18,8 @@ from kvpush.services.gateway.service import Gateway
 from kvpush.services.launch.stack import Stack
 from kvpush.services.scheduler.service import Scheduler
 from kvpush.services.scheduler.validation import load_validator
-from kvpush.services.worker.engine_settings import layer_wise
+from kvpush.services.worker.engine import on_cpu
+from kvpush.services.worker.engine_settings import block_size_problem, layer_wise
 from kvpush.services.worker.service import Worker, worker_id_for
 from kvpush.shared import wire
 from kvpush.shared.nats_security import nats_user
@@ -92,13 +93,16 @@ def cmd_worker(args) -> int:
         faults = FaultSettings(lease_s=args.lease_s, kv_wait_s=args.kv_wait_s, quarantine_s=args.quarantine_s,
                                on_kv_failure=args.on_kv_failure)
         worker_id = worker_id_for(args.role, args.worker_id, nats_user())
+        if problem := block_size_problem(args.block_size or None, on_cpu()):
+            raise ValueError(problem)
     except ValueError as exc:
         say(f"refusing to start: {exc}")
         return 2
     return _run_service(f"kvpush-{args.role}", args.log_level, lambda: Worker(
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
         faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer),
-        json_whitespace=args.json_whitespace, tensor_parallel_size=args.tensor_parallel_size),
+        json_whitespace=args.json_whitespace, tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size or None),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
@@ -115,6 +119,7 @@ def _start_stack(args, quiet: bool = False):
         prefix_caching=args.prefix_caching,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        block_size=args.block_size or None,
         extra_env=env,
         gateway_port=None if args.gateway_port < 0 else args.gateway_port,
     )

@@ -82,6 +82,10 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
     Setting("--connector", "KVPUSH_CONNECTOR", defaults.CONNECTOR,
             "KV connector of the engines: ours, or vLLM's NixlConnector (pull) or NixlPushConnector, "
             "for side-by-side comparison", str, connector_kinds.NAMES),
+    Setting("--block-size", "KVPUSH_BLOCK_SIZE", 0,
+            "tokens per KV cache block (vLLM's --block-size); 0: vLLM's default, 16 on GPUs and 128 on its CPU "
+            "platform, whose attention takes only multiples of 32. Smaller blocks: more descriptors per transfer",
+            int),
     Setting("--tensor-parallel-size", "KVPUSH_TENSOR_PARALLEL_SIZE", 1,
             "worker: the engine's tensor parallelism, one process per rank (vLLM's --tensor-parallel-size); "
             "on CPUs above 1, each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND says where "

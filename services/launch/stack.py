@@ -54,6 +54,7 @@ class Stack:
         prefill_tp: int = 1,  # each prefill worker's engine's tensor parallelism
         decode_tp: int = 1,
         worker_tp: dict[str, int] | None = None,  # per worker name (decode-1, ...), over its role's
+        block_size: int | None = None,  # every engine's tokens per KV block; None: vLLM's default
         placement: Placement = Placement.SPREAD,
     ):
         self.model = model
@@ -79,6 +80,7 @@ class Stack:
         self.nats_host = nats_host  # where its own NATS listens (a launcher's hosts must reach it)
         self.tensor_parallel = {"prefill": prefill_tp, "decode": decode_tp}
         self.worker_tp = worker_tp or {}
+        self.block_size = block_size
         self.placement = placement  # how engines above TP 1 share this machine's cores (cpu_binding)
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
@@ -125,6 +127,8 @@ class Stack:
                 "--prefix-caching", self.prefix_caching]
         if self.tp_of(role, name) != 1:
             args += ["--tensor-parallel-size", str(self.tp_of(role, name))]
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
         if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
             # Our own NATS: nobody else's workers can share these names. (With per-worker
             # NATS users the user is the id; on a shared server without, each gets a new one.)

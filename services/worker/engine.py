@@ -48,13 +48,13 @@ def engine_kwargs(engine: EngineSettings) -> dict:
 
         # vLLM takes it for one backend named, not "auto": xgrammar, auto's first choice
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
-    kwargs.update(whole_prompt_steps(engine.max_model_len, _on_cpu(), _emulated(engine.model)))
+    kwargs.update(whole_prompt_steps(engine.max_model_len, on_cpu(), _emulated(engine.model)))
     if engine.role is not None:
         kwargs.update(strategy(engine.connector).transfer_kwargs(engine))
     return kwargs
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -131,7 +131,7 @@ def rank_binding(tensor_parallel_size: int):
     environment names a binding. vLLM's own default (``auto``) refuses TP above 1 on a
     machine with one NUMA node."""
     binding = None
-    if tensor_parallel_size > 1 and _on_cpu():
+    if tensor_parallel_size > 1 and on_cpu():
         binding = default_binding(tensor_parallel_size, sorted(os.sched_getaffinity(0)), dict(os.environ))
     if binding is None:
         yield

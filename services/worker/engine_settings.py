@@ -30,6 +30,22 @@ class EngineSettings:
     kv_events_endpoint: str | None = None  # where the engine publishes its KV cache events (cache_relay)
 
 
+CPU_BLOCK_MULTIPLE = 32  # vLLM 0.32's CPU attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
+
+
+def block_size_problem(block_size: int | None, on_cpu: bool) -> str | None:
+    """Why an engine cannot start with ``block_size`` tokens per KV block (None: it can), said
+    before vLLM loads a model to find out."""
+    if block_size is None:
+        return None
+    if block_size <= 0:
+        return f"--block-size must be a positive number of tokens, not {block_size}"
+    if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
+        return (f"--block-size {block_size}: vLLM's CPU attention takes only multiples of {CPU_BLOCK_MULTIPLE} "
+                f"tokens (32 is the smallest; GPUs default to 16)")
+    return None
+
+
 def layer_wise(setting: str, on_gpu: bool | None = None) -> bool:
     """``--push-by-layer``: "on", "off", or "auto" (on for an engine on a GPU, where it
     measured better; off on CPUs). ``on_gpu``: None asks torch."""

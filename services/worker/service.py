@@ -86,6 +86,7 @@ class Worker(Service):
         push_by_layer: bool | None = None,  # None: the setting's default (``layer_wise``)
         json_whitespace: str = settings.JSON_WHITESPACE,
         tensor_parallel_size: int = 1,
+        block_size: int | None = None,  # None: vLLM's default for the platform
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -94,7 +95,8 @@ class Worker(Service):
         self.incarnation = uuid.uuid4().hex  # a restart keeps the id, not the incarnation
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size, connector=connector,
+            max_model_len=max_model_len, block_size=block_size, tensor_parallel_size=tensor_parallel_size,
+            connector=connector,
             faults=faults, incarnation=self.incarnation,
             prefix_caching=prefix_caching,
             push_by_layer=layer_wise(settings.PUSH_BY_LAYER) if push_by_layer is None else push_by_layer,

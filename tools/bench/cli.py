@@ -48,6 +48,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--prefill-tp", type=int, default=1,
                        help="tensor parallelism of every prefill engine, kvpush's and vllm serve's alike")
     bench.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of every decode engine")
+    bench.add_argument("--block-size", type=int, default=0,
+                       help="tokens per KV block of every engine, kvpush's and vllm serve's alike (0: vLLM's "
+                            "default, 128 on CPUs; its CPU attention takes multiples of 32, GPUs default to 16)")
     bench.add_argument("--range-ratio", type=float, default=0.0,
                        help="with --input-lens: prompt lengths uniform in len * [1 - r, 1 + r]")
     bench.add_argument("--burstiness", type=float, default=1.0, help="with --input-lens: 1 Poisson, lower bursts")

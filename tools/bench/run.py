@@ -37,6 +37,7 @@ from pathlib import Path
 from kvpush.otel import attributes as A
 from kvpush.otel import trace_view as view
 from kvpush.services.launch.model import PROFILES, build_model, default_model_dir
+from kvpush.services.worker.engine_settings import block_size_problem
 from kvpush.shared import settings, wire
 from kvpush.tools.bench import client, emulation, report, transfer
 from kvpush.tools.bench.results import Point
@@ -112,6 +113,7 @@ class BenchConfig:
     # so that the retry below runs on purpose (KVPUSH_BENCH_FIRST_ATTEMPT_TIMEOUT=system:seconds).
     first_attempt_timeout: tuple[str, float] | None = None
     push_by_layer: str = settings.PUSH_BY_LAYER  # kvpush's prefill workers: layer-wise push on or off
+    block_size: int | None = None  # every engine's tokens per KV block, kvpush's and vLLM's; None: vLLM's default
     at_rest_s: float = 5.0  # how long each system's CPU at rest is measured, after its start
 
     @property
@@ -224,9 +226,9 @@ class Bench:
         if system == "kvpush":
             return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
                                 engine_env={**(env or {}), "KVPUSH_PUSH_BY_LAYER": c.push_by_layer},
-                                hosts=self.engine_hosts)
+                                hosts=self.engine_hosts, block_size=c.block_size)
         return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir,
-                               engine_env=env, hosts=self.engine_hosts)
+                               engine_env=env, hosts=self.engine_hosts, block_size=c.block_size)
 
     def _forward_log(self, system: str, topology: Topology) -> Path:
         folder = emulation.log_dir_of(self.config.out, system, topology.label)
@@ -536,6 +538,9 @@ def cmd(args) -> int:
             print(f"--binding {pair!r}: give system=binding, binding one of {', '.join(BINDINGS)}", file=sys.stderr)
             return 2
         bindings[system] = binding
+    if problem := block_size_problem(args.block_size or None, on_cpu=True):  # every bench engine runs on CPUs
+        print(problem, file=sys.stderr)
+        return 2
     emulated = None
     if args.emulate:
         try:
@@ -582,7 +587,8 @@ def cmd(args) -> int:
                          try_bindings=tuple(args.try_bindings.split(",")), emulation=emulated,
                          resume=getattr(args, "resume", False), repeats=args.repeats,
                          point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout(),
-                         push_by_layer=args.push_by_layer, at_rest_s=args.at_rest_s)
+                         push_by_layer=args.push_by_layer, at_rest_s=args.at_rest_s,
+                         block_size=args.block_size or None)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()

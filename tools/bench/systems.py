@@ -105,7 +105,7 @@ class KvpushSystem:
 
     def __init__(self, model: str, max_model_len: int, topology: Topology, binding: str, log_dir: Path,
                  otlp_endpoint: str, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
-                 hosts: EngineHosts | None = None):
+                 hosts: EngineHosts | None = None, block_size: int | None = None):
         """``prefix_caching`` off by default: the published push-vs-pull shape (vLLM's too, below).
         ``engine_env``: more for every process (the emulated GPUs' settings); ``hosts``: each
         worker on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
@@ -119,7 +119,7 @@ class KvpushSystem:
                          "nats_host": hosts.root_address}
             role_env = {name: {**env, **UCX_OVER_TCP} for name, env in role_env.items()}
         self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
-                           prefill_tp=topology.prefill_tp, decode_tp=topology.decode_tp,
+                           prefill_tp=topology.prefill_tp, decode_tp=topology.decode_tp, block_size=block_size,
                            log_dir=log_dir, gateway_port=0, role_env=role_env, prefix_caching=prefix_caching,
                            extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
                                       "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
@@ -147,7 +147,7 @@ class KvpushSystem:
 class VllmServeSystem:
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
                  binding: str, log_dir: Path, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
-                 hosts: EngineHosts | None = None):
+                 hosts: EngineHosts | None = None, block_size: int | None = None):
         """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``);
         ``engine_env``: more for every engine (the emulated GPUs' settings); ``hosts``: each
         engine on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
@@ -167,6 +167,7 @@ class VllmServeSystem:
         self.log_dir = log_dir
         self.extra_env = dict(engine_env or {})
         self.hosts = hosts
+        self.block_size = block_size  # None: vLLM's default for the platform
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.proxy_port = 0
 
@@ -197,6 +198,8 @@ class VllmServeSystem:
                    "--max-model-len", str(self.max_model_len)]
         if self.topology.tp_of(role) != 1:
             command += ["--tensor-parallel-size", str(self.topology.tp_of(role))]
+        if self.block_size is not None:
+            command += ["--block-size", str(self.block_size)]
         return command
 
     def engine_env(self, engine_index: int, side_channel: int, host: str = "127.0.0.1") -> dict[str, str]:
