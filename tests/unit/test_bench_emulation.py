@@ -187,3 +187,32 @@ def test_the_seeds_claim_sets_each_push_against_nixlconnector_at_its_own_point_a
     assert rows[2] == "| 4k | 4 | kvpush-push | 0.80x | 0.80x | +0% |"  # repeat 1 against repeat 1's NixlConnector
     assert "up to 3x" in table and "about 30%" in table
     assert seed_headline([_point("kvpush-push", 4.0, 100, 4.0)]) == ""
+
+
+def test_waits_that_stand_for_device_time_scale_with_k_and_reach_every_system(tmp_path, monkeypatch):
+    """Issue 45: at k = 175, kvpush's 120 s wait for pushed KV was 0.69 s emulated, and push's
+    16k p99 was a decode that gave up. Waits that stand for device time are k times longer;
+    liveness (heartbeats, a worker or scheduler lost) stays real."""
+    from pathlib import Path
+
+    from kvpush.services.cli.main import build_parser
+    from kvpush.shared import settings
+    from kvpush.tools.bench.systems import VllmServeSystem
+
+    emulated = Emulation("qwen3-32b@p5en", dilation=50)
+    env = emulated.engine_env(tmp_path / "forwards.jsonl")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    worker = build_parser().parse_args(["worker", "--role", "decode"])
+    assert worker.kv_wait_s == 50 * settings.FAULTS.kv_wait_s
+    assert worker.lease_s == 50 * settings.FAULTS.lease_s
+    assert worker.quarantine_s == 50 * settings.FAULTS.quarantine_s  # still ≥ lease + 2 heartbeats
+    scheduler = build_parser().parse_args(["scheduler"])
+    assert (scheduler.stall_s, scheduler.deadline_s) == (50 * settings.STALL_S, 50 * settings.DEADLINE_S)
+    assert scheduler.push_within_s == 50 * settings.PUSH_WITHIN_S
+    assert scheduler.worker_timeout_s == settings.WORKER_TIMEOUT_S  # a host's heartbeat: real time
+    vllm = VllmServeSystem("vllm-nixl-push", "/models/tiny", "tiny", 512, Topology(), "auto", Path("/nonexistent"),
+                           kv_extra_config=emulated.vllm_extra_config())
+    config = json.loads(vllm.serve_command("decode", 8200, "decode-0")[10])
+    assert config["kv_connector_extra_config"] == {"kv_lease_duration": 1500, "decoder_kv_blocks_ttl": 24000}
+    assert Emulation("qwen3-32b@p5en", dilation=1).modeled_waits()["KVPUSH_KV_WAIT_S"] == "120"

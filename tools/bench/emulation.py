@@ -20,12 +20,30 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvpush.services.launch.model import PROFILES
+from kvpush.shared import settings
 from kvpush.tools.bench.systems import Topology
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds, shaped_link_rate
 
 TIME_METRICS = ("ttft", "tpot", "itl", "e2el")
 AUTO = "auto"
+
+# Waits that stand for the emulated GPU's time, so an emulated run takes them k times longer
+# in real seconds: kvpush's settings (their environment names) and vLLM's NIXL connectors'
+# (kv_connector_extra_config keys, their defaults in vLLM 0.32). Heartbeats and the liveness
+# timeouts that read them (a worker or scheduler lost) stay real: they measure the host.
+KVPUSH_MODELED_WAITS = {
+    "KVPUSH_KV_WAIT_S": settings.FAULTS.kv_wait_s,  # decode gives registered blocks up
+    "KVPUSH_LEASE_S": settings.FAULTS.lease_s,  # prefill keeps an unclaimed prompt's blocks
+    "KVPUSH_QUARANTINE_S": settings.FAULTS.quarantine_s,  # decode keeps revoked blocks (≥ lease + 2 s)
+    "KVPUSH_STALL_S": settings.STALL_S,  # a stream without a token
+    "KVPUSH_DEADLINE_S": settings.DEADLINE_S,  # a request's final
+    "KVPUSH_PUSH_WITHIN_S": settings.PUSH_WITHIN_S,  # auto: a prefill's end close enough to push
+}
+VLLM_MODELED_WAITS = {
+    "kv_lease_duration": 30,  # prefill holds blocks for a reader this long per renewal (nixl/base_scheduler.py)
+    "decoder_kv_blocks_ttl": 480,  # decode's registered blocks (and push_registration_timeout, its default)
+}
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,16 @@ class Emulation:
                 "KVPUSH_EMULATION_LOG": str(log_path),
                 # A CUDA engine's KV is in device memory, where kvpush computes no checksum
                 # (connector/checksums.py); a CPU digest of the stand-in KV is time a GPU would not spend.
-                "KVPUSH_KV_CHECKSUMS": "off"}
+                "KVPUSH_KV_CHECKSUMS": "off",
+                **self.modeled_waits()}
+
+    def modeled_waits(self) -> dict[str, str]:
+        """kvpush's waits that stand for device time, k times their defaults."""
+        return {name: f"{seconds * self.k:g}" for name, seconds in KVPUSH_MODELED_WAITS.items()}
+
+    def vllm_extra_config(self) -> dict[str, int]:
+        """vLLM's NIXL connectors' waits, k times their defaults (whole seconds, as vLLM reads them)."""
+        return {key: math.ceil(seconds * self.k) for key, seconds in VLLM_MODELED_WAITS.items()}
 
     def client_rate(self, rate: float) -> float:
         return rate / self.k

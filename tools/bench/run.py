@@ -228,7 +228,8 @@ class Bench:
                                 engine_env={**(env or {}), "KVPUSH_PUSH_BY_LAYER": c.push_by_layer},
                                 hosts=self.engine_hosts, block_size=c.block_size)
         return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir,
-                               engine_env=env, hosts=self.engine_hosts, block_size=c.block_size)
+                               engine_env=env, hosts=self.engine_hosts, block_size=c.block_size,
+                               kv_extra_config=self.emulation.vllm_extra_config() if self.emulation else None)
 
     def _forward_log(self, system: str, topology: Topology) -> Path:
         folder = emulation.log_dir_of(self.config.out, system, topology.label)

@@ -147,7 +147,8 @@ class KvpushSystem:
 class VllmServeSystem:
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
                  binding: str, log_dir: Path, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
-                 hosts: EngineHosts | None = None, block_size: int | None = None):
+                 hosts: EngineHosts | None = None, block_size: int | None = None,
+                 kv_extra_config: dict | None = None):
         """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``);
         ``engine_env``: more for every engine (the emulated GPUs' settings); ``hosts``: each
         engine on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
@@ -168,6 +169,7 @@ class VllmServeSystem:
         self.extra_env = dict(engine_env or {})
         self.hosts = hosts
         self.block_size = block_size  # None: vLLM's default for the platform
+        self.kv_extra_config = kv_extra_config or {}  # the connector's kv_connector_extra_config (emulated waits)
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.proxy_port = 0
 
@@ -191,6 +193,8 @@ class VllmServeSystem:
     def serve_command(self, role: str, port: int, engine_id: str, host: str = "127.0.0.1") -> list[str]:
         config = {"kv_connector": self.connector, "kv_role": self.kv_role(role),
                   "kv_buffer_device": "cpu", "engine_id": engine_id}
+        if self.kv_extra_config:
+            config["kv_connector_extra_config"] = self.kv_extra_config
         command = ["kvpush.tools.bench.vllm_cli", "serve", self.model, "--host", host, "--port", str(port),
                    "--served-model-name", self.served_model_name, "--kv-transfer-config", json.dumps(config),
                    "--enforce-eager", "--enable-prefix-caching" if self.prefix_caching == "on" else "--no-enable-prefix-caching",
