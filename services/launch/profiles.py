@@ -30,10 +30,12 @@ class ModelProfile:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
-def _timed(num_layers: int, emulates: str) -> ModelProfile:
+def _timed(num_layers: int, emulates: str, architecture: str = "KvpushTimedForCausalLM") -> ModelProfile:
     """Emulated GPUs (docs/benchmarks.md, "Emulated GPUs"): the named model's layer count at the
     narrowest width vLLM's CPU attention takes (head_dim 32, one KV head: 16 KiB of KV per
-    token in float32), and context for a 16k prompt plus its outputs."""
+    token in float32), and context for a 16k prompt plus its outputs. ``architecture``: the
+    timed network, or the stand-in forward (tools/emulation/stand_in.py), which computes
+    nothing and reads the KV it was given."""
     return ModelProfile(
         hidden_size=64,
         num_layers=num_layers,
@@ -43,7 +45,7 @@ def _timed(num_layers: int, emulates: str) -> ModelProfile:
         intermediate_size=128,
         vocab_size=4096,
         max_position_embeddings=20480,
-        architecture="KvpushTimedForCausalLM",
+        architecture=architecture,
         emulates=emulates,
     )
 
@@ -73,6 +75,9 @@ PROFILES: dict[str, ModelProfile] = {
     ),
     "timed-qwen3-32b": _timed(num_layers=64, emulates="qwen3-32b@p5en"),
     "timed-llama-3.1-8b": _timed(num_layers=32, emulates="llama-3.1-8b@h100"),
+    "stand-in-qwen3-32b": _timed(num_layers=64, emulates="qwen3-32b@p5en", architecture="KvpushStandInForCausalLM"),
+    "stand-in-llama-3.3-70b": _timed(num_layers=80, emulates="llama-3.3-70b@p5en",
+                                     architecture="KvpushStandInForCausalLM"),
 }
 
 DEFAULT_PROFILE = "small"

@@ -9,7 +9,7 @@ import pytest
 
 from kvpush.services.launch.model import PROFILES
 from kvpush.tools.emulation import catalog
-from kvpush.tools.emulation.plugin import ARCHITECTURE
+from kvpush.tools.emulation.plugin import ARCHITECTURE, STAND_IN_ARCHITECTURE
 from kvpush.tools.emulation.time_model import (Request, decode_step_seconds, prefill_seconds, shaped_link_rate,
                                                step_time, transfer_to_prefill_ratio)
 
@@ -77,15 +77,15 @@ def test_the_shaped_link_keeps_the_transfer_to_prefill_ratio_at_every_length():
 
 def test_every_timed_profile_matches_its_deployment_and_names_the_plugins_architecture():
     timed = {name: p for name, p in PROFILES.items() if p.emulates}
-    assert set(timed) == {"timed-qwen3-32b", "timed-llama-3.1-8b"}
-    for profile in timed.values():
-        assert profile.architecture == ARCHITECTURE
+    assert set(timed) == {"timed-qwen3-32b", "timed-llama-3.1-8b", "stand-in-qwen3-32b", "stand-in-llama-3.3-70b"}
+    for name, profile in timed.items():
+        assert profile.architecture == (ARCHITECTURE if name.startswith("timed-") else STAND_IN_ARCHITECTURE)
         assert profile.num_layers == catalog.deployment(profile.emulates).model.layers
         assert profile.head_dim * profile.num_heads <= profile.hidden_size
 
 
 def test_an_unknown_deployment_is_a_clear_error():
-    with pytest.raises(ValueError, match="known: llama-3.1-8b@h100, qwen3-32b@p5en"):
+    with pytest.raises(ValueError, match="known: llama-3.1-8b@h100, llama-3.3-70b@p5en, qwen3-32b@p5en"):
         catalog.deployment("gpt-5@tpu")
 
 

@@ -98,6 +98,10 @@ def register_bench(sub) -> None:
                                "paced (1 ms between rounds)")
     _link_argument(emulated, "each engine on a network-namespace host of its own, NIXL over UCX TCP through a "
                              "link shaped to the deployment's (root only), or all on loopback")
+    emulated.add_argument("--forward", choices=["network", "stand-in"], default="network",
+                          help="what an emulated engine computes: the tiny timed network (network), or nothing "
+                               "(stand-in: a KV pattern written and read back, tokens a function of the KV read; "
+                               "host costs at full weight at k = 1)")
     emulated.add_argument("--pacing", choices=["layers", "every-layer", "step"], default="layers",
                           help="the timed model's waits: by layer in steps with prompt tokens and once in "
                                "decode-only steps (layers), by layer always, or once per step")

@@ -27,6 +27,8 @@ from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_secon
 
 TIME_METRICS = ("ttft", "tpot", "itl", "e2el")
 AUTO = "auto"
+# What an emulated engine computes (--forward): the architecture its model folder names.
+FORWARDS = {"network": "KvpushTimedForCausalLM", "stand-in": "KvpushStandInForCausalLM"}
 
 # Waits that stand for the emulated GPU's time, so an emulated run takes them k times longer
 # in real seconds: kvpush's settings (their environment names) and vLLM's NIXL connectors'
@@ -96,6 +98,7 @@ class Emulation:
     progress_thread: str = "paced"  # vLLM's NIXL agents' progress thread: "on" or "paced"
     pacing: str = "layers"
     link: str = "shaped"  # engines on hosts of their own behind a shaped link, or "loopback"
+    forward: str = "network"  # the timed network, or the stand-in that computes nothing (FORWARDS)
 
     def __post_init__(self) -> None:
         catalog.deployment(self.target)  # a clear error for an unknown name
@@ -103,6 +106,8 @@ class Emulation:
             raise ValueError(f"the dilation k must be a positive number or {AUTO!r}, got {self.dilation!r}")
         if self.link not in ("shaped", "loopback"):
             raise ValueError(f"link {self.link!r}: use 'shaped' or 'loopback'")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward {self.forward!r}: use one of {', '.join(FORWARDS)}")
 
     @property
     def k(self) -> float:
@@ -128,11 +133,11 @@ class Emulation:
 
     @property
     def profile(self) -> str:
-        """The ``kvpush model build`` profile whose network has the target's layer count."""
+        """The ``kvpush model build`` profile that emulates the target with this forward."""
         for name, profile in PROFILES.items():
-            if profile.emulates == self.target:
+            if profile.emulates == self.target and profile.architecture == FORWARDS[self.forward]:
                 return name
-        raise ValueError(f"no timed model profile emulates {self.target!r}")
+        raise ValueError(f"no {self.forward} profile emulates {self.target!r}")
 
     def engine_env(self, log_path: Path) -> dict[str, str]:
         """What every engine process of every system gets; its forwards are logged to ``log_path``."""

@@ -546,7 +546,7 @@ def cmd(args) -> int:
     if args.emulate:
         try:
             emulated = emulation.Emulation(args.emulate, args.dilation, progress_thread=args.nixl_progress_thread,
-                                           pacing=args.pacing, link=args.link)
+                                           pacing=args.pacing, link=args.link, forward=args.forward)
             args.profile = emulated.profile
         except ValueError as exc:
             print(f"--emulate {args.emulate}: {exc}", file=sys.stderr)

@@ -36,6 +36,14 @@ QWEN3_32B = ModelShape("qwen3-32b", parameters=32_762_123_264, layers=64, hidden
 # KV: 128 KiB per token.
 LLAMA_31_8B = ModelShape("llama-3.1-8b", parameters=8_030_261_248, layers=32, hidden=4096, heads=32,
                          kv_heads=8, head_dim=128)
+# Llama-3.3-70B-Instruct (https://huggingface.co/meta-llama/Llama-3.3-70B-Instruct, config.json,
+# the same shape as Llama-3.1-70B's): 80 layers, hidden 8192, 64 heads, 8 KV heads, head_dim
+# 8192/64 = 128, intermediate 28672, vocabulary 128256, untied embeddings; 70,553,706,496
+# parameters counted from those shapes (the model card's "70B", Hugging Face's safetensors
+# total 70.6B). KV: 320 KiB per token in bf16. The model the push connector's author names
+# beside the seed's table (vLLM PR #35264's thread).
+LLAMA_33_70B = ModelShape("llama-3.3-70b", parameters=70_553_706_496, layers=80, hidden=8192, heads=64,
+                          kv_heads=8, head_dim=128)
 
 # Efficiencies: what serving reaches of the datasheet peaks.
 # - flops 0.48: Databricks, "LLM Inference Performance Engineering: Best Practices"
@@ -56,7 +64,7 @@ LLAMA_31_8B = ModelShape("llama-3.1-8b", parameters=8_030_261_248, layers=32, hi
 SERVING = Efficiency(flops=0.48, hbm=0.60, nvlink=0.70, step_overhead_s=0.001)
 
 GPUS = {gpu.name: gpu for gpu in (H200, H100)}
-MODELS = {model.name: model for model in (QWEN3_32B, LLAMA_31_8B)}
+MODELS = {model.name: model for model in (QWEN3_32B, LLAMA_31_8B, LLAMA_33_70B)}
 
 # EC2 P5en (https://docs.aws.amazon.com/ec2/latest/instancetypes/ac.html, "p5en.48xlarge | 8 |
 # H200 SXM5 | 1,128 GiB | 16 | 16 | 3,200 Gbps | EFAv3"): one instance per role. The seed's
@@ -69,6 +77,10 @@ DEPLOYMENTS = {
                                  link_bytes_per_s=3200 * GBIT),
     "llama-3.1-8b@h100": Deployment(LLAMA_31_8B, H100, tp=1, efficiency=SERVING,
                                     link_bytes_per_s=400 * GBIT),
+    # The published push-vs-pull table's setting (issue 45's calibration): P5en, TP 4 on each
+    # side (vLLM PR #35264's TP column), so half an instance's GPUs and half its EFA.
+    "llama-3.3-70b@p5en": Deployment(LLAMA_33_70B, H200, tp=4, efficiency=SERVING,
+                                     link_bytes_per_s=1600 * GBIT),
 }
 
 

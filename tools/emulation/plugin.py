@@ -57,6 +57,8 @@ PROGRESS_THREAD_ENV = "KVPUSH_NIXL_PROGRESS_THREAD"  # "on" (NIXL's own) or "pac
 PROGRESS_DELAY_ENV = "KVPUSH_NIXL_PROGRESS_DELAY_US"
 ARCHITECTURE = "KvpushTimedForCausalLM"  # what a timed folder's config.json names
 MODULE = "kvpush.tools.emulation.timed_model"
+STAND_IN_ARCHITECTURE = "KvpushStandInForCausalLM"  # a stand-in folder's (tools/emulation/stand_in.py)
+STAND_IN_MODULE = "kvpush.tools.emulation.stand_in"
 TARGET_ENV = "KVPUSH_EMULATION_TARGET"  # the emulated deployment, set in every emulated engine
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 NIXL_WORKER_CLASS = "NixlBaseConnectorWorker"
@@ -69,8 +71,9 @@ SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 def register() -> None:
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, f"{MODULE}:{ARCHITECTURE}")
+    for architecture, module in ((ARCHITECTURE, MODULE), (STAND_IN_ARCHITECTURE, STAND_IN_MODULE)):
+        if architecture not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(architecture, f"{module}:{architecture}")
     switch = os.environ.get(PROGRESS_THREAD_ENV, "on")
     if switch == "paced":
         _pace_progress_threads(int(os.environ.get(PROGRESS_DELAY_ENV, "1000")))

@@ -160,7 +160,8 @@ class KvpushTimedForCausalLM(nn.Module):
         finally:
             record = self._pacer.end()
             if batch and record is not None and self._log_path:
-                self._log(batch, modeled, record)
+                with self._log_lock:
+                    log_forward(self._log_path, self.dilation, batch, modeled, record)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -199,13 +200,16 @@ class KvpushTimedForCausalLM(nn.Module):
                 loaded.add(f"layers.{index}.qkv.{kind}")
         return loaded
 
-    def _log(self, batch, modeled, record) -> None:
-        line = json.dumps({
-            "pid": os.getpid(), "at": time.time(), "dilation": self.dilation,
-            "batch": [[r.new, r.context] for r in batch],
-            "modeled_s": modeled, "target_s": record.target_s,
-            "wall_s": record.wall_s, "busy_s": record.busy_s,
-            "cores": sorted(os.sched_getaffinity(0)),  # where this forward's thread may run
-        })
-        with self._log_lock, open(self._log_path, "a", encoding="utf-8") as out:
-            out.write(line + "\n")
+
+def log_forward(path: str, dilation: float, batch, modeled: float, record) -> None:
+    """One paced forward, one JSON line (the bench's CPU share reads them): its batch, the
+    modeled and target seconds, its wall and busy seconds, and the cores it may run on."""
+    line = json.dumps({
+        "pid": os.getpid(), "at": time.time(), "dilation": dilation,
+        "batch": [[r.new, r.context] for r in batch],
+        "modeled_s": modeled, "target_s": record.target_s,
+        "wall_s": record.wall_s, "busy_s": record.busy_s,
+        "cores": sorted(os.sched_getaffinity(0)),  # where this forward's thread may run
+    })
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(line + "\n")
