@@ -44,6 +44,15 @@ def test_the_client_command_fixes_what_makes_points_comparable():
                                                                                            "--top-p", "0.9"))
     assert client.command("u", "m", "t", sampled, Path("/tmp/r/x.json"), "p-", {})[-4:] == \
         ["--temperature", "0.7", "--top-p", "0.9"]
+    assert "--random-prefix-len 0" in joined
+
+
+def test_a_shared_prefix_is_counted_within_the_input_length_as_the_published_table_counts_it():
+    """vLLM's random dataset adds --random-prefix-len to --random-input-len; the sonnet set the
+    published table used (512 tokens, 50 of them shared) counts the prefix within the length."""
+    load = client.Load(input_len=512, output_len=128, rate=4.0, requests=100, prefix_len=50)
+    joined = " ".join(client.command("u", "m", "t", load, Path("/tmp/r/x.json"), "p-", {}))
+    assert "--random-input-len 462" in joined and "--random-prefix-len 50" in joined
 
 
 def test_a_point_is_within_capacity_until_its_ttft_passes_the_knee():

@@ -54,6 +54,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--range-ratio", type=float, default=0.0,
                        help="with --input-lens: prompt lengths uniform in len * [1 - r, 1 + r]")
     bench.add_argument("--burstiness", type=float, default=1.0, help="with --input-lens: 1 Poisson, lower bursts")
+    bench.add_argument("--prefix-len", type=int, default=0,
+                       help="with --input-lens: tokens every prompt shares at its start, within its length "
+                            "(vllm bench serve's --random-prefix-len; the published push-vs-pull table used 50 of 512)")
     bench.add_argument("--background", type=int, default=0,
                        help="with --input-lens: long generations sent at each point's start, beside it")
     bench.add_argument("--background-output-len", type=int, default=1024)

@@ -37,6 +37,9 @@ class Load:
     # vLLM bench serve's own sampling flags (--temperature, --top-p, ...) as given; none:
     # its defaults, which send no sampling field (the server's defaults apply)
     sampling_flags: tuple[str, ...] = ()
+    # Tokens every prompt shares at its start, counted in input_len (vLLM's --random-prefix-len,
+    # which adds them to --random-input-len): the published push-vs-pull table's 50 of 512.
+    prefix_len: int = 0
 
 
 def command(base_url: str, model_name: str, tokenizer: str, load: Load, result_file: Path, request_id_prefix: str,
@@ -51,7 +54,8 @@ def arguments(base_url: str, model_name: str, tokenizer: str, load: Load, result
     """``vllm``'s arguments for the point: ``bench serve`` and its flags."""
     args = ["bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model_name, "--tokenizer", tokenizer,
-            "--dataset-name", "random", "--random-input-len", str(load.input_len),
+            "--dataset-name", "random", "--random-input-len", str(load.input_len - load.prefix_len),
+            "--random-prefix-len", str(load.prefix_len),
             "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
             "--num-prompts", str(load.requests), "--request-rate", str(load.rate), "--seed", str(load.seed),
             "--num-warmups", str(load.warmups), "--burstiness", str(load.burstiness),

@@ -64,6 +64,7 @@ class Workload:
     burstiness: float = 1.0  # 1: Poisson arrivals; lower: bursts
     background: int = 0  # long generations sent at the point's start, all at once, beside its requests
     background_output_len: int = 1024
+    prefix_len: int = 0  # tokens every prompt shares at its start, within input_len
 
     @property
     def longest(self) -> int:
@@ -313,7 +314,7 @@ class Bench:
             timeout = c.first_attempt_timeout[1]
         load = client.Load(workload.input_len, c.output_len, client_rate, workload.requests, workload.range_ratio,
                            seed=c.seed + repeat, warmups=c.warmups, burstiness=workload.burstiness,
-                           sampling_flags=c.sampling_flags)
+                           sampling_flags=c.sampling_flags, prefix_len=workload.prefix_len)
         again = f"-repeat{repeat}" if repeat else ""
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{workload.name}-{variant}-{rate:g}-{binding}{again}")  # ids and names
         result_file = c.out / "raw" / f"{slug}.json"
@@ -553,13 +554,17 @@ def cmd(args) -> int:
             return 2
     if args.input_lens:
         topology = Topology(args.prefill, args.decode)
+        if any(args.prefix_len >= int(n) for n in args.input_lens.split(",")):
+            print(f"--prefix-len {args.prefix_len}: must be shorter than every input length", file=sys.stderr)
+            return 2
         shape = "".join([f" mixed ±{args.range_ratio:g}" if args.range_ratio else "",
+                         f" prefix {args.prefix_len}" if args.prefix_len else "",
                          f" burstiness {args.burstiness:g}" if args.burstiness != 1.0 else "",
                          f" with {args.background} long generations" if args.background else ""])
         workloads = [Workload(f"{n} tokens{shape}" if topology == Topology() else f"{n} tokens {topology.label}{shape}",
                               n, tuple(float(r) for r in args.rates.split(",")), args.requests, topology,
                               range_ratio=args.range_ratio, burstiness=args.burstiness, background=args.background,
-                              background_output_len=args.background_output_len)
+                              background_output_len=args.background_output_len, prefix_len=args.prefix_len)
                      for n in (int(x) for x in args.input_lens.split(","))]
     elif emulated is not None:
         workloads = list(emulation.grid(Workload, emulated.target, requests=args.requests))
