@@ -21,7 +21,7 @@ def engine_options(p, **nats_default) -> None:
 
 def stack_options(p) -> None:
     engine_options(p, nats_url=None)  # default: start a local NATS server
-    cli_settings.add(p, "--mode", "--connector", "--prefix-caching", "--block-size")
+    cli_settings.add(p, "--mode", "--connector", "--prefix-caching", "--block-size", "--max-num-seqs")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor parallelism of each prefill worker's engine")
@@ -86,7 +86,7 @@ def add_worker(sub) -> None:
     worker.add_argument("--role", required=True, choices=["prefill", "decode"])
     worker.add_argument("--worker-id", help="default: the NATS user (--nats-user), else <role>-<random>; a restart "
                                             "keeps the id and gets a new incarnation")
-    cli_settings.add(worker, "--connector", "--block-size", "--tensor-parallel-size", "--prefix-caching", "--push-by-layer", "--json-whitespace", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
+    cli_settings.add(worker, "--connector", "--block-size", "--max-num-seqs", "--tensor-parallel-size", "--prefix-caching", "--push-by-layer", "--json-whitespace", "--log-level", "--metrics-port", "--metrics-host", "--lease-s", "--kv-wait-s", "--quarantine-s",
                      "--on-kv-failure")
     worker.set_defaults(func=lazy("kvpush.services.cli.serve:cmd_worker"))
 

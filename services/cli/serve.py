@@ -102,7 +102,7 @@ def cmd_worker(args) -> int:
         args.role, args.nats_url, model_path(args), worker_id, args.max_model_len, connector=args.connector,
         faults=faults, prefix_caching=args.prefix_caching == "on", push_by_layer=layer_wise(args.push_by_layer),
         json_whitespace=args.json_whitespace, tensor_parallel_size=args.tensor_parallel_size,
-        block_size=args.block_size or None),
+        block_size=args.block_size or None, max_num_seqs=args.max_num_seqs),
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
@@ -120,6 +120,7 @@ def _start_stack(args, quiet: bool = False):
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
         block_size=args.block_size or None,
+        max_num_seqs=args.max_num_seqs,
         extra_env=env,
         gateway_port=None if args.gateway_port < 0 else args.gateway_port,
     )

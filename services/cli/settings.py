@@ -86,6 +86,9 @@ SETTINGS: dict[str, Setting] = {s.flag: s for s in [
             "tokens per KV cache block (vLLM's --block-size); 0: vLLM's default, 16 on GPUs and 128 on its CPU "
             "platform, whose attention takes only multiples of 32. Smaller blocks: more descriptors per transfer",
             int),
+    Setting("--max-num-seqs", "KVPUSH_MAX_NUM_SEQS", 16,
+            "requests the engine runs at once (vLLM's --max-num-seqs; vllm serve's default is 128 on CPUs, 256-1024 "
+            "on GPUs); more wait in its queue", int),
     Setting("--tensor-parallel-size", "KVPUSH_TENSOR_PARALLEL_SIZE", 1,
             "worker: the engine's tensor parallelism, one process per rank (vLLM's --tensor-parallel-size); "
             "on CPUs above 1, each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND says where "

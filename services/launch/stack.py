@@ -55,6 +55,7 @@ class Stack:
         decode_tp: int = 1,
         worker_tp: dict[str, int] | None = None,  # per worker name (decode-1, ...), over its role's
         block_size: int | None = None,  # every engine's tokens per KV block; None: vLLM's default
+        max_num_seqs: int | None = None,  # every engine's; None: the worker's default
         placement: Placement = Placement.SPREAD,
     ):
         self.model = model
@@ -81,6 +82,7 @@ class Stack:
         self.tensor_parallel = {"prefill": prefill_tp, "decode": decode_tp}
         self.worker_tp = worker_tp or {}
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self.placement = placement  # how engines above TP 1 share this machine's cores (cpu_binding)
         self.nats_server: LocalNatsServer | None = None
         self.children: list[tuple[str, subprocess.Popen]] = []
@@ -129,6 +131,8 @@ class Stack:
             args += ["--tensor-parallel-size", str(self.tp_of(role, name))]
         if self.block_size is not None:
             args += ["--block-size", str(self.block_size)]
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.nats_server is not None and "KVPUSH_NATS_USER" not in self._env(role, name):
             # Our own NATS: nobody else's workers can share these names. (With per-worker
             # NATS users the user is the id; on a shared server without, each gets a new one.)

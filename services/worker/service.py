@@ -87,6 +87,7 @@ class Worker(Service):
         json_whitespace: str = settings.JSON_WHITESPACE,
         tensor_parallel_size: int = 1,
         block_size: int | None = None,  # None: vLLM's default for the platform
+        max_num_seqs: int = 16,
     ):
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
@@ -95,7 +96,8 @@ class Worker(Service):
         self.incarnation = uuid.uuid4().hex  # a restart keeps the id, not the incarnation
         self.settings = EngineSettings(
             model=model, role=role, engine_id=self.worker_id, nats_url=nats_url,
-            max_model_len=max_model_len, block_size=block_size, tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len, block_size=block_size, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
             connector=connector,
             faults=faults, incarnation=self.incarnation,
             prefix_caching=prefix_caching,

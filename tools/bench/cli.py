@@ -48,6 +48,9 @@ def register_bench(sub) -> None:
     bench.add_argument("--prefill-tp", type=int, default=1,
                        help="tensor parallelism of every prefill engine, kvpush's and vllm serve's alike")
     bench.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of every decode engine")
+    bench.add_argument("--max-num-seqs", type=int, default=0,
+                       help="requests every engine runs at once, kvpush's and vllm serve's alike (0: each its own "
+                            "default, kvpush 16, vllm serve 128 on CPUs)")
     bench.add_argument("--block-size", type=int, default=0,
                        help="tokens per KV block of every engine, kvpush's and vllm serve's alike (0: vLLM's "
                             "default, 128 on CPUs; its CPU attention takes multiples of 32, GPUs default to 16)")

@@ -115,6 +115,7 @@ class BenchConfig:
     first_attempt_timeout: tuple[str, float] | None = None
     push_by_layer: str = settings.PUSH_BY_LAYER  # kvpush's prefill workers: layer-wise push on or off
     block_size: int | None = None  # every engine's tokens per KV block, kvpush's and vLLM's; None: vLLM's default
+    max_num_seqs: int | None = None  # every engine's requests at once; None: each system's own default
     at_rest_s: float = 5.0  # how long each system's CPU at rest is measured, after its start
 
     @property
@@ -227,9 +228,10 @@ class Bench:
         if system == "kvpush":
             return KvpushSystem(c.model, max_model_len, topology, binding, log_dir, self.receiver.endpoint,
                                 engine_env={**(env or {}), "KVPUSH_PUSH_BY_LAYER": c.push_by_layer},
-                                hosts=self.engine_hosts, block_size=c.block_size)
+                                hosts=self.engine_hosts, block_size=c.block_size, max_num_seqs=c.max_num_seqs)
         return VllmServeSystem(system, c.model, self.model_name, max_model_len, topology, binding, log_dir,
                                engine_env=env, hosts=self.engine_hosts, block_size=c.block_size,
+                               max_num_seqs=c.max_num_seqs,
                                kv_extra_config=self.emulation.vllm_extra_config() if self.emulation else None)
 
     def _forward_log(self, system: str, topology: Topology) -> Path:
@@ -594,7 +596,7 @@ def cmd(args) -> int:
                          resume=getattr(args, "resume", False), repeats=args.repeats,
                          point_timeout_s=args.point_timeout, first_attempt_timeout=_first_attempt_timeout(),
                          push_by_layer=args.push_by_layer, at_rest_s=args.at_rest_s,
-                         block_size=args.block_size or None)
+                         block_size=args.block_size or None, max_num_seqs=args.max_num_seqs or None)
     bench = Bench(config, say=lambda line: print(f"[bench] {line}", file=sys.stderr, flush=True))
     asyncio.run(bench.run())
     bench.write()

@@ -105,7 +105,7 @@ class KvpushSystem:
 
     def __init__(self, model: str, max_model_len: int, topology: Topology, binding: str, log_dir: Path,
                  otlp_endpoint: str, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
-                 hosts: EngineHosts | None = None, block_size: int | None = None):
+                 hosts: EngineHosts | None = None, block_size: int | None = None, max_num_seqs: int | None = None):
         """``prefix_caching`` off by default: the published push-vs-pull shape (vLLM's too, below).
         ``engine_env``: more for every process (the emulated GPUs' settings); ``hosts``: each
         worker on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
@@ -120,6 +120,7 @@ class KvpushSystem:
             role_env = {name: {**env, **UCX_OVER_TCP} for name, env in role_env.items()}
         self.stack = Stack(model, prefill=topology.prefill, decode=topology.decode, max_model_len=max_model_len,
                            prefill_tp=topology.prefill_tp, decode_tp=topology.decode_tp, block_size=block_size,
+                           max_num_seqs=max_num_seqs,
                            log_dir=log_dir, gateway_port=0, role_env=role_env, prefix_caching=prefix_caching,
                            extra_env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_METRICS_EXPORTER": "none",
                                       "KVPUSH_LOG_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
@@ -148,7 +149,7 @@ class VllmServeSystem:
     def __init__(self, variant: str, model: str, served_model_name: str, max_model_len: int, topology: Topology,
                  binding: str, log_dir: Path, prefix_caching: str = "off", engine_env: dict[str, str] | None = None,
                  hosts: EngineHosts | None = None, block_size: int | None = None,
-                 kv_extra_config: dict | None = None):
+                 kv_extra_config: dict | None = None, max_num_seqs: int | None = None):
         """``variant``: a kind of vLLM's own connector (``kvpush.shared.connector_kinds``);
         ``engine_env``: more for every engine (the emulated GPUs' settings); ``hosts``: each
         engine on a host of its own, NIXL over UCX TCP between them (the emulated link)."""
@@ -169,6 +170,7 @@ class VllmServeSystem:
         self.extra_env = dict(engine_env or {})
         self.hosts = hosts
         self.block_size = block_size  # None: vLLM's default for the platform
+        self.max_num_seqs = max_num_seqs  # None: vLLM's default (128 on CPUs)
         self.kv_extra_config = kv_extra_config or {}  # the connector's kv_connector_extra_config (emulated waits)
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.proxy_port = 0
@@ -204,6 +206,8 @@ class VllmServeSystem:
             command += ["--tensor-parallel-size", str(self.topology.tp_of(role))]
         if self.block_size is not None:
             command += ["--block-size", str(self.block_size)]
+        if self.max_num_seqs is not None:
+            command += ["--max-num-seqs", str(self.max_num_seqs)]
         return command
 
     def engine_env(self, engine_index: int, side_channel: int, host: str = "127.0.0.1") -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""``--block-size``: tokens per KV block, on `kvpush worker`, `kvpush up` and `kvpush bench` (for
-kvpush's workers and `vllm serve` alike). The issue-45 instrument sets 32, the smallest vLLM's
+"""An engine's sizes, on `kvpush worker`, `kvpush up` and `kvpush bench` (for kvpush's workers
+and `vllm serve` alike): ``--block-size``, tokens per KV block, and ``--max-num-seqs``, requests
+run at once. The issue-45 instrument sets 32, the smallest vLLM's
 CPU attention takes, where GPUs use 16. The real CLI parses each command line; vLLM's own
 config builder reads the engine arguments. Nothing is started."""
 
@@ -78,3 +79,28 @@ def test_vllm_builds_the_engine_with_the_block_size_and_the_heartbeat_counts_its
     default_config = default.create_engine_config(UsageContext.ENGINE_CONTEXT)
     assert engine.kv_bytes_per_block(config) * default_config.cache_config.block_size == \
         engine.kv_bytes_per_block(default_config) * 32
+
+
+def test_the_bench_gives_every_engine_the_same_max_num_seqs_when_asked(monkeypatch):
+    """kvpush's workers run 16 requests at once and vllm serve 128 on CPUs: at 8 req/s of
+    512/128 the published table's load kept 19 in decode, and kvpush's 16 queued the rest
+    (issue 45's first calibration run). ``--max-num-seqs`` sets one figure for both."""
+    monkeypatch.delenv("KVPUSH_MAX_NUM_SEQS", raising=False)
+    assert build_parser().parse_args(["bench", "--max-num-seqs", "128"]).max_num_seqs == 128
+    vllm = VllmServeSystem("vllm-nixl", "/models/tiny", "tiny", 512, Topology(), "auto", Path("/nonexistent"),
+                           max_num_seqs=128)
+    assert vllm.serve_command("decode", 8200, "decode-0")[-2:] == ["--max-num-seqs", "128"]
+    stack = KvpushSystem("/models/tiny", 512, Topology(), "auto", Path("/nonexistent"), "http://127.0.0.1:1",
+                         max_num_seqs=128).stack
+    stack.nats_url = "nats://127.0.0.1:4222"
+    assert build_parser().parse_args(stack.worker_args("decode", "decode-0")).max_num_seqs == 128
+    plain = Stack("/models/small", nats_url="nats://127.0.0.1:4222")
+    assert build_parser().parse_args(plain.worker_args("decode", "decode-0")).max_num_seqs == 16  # kvpush's own
+
+
+def test_vllm_builds_the_engine_with_the_max_num_seqs_the_worker_was_given():
+    model = str(build_model(default_model_dir("small"), profile="small"))
+    settings = EngineSettings(model=model, role="decode", engine_id="b", nats_url="nats://127.0.0.1:4222",
+                              connector="kvpush", max_num_seqs=128)
+    config = engine.engine_args(settings).create_engine_config(UsageContext.ENGINE_CONTEXT)
+    assert config.scheduler_config.max_num_seqs == 128
