@@ -110,9 +110,9 @@ def test_the_stand_in_costs_the_host_a_small_share_of_the_modeled_step_at_k_1(st
     forwards, under its own load."""
     _, forwards = stand_in_run
     assert all(f["dilation"] == 1 for f in forwards)
-    busy, target = sum(f["busy_s"] for f in forwards), sum(f["target_s"] for f in forwards)
+    busy, target = sum(f["cpu_s"] for f in forwards), sum(f["target_s"] for f in forwards)
     decode = [f for f in forwards if all(new == 1 for new, _ in f["batch"])]
-    share, decode_share = busy / target, sum(f["busy_s"] for f in decode) / sum(f["target_s"] for f in decode)
+    share, decode_share = busy / target, sum(f["cpu_s"] for f in decode) / sum(f["target_s"] for f in decode)
     print(f"stand-in CPU share at k = 1: {share:.3f} over {len(forwards)} forwards, decode steps {decode_share:.3f}")
     assert share < 0.5 and decode_share < 0.5, (share, decode_share)
     late = [f for f in forwards if f["wall_s"] > 1.10 * f["target_s"] + 0.002]

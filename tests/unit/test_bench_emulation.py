@@ -46,13 +46,18 @@ def test_bad_emulations_are_refused_with_a_sentence():
 
 def test_the_cpu_share_sums_each_engines_forwards_inside_the_point(tmp_path):
     log = tmp_path / "forwards.jsonl"
-    rows = [{"pid": 1, "at": 10.0, "busy_s": 1.0, "target_s": 10.0},
-            {"pid": 1, "at": 11.0, "busy_s": 3.0, "target_s": 10.0},
-            {"pid": 2, "at": 12.0, "busy_s": 1.0, "target_s": 20.0},
-            {"pid": 2, "at": 99.0, "busy_s": 50.0, "target_s": 1.0}]  # after the point
+    rows = [{"pid": 1, "at": 10.0, "busy_s": 1.0, "target_s": 10.0, "wall_s": 10.0},
+            {"pid": 1, "at": 11.0, "busy_s": 3.0, "target_s": 10.0, "wall_s": 12.0},  # ended late
+            {"pid": 2, "at": 12.0, "busy_s": 1.0, "target_s": 20.0, "wall_s": 20.0},
+            {"pid": 2, "at": 99.0, "busy_s": 50.0, "target_s": 1.0, "wall_s": 50.0}]  # after the point
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"pid\": 3, \"at\"")  # a line cut by a kill
     share = cpu_share(log, since=9.0, until=20.0)
-    assert share == {"all": pytest.approx(0.125), "by_pid": {"1": 0.2, "2": 0.05}, "forwards": 3}
+    assert share == {"all": pytest.approx(0.125), "by_pid": {"1": 0.2, "2": 0.05}, "forwards": 3, "late": 1}
+    # The forward thread's own CPU time, where logged, rather than its wall time less its
+    # sleeps (which counts the time other processes held the core).
+    log.write_text(json.dumps({"pid": 1, "at": 10.0, "busy_s": 4.0, "cpu_s": 1.0, "target_s": 10.0,
+                               "wall_s": 10.0}) + "\n")
+    assert cpu_share(log, since=9.0, until=20.0)["all"] == pytest.approx(0.1)
     assert cpu_share(tmp_path / "missing.jsonl", 0, 1)["all"] is None
 
 

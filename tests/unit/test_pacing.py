@@ -119,3 +119,14 @@ def test_steps_with_prompt_tokens_are_paced_by_layer_and_decode_only_steps_once(
     assert [paced_by_layer("step", b) for b in (prefill, decode)] == [False, False]
     with pytest.raises(ValueError):
         paced_by_layer("sometimes", prefill)
+
+
+def test_a_forwards_record_counts_its_threads_own_cpu_time():
+    clock = FakeClock()
+    cpu = iter([5.0, 5.25])
+    pacer = LayerPacer(2, clock, clock.sleep, min_sleep_s=0.0, cpu_clock=lambda: next(cpu))
+    pacer.begin(1.0)
+    pacer.after_layer(0)
+    pacer.after_layer(1)
+    record = pacer.end()
+    assert record.cpu_s == 0.25 and record.wall_s == pytest.approx(1.0)

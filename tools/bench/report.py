@@ -68,16 +68,17 @@ def _split(segments: dict) -> str:
 
 def cpu_table(points: list) -> str:
     emulated = any(p.cpu_share for p in points)
-    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) |"
+    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) | late forwards |"
                                                               if emulated else ""),
-           "|---|---|---:|---|" + ("---:|---|" if emulated else "")]
+           "|---|---|---:|---|" + ("---:|---|---:|" if emulated else "")]
     for p in points:
         if p.cpu_s_per_s:
             cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
             share = ""
             if emulated:
                 by_pid = ", ".join(f"{pid} {value:.2f}" for pid, value in p.cpu_share.get("by_pid", {}).items())
-                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} |"
+                late = f"{p.cpu_share['late']} of {p.cpu_share['forwards']}" if "late" in p.cpu_share else "–"
+                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} | {late} |"
             out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |{share}")
     return "\n".join(out) + "\n"
 

@@ -20,6 +20,8 @@ its end: the timed model does so for steps that only decode
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,6 +50,7 @@ class ForwardRecord:
     target_s: float
     wall_s: float = 0.0
     slept_s: float = 0.0
+    cpu_s: float = 0.0  # the forward thread's own CPU time: its work, without the time others had the core
 
     @property
     def busy_s(self) -> float:
@@ -65,7 +68,9 @@ class LayerPacer:
     clock: Callable[[], float]
     sleep: Callable[[float], None]
     min_sleep_s: float = 0.002
+    cpu_clock: Callable[[], float] = time.thread_time
     _start: float | None = None
+    _cpu_start: float = 0.0
     _by_layer: bool = True
 
 
@@ -78,6 +83,7 @@ class LayerPacer:
             raise ValueError("a forward's target time cannot be negative")
         self._by_layer = by_layer
         self._start = self.clock()
+        self._cpu_start = self.cpu_clock()
         self._record = ForwardRecord(target_s)
 
     def after_layer(self, index: int) -> None:
@@ -99,4 +105,5 @@ class LayerPacer:
         if record is None or start is None:
             return None
         record.wall_s = self.clock() - start
+        record.cpu_s = self.cpu_clock() - self._cpu_start
         return record

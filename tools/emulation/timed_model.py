@@ -208,7 +208,7 @@ def log_forward(path: str, dilation: float, batch, modeled: float, record) -> No
         "pid": os.getpid(), "at": time.time(), "dilation": dilation,
         "batch": [[r.new, r.context] for r in batch],
         "modeled_s": modeled, "target_s": record.target_s,
-        "wall_s": record.wall_s, "busy_s": record.busy_s,
+        "wall_s": record.wall_s, "busy_s": record.busy_s, "cpu_s": record.cpu_s,
         "cores": sorted(os.sched_getaffinity(0)),  # where this forward's thread may run
     })
     with open(path, "a", encoding="utf-8") as out:
