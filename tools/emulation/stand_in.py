@@ -39,13 +39,12 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
-from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.kv_pattern import next_tokens, token_pattern
 from kvpush.tools.emulation.pacing import LayerPacer, paced_by_layer
-from kvpush.tools.emulation.plugin import STAND_IN_ARCHITECTURE, TARGET_ENV
+from kvpush.tools.emulation.plugin import STAND_IN_ARCHITECTURE
 from kvpush.tools.emulation.time_model import step_time
-from kvpush.tools.emulation.timed_model import LOG_ENV, batch_of_this_step, dilation_from_env, log_forward, \
-    pacing_from_env
+from kvpush.tools.emulation.timed_model import LOG_ENV, batch_of_this_step, dilation_from_env, \
+    emulated_deployment, log_forward, pacing_from_env
 
 class KvpushStandInForCausalLM(nn.Module):
     """The model vLLM loads: one vLLM ``Attention`` per layer, only so that vLLM allocates each
@@ -55,16 +54,8 @@ class KvpushStandInForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        settings = getattr(config, "kvpush_emulation", None) or {}
-        target = os.environ.get(TARGET_ENV) or settings.get("target")
-        if not target:
-            raise ValueError(f"{STAND_IN_ARCHITECTURE} needs a target: config.json's kvpush_emulation.target "
-                             f"or {TARGET_ENV}")
-        self.deployment = catalog.deployment(target)
+        self.deployment = emulated_deployment(config, STAND_IN_ARCHITECTURE)
         self.dilation = dilation_from_env()
-        if config.num_hidden_layers != self.deployment.model.layers:
-            raise ValueError(f"{STAND_IN_ARCHITECTURE}: the folder has {config.num_hidden_layers} layers, "
-                             f"{self.deployment.model.name} has {self.deployment.model.layers}")
         self.vocab = config.vocab_size
         self.hidden_size = config.hidden_size
         self.layers = nn.ModuleList(

@@ -39,7 +39,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.pacing import PACINGS, LayerPacer, paced_by_layer
 from kvpush.tools.emulation.plugin import ARCHITECTURE, TARGET_ENV
-from kvpush.tools.emulation.time_model import Request, step_time
+from kvpush.tools.emulation.time_model import Deployment, Request, step_time
 
 DILATION_ENV = "KVPUSH_EMULATION_DILATION"
 LOG_ENV = "KVPUSH_EMULATION_LOG"
@@ -62,6 +62,20 @@ def pacing_from_env() -> str:
     if pacing not in PACINGS:
         raise ValueError(f"{PACING_ENV}={pacing!r}: use one of {', '.join(PACINGS)}")
     return pacing
+
+
+def emulated_deployment(config, architecture: str) -> Deployment:
+    """The deployment a model folder emulates: ``KVPUSH_EMULATION_TARGET``, else its
+    config.json's ``kvpush_emulation.target``; the folder must have its layer count."""
+    settings = getattr(config, "kvpush_emulation", None) or {}
+    target = os.environ.get(TARGET_ENV) or settings.get("target")
+    if not target:
+        raise ValueError(f"{architecture} needs a target: config.json's kvpush_emulation.target or {TARGET_ENV}")
+    deployment = catalog.deployment(target)
+    if config.num_hidden_layers != deployment.model.layers:
+        raise ValueError(f"{architecture}: the folder has {config.num_hidden_layers} layers, "
+                         f"{deployment.model.name} has {deployment.model.layers}")
+    return deployment
 
 
 def batch_of_this_step() -> list[Request] | None:
@@ -124,15 +138,8 @@ class KvpushTimedForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        settings = getattr(config, "kvpush_emulation", None) or {}
-        target = os.environ.get(TARGET_ENV) or settings.get("target")
-        if not target:
-            raise ValueError(f"{ARCHITECTURE} needs a target: config.json's kvpush_emulation.target or {TARGET_ENV}")
-        self.deployment = catalog.deployment(target)
+        self.deployment = emulated_deployment(config, ARCHITECTURE)
         self.dilation = dilation_from_env()
-        if config.num_hidden_layers != self.deployment.model.layers:
-            raise ValueError(f"{ARCHITECTURE}: the folder's network has {config.num_hidden_layers} layers, "
-                             f"{self.deployment.model.name} has {self.deployment.model.layers}")
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             TimedLayer(config, vllm_config.cache_config, prefix=f"{prefix}layers.{index}")
