@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from kvpush.tools.bench.emulation import Emulation, cpu_share, grid, rates_it_holds, select
+from kvpush.tools.bench.emulation import Emulation, cpu_share, grid, late_transfers, rates_it_holds, select
 from kvpush.tools.bench.run import Workload
 from kvpush.tools.bench.systems import Topology
+from kvpush.tools.emulation import catalog
+from kvpush.tools.emulation.time_model import transfer_seconds
 
 
 def test_the_summary_is_reported_in_emulated_time_and_keeps_the_dilation():
@@ -221,3 +223,13 @@ def test_waits_that_stand_for_device_time_scale_with_k_and_reach_every_system(tm
     config = json.loads(vllm.serve_command("decode", 8200, "decode-0")[10])
     assert config["kv_connector_extra_config"] == {"kv_lease_duration": 1500, "decoder_kv_blocks_ttl": 24000}
     assert Emulation("qwen3-32b@p5en", dilation=1).modeled_waits()["KVPUSH_KV_WAIT_S"] == "120"
+
+
+def test_a_transfer_slower_than_the_deployments_link_is_late():
+    """Llama-3.3-70B on a P5en at TP 4: 512 tokens of its KV (320 KiB each) cross 1,600 Gbit/s
+    in 0.84 ms; at k = 1 a crossing of 11 ms (loopback, measured) is late, at k = 20 it is not."""
+    modeled = transfer_seconds(catalog.deployment("llama-3.3-70b@p5en"), 512)
+    assert modeled == pytest.approx(512 * 327_680 / 200e9)
+    crossings = [(512, 0.011), (512, modeled * 0.9), (1024, 0.0015)]
+    assert late_transfers(crossings, "llama-3.3-70b@p5en", 1.0) == {"late": 1, "transfers": 3}
+    assert late_transfers(crossings, "llama-3.3-70b@p5en", 20.0) == {"late": 0, "transfers": 3}

@@ -23,7 +23,8 @@ from kvpush.services.launch.model import PROFILES
 from kvpush.shared import settings
 from kvpush.tools.bench.systems import Topology
 from kvpush.tools.emulation import catalog
-from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds, shaped_link_rate
+from kvpush.tools.emulation.time_model import decode_step_seconds, prefill_seconds, shaped_link_rate, \
+    transfer_seconds
 
 TIME_METRICS = ("ttft", "tpot", "itl", "e2el")
 AUTO = "auto"
@@ -178,6 +179,14 @@ class Emulation:
     def segments(self, segments_ms: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         return {name: {stat: (value / self.k if stat != "n" else value) for stat, value in stats.items()}
                 for name, stats in segments_ms.items()}
+
+
+def late_transfers(transfers: list[tuple[int, float]], target: str, k: float) -> dict:
+    """Of ``(prompt tokens, real seconds from the first WRITE or READ's start to the last's
+    end)`` per request, those that took longer than the deployment's link would, times k."""
+    deployment = catalog.deployment(target)
+    late = sum(real_s > k * transfer_seconds(deployment, tokens) for tokens, real_s in transfers)
+    return {"late": late, "transfers": len(transfers)}
 
 
 def cpu_share(log_path: Path, since: float, until: float) -> dict:

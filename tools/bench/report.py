@@ -68,9 +68,9 @@ def _split(segments: dict) -> str:
 
 def cpu_table(points: list) -> str:
     emulated = any(p.cpu_share for p in points)
-    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) | late forwards |"
+    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) | late forwards | late transfers |"
                                                               if emulated else ""),
-           "|---|---|---:|---|" + ("---:|---|---:|" if emulated else "")]
+           "|---|---|---:|---|" + ("---:|---|---:|---:|" if emulated else "")]
     for p in points:
         if p.cpu_s_per_s:
             cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
@@ -78,7 +78,9 @@ def cpu_table(points: list) -> str:
             if emulated:
                 by_pid = ", ".join(f"{pid} {value:.2f}" for pid, value in p.cpu_share.get("by_pid", {}).items())
                 late = f"{p.cpu_share['late']} of {p.cpu_share['forwards']}" if "late" in p.cpu_share else "–"
-                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} | {late} |"
+                moved = p.late_transfers
+                late_moves = f"{moved['late']} of {moved['transfers']}" if moved else "–"
+                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} | {late} | {late_moves} |"
             out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |{share}")
     return "\n".join(out) + "\n"
 

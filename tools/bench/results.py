@@ -29,6 +29,9 @@ class Point:
     # forwards' real work against their dilated targets.
     measured_summary: dict = field(default_factory=dict)
     cpu_share: dict = field(default_factory=dict)
+    # Emulated GPUs, kvpush: its transfers that took longer than the deployment's link would
+    # ({"late": n, "transfers": m}; a point with any is invalid: the link, not the model, set them)
+    late_transfers: dict = field(default_factory=dict)
     repeat: int = 0  # 0 the first measurement of the point, 1, 2, ... its repeats (--repeats)
     # kvpush: each request's TTFT split (segment -> ms, and its request id), in arrival order
     segments_by_request: list[dict] = field(default_factory=list)

@@ -380,6 +380,7 @@ class Bench:
                     break
         segments: dict[str, list[float]] = {}
         overheads = []
+        transfers: list[tuple[int, float]] = []  # per request: prompt tokens, its KV's real crossing
         bandwidth = self._raw_bytes_per_ms()
         profile = PROFILES.get(self.config.profile)  # "custom" (--model): unknown, no overhead figure
         kv_bytes_per_token = profile.kv_bytes_per_token_fp32 if profile else 0
@@ -392,11 +393,17 @@ class Bench:
                 segments.setdefault(name, []).append(value)
             point.segments_by_request.append({"request_id": request_id, "start_ns": path[0].start_ns,
                                               **{name: round(value, 3) for name, value in ms.items()}})
+            moves = [s for s in trace if s["name"] in (A.KV_WRITE, A.KV_READ)]
+            if moves:
+                crossing_s = (max(s["end_ns"] for s in moves) - min(s["start_ns"] for s in moves)) / 1e9
+                transfers.append((_prompt_tokens(trace) or workload.input_len, crossing_s))
             if bandwidth:
                 handoff = sum(ms.get(k, 0.0) for k in ("handoff", "transfer", "kv notice"))
                 prompt = _prompt_tokens(trace) or workload.input_len
                 overheads.append(handoff - prompt * kv_bytes_per_token / bandwidth)
         point.segments_by_request.sort(key=lambda row: row["start_ns"])
+        if self.emulation is not None and transfers:
+            point.late_transfers = emulation.late_transfers(transfers, self.emulation.target, self.emulation.k)
         point.segments_ms = {name: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "mean": sum(v) / len(v),
                                     "n": len(v)} for name, v in segments.items()}
         if overheads:

@@ -148,6 +148,11 @@ def decode_step_seconds(deployment: Deployment, contexts: list[int]) -> float:
     return step_time(deployment, [Request(1, c) for c in contexts]).seconds
 
 
+def transfer_seconds(deployment: Deployment, prompt_tokens: int) -> float:
+    """A prompt's KV across the deployment's link, at its full rate."""
+    return prompt_tokens * deployment.model.kv_bytes_per_token / deployment.link_bytes_per_s
+
+
 def transfer_to_prefill_ratio(deployment: Deployment, prompt_tokens: int) -> float:
     """How long the prompt's KV takes to cross the link, against how long its prefill took."""
     transfer = prompt_tokens * deployment.model.kv_bytes_per_token / deployment.link_bytes_per_s
