@@ -68,12 +68,13 @@ def test_the_worker_refuses_16_on_cpus_before_any_engine_starts(capsys):
     assert "multiples of 32" in capsys.readouterr().err + capsys.readouterr().out
 
 
-def test_vllm_builds_the_engine_with_the_block_size_and_the_heartbeat_counts_its_bytes():
+def test_vllm_builds_the_engine_with_the_sizes_it_was_given_and_the_heartbeat_counts_a_blocks_bytes():
     model = str(build_model(default_model_dir("small"), profile="small"))
     settings = EngineSettings(model=model, role="decode", engine_id="b", nats_url="nats://127.0.0.1:4222",
-                              connector="kvpush", block_size=32)
+                              connector="kvpush", block_size=32, max_num_seqs=128)
     config = engine.engine_args(settings).create_engine_config(UsageContext.ENGINE_CONTEXT)
     assert config.cache_config.block_size == 32
+    assert config.scheduler_config.max_num_seqs == 128
     default = engine.engine_args(EngineSettings(model=model, role="decode", engine_id="b",
                                                 nats_url="nats://127.0.0.1:4222", connector="kvpush"))
     default_config = default.create_engine_config(UsageContext.ENGINE_CONTEXT)
@@ -96,11 +97,3 @@ def test_the_bench_gives_every_engine_the_same_max_num_seqs_when_asked(monkeypat
     assert build_parser().parse_args(stack.worker_args("decode", "decode-0")).max_num_seqs == 128
     plain = Stack("/models/small", nats_url="nats://127.0.0.1:4222")
     assert build_parser().parse_args(plain.worker_args("decode", "decode-0")).max_num_seqs == 16  # kvpush's own
-
-
-def test_vllm_builds_the_engine_with_the_max_num_seqs_the_worker_was_given():
-    model = str(build_model(default_model_dir("small"), profile="small"))
-    settings = EngineSettings(model=model, role="decode", engine_id="b", nats_url="nats://127.0.0.1:4222",
-                              connector="kvpush", max_num_seqs=128)
-    config = engine.engine_args(settings).create_engine_config(UsageContext.ENGINE_CONTEXT)
-    assert config.scheduler_config.max_num_seqs == 128
