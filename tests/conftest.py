@@ -11,6 +11,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import nats
@@ -51,8 +52,33 @@ def pytest_collection_finish(session):
     early.queue_for(needed, lambda: str(build_model(default_model_dir("small"))))
 
 
+FOLDER_STARTED: dict[str, float] = {}  # when each folder's first test started (time.time())
+
+
+def pytest_runtest_logstart(nodeid, location):
+    parts = nodeid.split("/")
+    if len(parts) > 2 and parts[0] == "tests":
+        FOLDER_STARTED.setdefault(parts[1], time.time())
+
+
 def pytest_sessionfinish(session):
     early.EARLY.stop_all()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """Where the session's minutes went: when each folder began, and each lane run's span,
+    in minutes from the first test. CI has a time budget; this says what to move."""
+    if not FOLDER_STARTED:
+        return
+    zero = min(FOLDER_STARTED.values())
+    minutes = lambda t: f"{(t - zero) / 60:.1f}"  # noqa: E731
+    folders = ", ".join(f"{name} {minutes(t)}" for name, t in sorted(FOLDER_STARTED.items(), key=lambda kv: kv[1]))
+    terminalreporter.write_line(f"timeline (min): {folders}, end {minutes(time.time())}")
+    lane = [f"{name} {minutes(run.started_at)}-{minutes(run.ended_at)}" for name, run in early.EARLY.runs.items()
+            if run.started_at is not None and run.ended_at is not None]
+    if lane:
+        terminalreporter.write_line(f"lane (min): {', '.join(lane)}")
 
 
 @pytest.fixture(scope="session")

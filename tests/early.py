@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +52,14 @@ class EarlyRun:
     seen_before: Any = None  # what ``before`` said
     returncode: int | None = None  # None: not ended, or stopped at its timeout
     timed_out: bool = False
+    started_at: float | None = None  # time.time() when it started and ended: the session's timeline
+    ended_at: float | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     _process: subprocess.Popen | None = None
 
     def run_to_end(self) -> None:
         """Start it, wait for it (at most ``timeout_s``: then it is stopped), and say it ended."""
+        self.started_at = time.time()
         try:
             self.seen_before = self.before() if self.before is not None else None
             self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +73,7 @@ class EarlyRun:
                 self.timed_out = True
                 self.stop()
         finally:
+            self.ended_at = time.time()
             self.finished.set()
 
     def stop(self) -> None:
