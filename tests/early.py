@@ -6,13 +6,17 @@ busy): a second lane beside pytest's own.
   tests/stack/conftest.py;
 - ``bench``: `kvpush bench` in CI size, for tests/bench/test_bench.py;
 - ``multiturn``: `kvpush bench-multiturn` in CI size, for tests/bench/test_multiturn.py;
-- ``compose``: the compose check, for tests/stack/test_compose_up.py.
+- ``compose``: the compose check, for tests/stack/test_compose_up.py;
+- ``emulation``: CI's tiny point of `kvpush bench --emulate`, for tests/bench/test_emulation.py.
 
 They run in that order, one at a time, so the lane never holds more than one stack. The
 benchmarks' tests assert complete and correct results, not speed, so another lane beside
 them changes nothing they check; a test that measures time waits for the lane to be done
-(``EarlyRuns.wait_all``). The compose check goes last: its tests, early in tests/stack,
-wait for it, so the rest of tests/stack runs with the lane done.
+(``EarlyRuns.wait_all``). The compose check's tests, early in tests/stack, wait for it; the
+emulated point comes after it, beside the first tests of tests/stack (at k = 25 it mostly
+waits on its modeled time), so its two minutes leave CI's serial part. It puts its hosts
+on the 198.18.0.0/24 switch (tools/hosts/network.py), which only one run may hold at a time:
+tests/stack/test_multi_host.py waits for it (``EarlyRuns.wait_for``).
 
 ``tests/conftest.py`` queues them after collection; a fixture asks for its run's result
 (``EarlyRuns.result``), waiting for it, or runs it then if nothing queued it. Each run is a
@@ -126,6 +130,12 @@ class EarlyRuns:
         run.finished.wait(self._patience())
         return run
 
+    def wait_for(self, name: str) -> None:
+        """Until ``name`` ended, if the lane has it (a test that needs what it holds)."""
+        run = self.runs.get(name)
+        if run is not None:
+            run.finished.wait(self._patience())
+
     def wait_all(self) -> None:
         """Until the lane is done (a test that measures time wants the machine to itself)."""
         for run in self.runs.values():
@@ -210,12 +220,29 @@ def compose_check(model_dir: str = "") -> EarlyRun:
                     stop_signal=signal.SIGTERM, before=private_engine.links, out=COMPOSE_ARTIFACTS)
 
 
+EMULATED_DILATION = 25
+
+
+def emulated_point(model_dir: str = "") -> EarlyRun:
+    """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector, each
+    engine on a host of its own, the KV through the shaped link (its model is the emulated
+    profile's own, not the session's)."""
+    out = FOLDER / "emulation"
+    return EarlyRun(
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--dilation",
+         str(EMULATED_DILATION), "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8",
+         "--requests", "2", "--warmup", "1", "--output-len", "8", "--binding", "kvpush=split,vllm-nixl=split",
+         "--no-raw-nixl", "--out", str(out)],
+        log=FOLDER / "emulation.log", timeout_s=580, out=out)  # killed, its hosts are swept by the next run's
+
+
 # The lane's order, and the fixture that asks for each run's result.
 LANE: tuple[tuple[str, str, Callable[[str], EarlyRun]], ...] = (
     ("reference", "reference_run", reference_generation),
     ("bench", "bench_run", bench),
     ("multiturn", "multiturn_run", multiturn),
     ("compose", "compose_run", compose_check),
+    ("emulation", "emulated_point_run", emulated_point),
 )
 
 

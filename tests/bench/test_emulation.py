@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.bench.whole_group import run_whole
-from tests.early import EARLY
+from tests.early import EARLY, EMULATED_DILATION, emulated_point
 
 from kvpush.tools.emulation import catalog
 from kvpush.tools.emulation.link import measure
@@ -34,6 +34,11 @@ def machine_to_itself():
 DILATION = 20.0
 INPUT_LEN = 512
 BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def emulated_point_run():
+    return EARLY.result("emulation", emulated_point)
 
 
 @pytest.fixture(scope="module")
@@ -200,33 +205,27 @@ def test_the_plugin_paces_the_spin_of_vllm_s_shared_memory_queue_unless_told_not
     assert seen["paced"] < 0.3 and seen["on"] > 3 * seen["paced"], seen
 
 
-def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shaped_link(tmp_path):
-    """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector, each
-    engine on a host of its own, the KV through the shaped link, times reported divided by k."""
-    out = tmp_path / "bench"
-    run = run_whole(
-        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--dilation", "25",
-         "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8", "--requests", "2",
-         "--warmup", "1", "--output-len", "8", "--binding", "kvpush=split,vllm-nixl=split", "--no-raw-nixl",
-         "--out", str(out)],
-        timeout=580,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
+def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shaped_link(emulated_point_run):
+    """CI's tiny point of `kvpush bench --emulate` (run in the session's lane, tests/early.py):
+    kvpush push and vLLM's NixlConnector, each engine on a host of its own, the KV through
+    the shaped link, times reported divided by k."""
+    run, out = emulated_point_run, emulated_point_run.out
+    assert run.returncode == 0, run.output()[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["errors"] == []
     points = {p["variant"]: p for p in results["points"]}
     assert set(points) == {"kvpush-push", "vllm-nixl"}
     for variant, point in points.items():
         summary, measured = point["summary"], point["measured_summary"]
-        assert summary["completed"] == 2 and summary["dilation"] == 25, (variant, point)
-        assert summary["p50_ttft_ms"] == pytest.approx(measured["p50_ttft_ms"] / 25)
+        assert summary["completed"] == 2 and summary["dilation"] == EMULATED_DILATION, (variant, point)
+        assert summary["p50_ttft_ms"] == pytest.approx(measured["p50_ttft_ms"] / EMULATED_DILATION)
         assert point["cpu_share"]["forwards"] > 0 and point["cpu_share"]["all"] > 0
     assert "prefill compute" in points["kvpush-push"]["segments_ms"], "the workers' spans crossed from their hosts"
     links = {link["system"]: link for link in results["links"]}
     assert set(links) == {"kvpush", "vllm-nixl"}
     kv_bytes = 3 * 512 * 16 * 1024 * 0.9  # the warm-up and two requests, the last block recomputed at most
     for system, link in links.items():
-        assert link["rate_bits_per_s"] == pytest.approx(3200e9 * (16 / 256) / 25)
+        assert link["rate_bits_per_s"] == pytest.approx(3200e9 * (16 / 256) / EMULATED_DILATION)
         assert link["bytes_sent"]["prefill-0->decode-0"] >= kv_bytes, (system, link)
     # The prefill's and the decode's forwards are not confined to one core between them, vLLM's
     # included: its NIXL worker pins the thread that builds it, the forward thread, to the last

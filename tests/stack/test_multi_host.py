@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 
 from kvpush.shared import wire
 from tests import prompts
+from tests.early import EARLY
 from kvpush.tools.hosts.network import Network, run
 from kvpush.tools.hosts.rig import PLACEMENT, running_multi_host_rig
 from kvpush.tools.reliability.fault_rig import DEADLINE_S, wait_until
@@ -26,6 +27,13 @@ pytestmark = pytest.mark.timeout(900)
 
 PUSHED, PULLED, VIA_GATEWAY = 4, 6, 5  # prompts.CORRECTNESS indices: a prompt each, none cached yet
 STREAM = len(prompts.CORRECTNESS) + 3  # prompts.STREAM_PROMPT in the reference
+
+
+@pytest.fixture(scope="module", autouse=True)
+def switch_to_itself():
+    """The session's lane puts the emulated point's hosts on the same 198.18.0.0/24 switch
+    (tests/early.py): one run holds it at a time."""
+    EARLY.wait_for("emulation")
 
 
 @pytest.fixture(scope="module")
