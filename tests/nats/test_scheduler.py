@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 import uuid
 
@@ -258,9 +259,31 @@ async def running(server):
     """``await running(thing)`` enters an async context manager for the rest of the test.
     The flights its schedulers left behind go with it: no later test's scheduler takes
     them over."""
-    async with contextlib.AsyncExitStack() as stack:
+    stack = contextlib.AsyncExitStack()
+    try:
         yield stack.enter_async_context
-    await forget_flights(server)
+    finally:
+        # CI once saw this teardown pass its 60 s (2026-12-07, not seen again in 5 runs):
+        # what every task waits on is printed before pytest-timeout ends it.
+        with tasks_printed_after(45, "the running fixture's exit"):
+            await stack.aclose()
+            await forget_flights(server)
+
+
+@contextlib.contextmanager
+def tasks_printed_after(seconds: float, what: str):
+    """If the block still runs after ``seconds``, print every task's stack to stderr."""
+
+    def print_tasks() -> None:
+        print(f"\n{what} still runs after {seconds:g} s; its loop's tasks:", file=sys.stderr)
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+
+    timer = asyncio.get_running_loop().call_later(seconds, print_tasks)
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 async def forget_flights(server) -> None:
