@@ -52,6 +52,8 @@ from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
 from kvpush.connector import checksums
 from kvpush.connector.block_ranges import HeadSlice
+from kvpush.connector.compute_marks import COMPUTED, ComputeMark
+from kvpush.connector import compute_marks
 from kvpush.connector.completion import Notification, block_tag, notification
 from kvpush.connector.fanout import Fanout, PartEnd
 from kvpush.connector.layer_writes import LayerWrites, NotWritten, Written
@@ -81,6 +83,7 @@ from kvpush.shared.errors import (
 log = logging.getLogger("kvpush.connector")
 _tracer = trace.get_tracer("kvpush.connector")
 MAX_PULL_DIGESTS = 10_000  # transfers whose pull digests wait for the worker meta (bounded)
+MAX_MARKS = 4_096  # prompts' compute marks kept for their WRITEs (far more than one step finishes)
 
 Target = tuple[tp_map.Exchange, wire.AgentInfo]  # a decode rank our heads go to, and its agent
 
@@ -98,6 +101,7 @@ class _LayeredPush:
     writes: LayerWrites
     targets: list[Target] = dataclasses.field(default_factory=list)  # once their agents are known
     ends: dict[int, Fanout] = dataclasses.field(default_factory=dict)  # layer -> its WRITEs to every target
+    computed: dict[int, ComputeMark] = dataclasses.field(default_factory=dict)  # layer -> its mark (compute_marks.py)
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
@@ -120,6 +124,8 @@ class Producer:
         self._this_step: list[str] = []  # transfers matched in this step's forward (vLLM's worker thread only)
         self._step_meta: KvpushMetadata | None = None  # the step whose forward is under way, once it saved a layer
         self._layer_of: dict[str, int] = {}  # vLLM's layer name -> its position in our KV layout
+        # Prompts a step finished -> its mark: their WRITEs leave once the step's KV is in memory.
+        self._computed: dict[str, ComputeMark] = {}
         self._pull_digests: dict[str, list[list[str]]] = {}  # transfer -> our heads' digests, for the worker meta
 
     def attach(self, transfer: TransferThread, wake: Callable[[], None]) -> None:
@@ -181,12 +187,20 @@ class Producer:
             return
         index = self._layer_of.get(layer_name)
         if index is not None:
+            computed = compute_marks.mark(index)
+            with self._lock:
+                for transfer_id in self._this_step:
+                    push = self._layered.get(transfer_id)
+                    if push is not None:
+                        push.computed[index] = computed
             self._post_layers(lambda writes: writes.layer_computed(index))
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         """After the forward pass: these prefills' KV is now in their blocks."""
         early = self._this_step if meta is self._step_meta else []
         self._this_step, self._step_meta = [], None
+        if meta.ready_prefills:
+            self._mark_computed([ready.transfer_id for ready in meta.ready_prefills], compute_marks.mark())
         if early:
             self._post_layers(lambda writes: writes.all_computed(), early)
         for ready in meta.ready_prefills:
@@ -206,6 +220,17 @@ class Producer:
                 self.transfer.expect(1)
                 continue
             self._settle(self._offer(lambda: self._book.offer_prefill(ready)), ready)
+
+    def _mark_computed(self, transfer_ids: list[str], computed: ComputeMark) -> None:
+        """These prompts' KV is in memory once ``computed`` is done. Marks of steps long ended
+        are done: past MAX_MARKS the oldest go (a WRITE with none leaves at once)."""
+        if computed is COMPUTED:
+            return
+        with self._lock:
+            for transfer_id in transfer_ids:
+                self._computed[transfer_id] = computed
+            while len(self._computed) > MAX_MARKS:
+                del self._computed[next(iter(self._computed))]
 
     def _keep_pull_digests(self, ready: ReadyPrefill) -> None:
         """Pull: our heads' digests of the prompt's blocks, for the scheduler side's handoff
@@ -442,14 +467,17 @@ class Producer:
                                            write_ms=end.write_ms))
             self._done(match, end.bytes, end.descriptors, started)
 
+        with self._lock:
+            computed = self._computed.get(match.transfer_id, COMPUTED)
         for exchange, remote in targets:
-            self.transfer.submit(self._write_job(match, exchange, remote, on_done))
+            self.transfer.submit(self._write_job(match, exchange, remote, on_done, computed))
 
     def _write_job(self, match: Match[wire.Registration, ReadyPrefill], exchange: tp_map.Exchange,
-                   remote: wire.AgentInfo, on_done: Callable[[TransferResult], None], part: int = 0, parts: int = 1,
-                   regions: tuple[int, int] | None = None) -> TransferJob:
+                   remote: wire.AgentInfo, on_done: Callable[[TransferResult], None], computed: ComputeMark,
+                   part: int = 0, parts: int = 1, regions: tuple[int, int] | None = None) -> TransferJob:
         """The WRITE of our heads ``exchange.mine`` into one decode rank's (``regions``: a
-        layer's, layer by layer), its notification numbered among that rank's writers."""
+        layer's, layer by layer), its notification numbered among that rank's writers; it
+        leaves once ``computed`` is done."""
         registration, ready = match.registration, match.prefill
         blocks = sources(registration, ready)
         digest = self._digest(ready, blocks, regions, exchange.mine)
@@ -467,6 +495,7 @@ class Producer:
             regions=regions,
             local_part=exchange.mine,
             remote_part=exchange.theirs,
+            computed=computed,
         )
 
     def _done(self, match: Match[wire.Registration, ReadyPrefill], nbytes: int, descriptors: int,
@@ -528,7 +557,7 @@ class Producer:
         transfer_id = push.match.transfer_id
         return [self._write_job(push.match, exchange, remote,
                                 lambda result: self._layer_done(transfer_id, index, result),
-                                part=index, parts=push.writes.layers, regions=(first, end))
+                                push.computed.get(index, COMPUTED), part=index, parts=push.writes.layers, regions=(first, end))
                 for exchange, remote in push.targets]
 
     def _digest(self, ready: ReadyPrefill, blocks: list[int], regions: tuple[int, int] | None = None,

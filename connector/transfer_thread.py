@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from kvpush.connector.block_ranges import HeadSlice, byte_ranges, coalesce
+from kvpush.connector.compute_marks import COMPUTED, ComputeMark
 from kvpush.connector.kv_layout import KvLayout
 from kvpush.connector.tp_map import Shard
 from kvpush.otel import attributes as A
@@ -89,6 +90,9 @@ class TransferJob:
     # Tensor parallelism: the heads of each block that move, ours and the remote's (None: whole blocks)
     local_part: HeadSlice | None = None
     remote_part: HeadSlice | None = None
+    # A WRITE of blocks the running step computes leaves once they are in memory
+    # (compute_marks.py: at once on a synchronous device).
+    computed: ComputeMark = COMPUTED
 
 
 @dataclass
@@ -229,10 +233,12 @@ class TransferThread:
         # agent, so the oldest are removed past max_remote_agents (none with a transfer posted).
         self._known_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._in_flight: list[_InFlight] = []
+        self._not_computed: list[TransferJob] = []  # WRITEs whose blocks the device still computes
         self._ready.set()
         eager_until = 0.0
         backoff = 0.0  # while our own transfers run: the pause between checks, doubling to ACTIVE_POLL_S
         while True:
+            self._post_computed()
             if self._in_flight:
                 try:
                     item = self._jobs.get_nowait()
@@ -245,7 +251,7 @@ class TransferThread:
                 backoff = 0.0
                 with self._expect_lock:
                     expecting = self._expecting > 0
-                if time.monotonic() < eager_until:
+                if time.monotonic() < eager_until or self._not_computed:
                     timeout = ACTIVE_POLL_S
                 else:
                     timeout = EXPECT_POLL_S if expecting else IDLE_POLL_S
@@ -260,7 +266,10 @@ class TransferThread:
             elif isinstance(item, _PollNow):
                 pass  # this round's poll below is the one asked for
             elif item is not None:
-                self._post(item)
+                if item.computed.done():
+                    self._post(item)
+                else:
+                    self._not_computed.append(item)
                 backoff = 0.0
             if self._poll_writes():
                 backoff = 0.0
@@ -270,6 +279,20 @@ class TransferThread:
                 item.done.set()
         for flight in self._in_flight:
             self._finish(flight, ok=False, error="transfer thread stopped")
+        for job in self._not_computed:
+            job.on_done(TransferResult(job.transfer_id, ok=False, error="transfer thread stopped"))
+
+    def _post_computed(self) -> None:
+        """Post the waiting WRITEs whose blocks are computed now, in the order they came."""
+        if not self._not_computed:
+            return
+        waiting: list[TransferJob] = []
+        for job in self._not_computed:
+            if job.computed.done():
+                self._post(job)
+            else:
+                waiting.append(job)
+        self._not_computed = waiting
 
     def _post(self, job: TransferJob) -> None:
         chaos.point(f"transfer.posting.{job.op}")  # a test holds a READ (or WRITE) before it starts here

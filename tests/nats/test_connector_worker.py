@@ -24,6 +24,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from kvpush.connector.agents import AgentDirectory
 from kvpush.connector.bridge import NatsBridge
+from kvpush.connector import compute_marks
 from kvpush.connector.completion import block_tag, notification
 from kvpush.connector.consumer import Consumer
 from kvpush.connector.metadata import ExpectedKv, KvpushMetadata, ReadyPrefill
@@ -232,6 +233,51 @@ def test_push_and_pull_move_the_prompt_and_free_prefills_blocks(nats_server, dec
         _assert_copied(blocks, src)
         assert _sent(worker, "prefill-pull") == {"prefill-pull"}
     finally:
+        worker.shutdown()
+        bridge.close()
+
+
+class StepStillComputing:
+    """The device's mark for a step that has not ended (connector/compute_marks.py): done
+    once the test says so; counts how often the transfer thread asked."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.ended.is_set()
+
+
+def test_a_push_matched_while_its_step_still_computes_leaves_once_the_step_ended(nats_server, decode):
+    """On a GPU vLLM calls wait_for_save after the forward's launch: the prompt's last blocks
+    are not computed yet. The WRITE waits for the step's mark (the emulated device's, here the
+    test's) and lands once it is done."""
+    prefill_id = _id("prefill")
+    bridge = NatsBridge(nats_server.url, name=prefill_id)
+    bridge.start()
+    worker = _producer(bridge, prefill_id, lease_s=WAIT_S)
+    step = StepStillComputing()
+    compute_marks.install(lambda layer: step)
+    try:
+        transfer, key = _id("push"), _key()
+        src, dst = [0, 1, 2, 7], [5, 6, 7, 12]
+        worker.wait_for_save(KvpushMetadata(ready_prefills=[
+            ReadyPrefill("prefill-held", transfer, src, mode="push", num_tokens=len(src) * BLOCK_SIZE,
+                         decode_engine_id=decode.engine_id, transfer_key=key)]))
+        compute_marks.install(None)  # the step's mark was taken; the next steps are computed at once
+        _start_load(decode, wire.DecodeKvParams(
+            transfer_id=transfer, request_id="held", prefill_engine_id=prefill_id, transfer_key=key), dst)
+        _until(lambda: step.asked > 0, "the transfer thread holding the WRITE for its step")
+        assert worker.producer.transfer.posted == 0
+        step.ended.set()
+        arrived, failed, blocks = _loaded(decode)
+        assert (arrived, failed) == (True, [])
+        _assert_copied(blocks, src)
+        assert worker.producer.transfer.posted == 1
+    finally:
+        compute_marks.install(None)
         worker.shutdown()
         bridge.close()
 

@@ -75,6 +75,54 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
         assert torch.all(got[untouched] == 0)
 
 
+class HeldMark:
+    """A compute mark the test says is done (compute_marks.py): the device still computes
+    the blocks until then."""
+
+    def __init__(self) -> None:
+        self.computed = False
+
+    def done(self) -> bool:
+        return self.computed
+
+
+def test_a_write_of_blocks_still_being_computed_leaves_once_they_are_and_others_go_meanwhile():
+    """On a device that runs on after the forward returned (a GPU, the emulated one), a WRITE
+    the step's hook asked for waits for its compute mark; a WRITE of computed blocks is not
+    held behind it."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(child,))
+    proc.start()
+    try:
+        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+        caches = _kv_caches(3.0)
+        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
+        writer.start()
+        results = []
+        held = HeldMark()
+        writer.submit(TransferJob("WRITE", "t-held", remote, [0], [5], notification("t-held", 0, 1, "tag"),
+                                  results.append, computed=held))
+        assert writer.poll_notifications_now(10)  # the thread has taken the job in
+        assert writer.posted == 0 and results == []
+        writer.submit(TransferJob("WRITE", "t-free", remote, [1], [6], b"", results.append))
+        deadline = time.monotonic() + 20
+        while not results and time.monotonic() < deadline:
+            writer.poll_notifications_now(1)
+        assert [r.transfer_id for r in results] == ["t-free"] and writer.posted == 1
+        held.computed = True
+        while len(results) < 2 and time.monotonic() < deadline:
+            writer.poll_notifications_now(1)
+        notes = parent.recv()
+        landed = parent.recv()
+        writer.stop()
+    finally:
+        proc.join(timeout=30)
+    assert [r.transfer_id for r in results] == ["t-free", "t-held"] and all(r.ok for r in results), results
+    assert [parse_notification(n.encode()).transfer_id for n in notes] == ["t-held"]
+    assert torch.all(torch.tensor(landed["model.layers.0.attn"])[5] == 3.0)
+
+
 def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_again(monkeypatch):
     """Over UCX's TCP transport a WRITE needs the peer to progress: a peer stopped with
     SIGSTOP holds it posted. NIXL cannot cancel it, so the transfer thread reports it stuck
