@@ -224,13 +224,13 @@ EMULATED_DILATION = 25
 
 
 def emulated_point(model_dir: str = "") -> EarlyRun:
-    """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector, each
-    engine on a host of its own, the KV through the shaped link (its model is the emulated
-    profile's own, not the session's)."""
+    """CI's tiny point of `kvpush bench --emulate`: kvpush push and vLLM's NixlConnector on the
+    stand-in forward (an asynchronous device), each engine on a host of its own, the KV through
+    the shaped link (its model is the emulated profile's own, not the session's)."""
     out = FOLDER / "emulation"
     return EarlyRun(
-        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--dilation",
-         str(EMULATED_DILATION), "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8",
+        [sys.executable, "-m", "kvpush.services.cli.main", "bench", "--emulate", "qwen3-32b@p5en", "--forward",
+         "stand-in", "--dilation", str(EMULATED_DILATION), "--systems", "kvpush-push,vllm-nixl", "--input-lens", "512", "--rates", "8",
          "--requests", "2", "--warmup", "1", "--output-len", "8", "--binding", "kvpush=split,vllm-nixl=split",
          "--no-raw-nixl", "--out", str(out)],
         log=FOLDER / "emulation.log", timeout_s=580, out=out)  # killed, its hosts are swept by the next run's

@@ -207,8 +207,8 @@ def test_the_plugin_paces_the_spin_of_vllm_s_shared_memory_queue_unless_told_not
 
 def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shaped_link(emulated_point_run):
     """CI's tiny point of `kvpush bench --emulate` (run in the session's lane, tests/early.py):
-    kvpush push and vLLM's NixlConnector, each engine on a host of its own, the KV through
-    the shaped link, times reported divided by k."""
+    kvpush push and vLLM's NixlConnector on the stand-in, each engine on a host of its own, the
+    KV through the shaped link, times reported divided by k."""
     run, out = emulated_point_run, emulated_point_run.out
     assert run.returncode == 0, run.output()[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -227,6 +227,17 @@ def test_kvpush_bench_emulate_runs_a_tiny_point_of_two_systems_through_the_shape
     for system, link in links.items():
         assert link["rate_bits_per_s"] == pytest.approx(3200e9 * (16 / 256) / EMULATED_DILATION)
         assert link["bytes_sent"]["prefill-0->decode-0"] >= kv_bytes, (system, link)
+    # The device is asynchronous (tools/emulation/device.py): each forward returned before its
+    # modeled end and sampling waited for it; kvpush's connector took its compute marks (in
+    # wait_for_save, for the prompts the step finished) inside the modeled step, not after it.
+    marked = []
+    for system in ("kvpush", "vllm-nixl"):
+        for line in (out / "emulation" / f"{system}-1P1D" / "forwards.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            assert record["launch_s"] < record["target_s"] <= record["wall_s"] + 1e-4, (system, record)
+            assert all(0 <= at < record["target_s"] for _, at in record["marks"]), (system, record)
+            marked += [system] * len(record["marks"])
+    assert set(marked) == {"kvpush"} and len(marked) >= 3, marked  # the warm-up's and two prompts' steps
     # The prefill's and the decode's forwards are not confined to one core between them, vLLM's
     # included: its NIXL worker pins the thread that builds it, the forward thread, to the last
     # core on CPUs (core 1 for both engines, the decode's worker spinning beside the prefill's

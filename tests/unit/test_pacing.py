@@ -130,3 +130,30 @@ def test_a_forwards_record_counts_its_threads_own_cpu_time():
     pacer.after_layer(1)
     record = pacer.end()
     assert record.cpu_s == 0.25 and record.wall_s == pytest.approx(1.0)
+
+
+def test_an_asynchronous_forward_returns_at_launch_and_sampling_waits_for_the_modeled_end():
+    """The stand-in's device: host work, launch, the connector's hooks, then the wait."""
+    clock = FakeClock()
+    cpu = FakeClock()
+    pacer = LayerPacer(layers=80, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+    pacer.begin(0.050, by_layer=False)
+    clock.work(0.004), cpu.work(0.004)  # the forward's host work
+    pacer.launched()
+    clock.work(0.003), cpu.work(0.003)  # the connector's wait_for_save and get_finished: not the forward's
+    pacer.wait_for_device()
+    record = pacer.end()
+    assert clock.now - 100.0 == pytest.approx(0.050)  # sampling saw the modeled end
+    assert record.launch_s == pytest.approx(0.004) and record.cpu_s == pytest.approx(0.004)
+    assert record.slept_s == pytest.approx(0.043) and record.wall_s == pytest.approx(0.050)
+
+
+def test_a_forward_whose_host_work_outlasts_the_step_is_not_waited_for():
+    clock = FakeClock()
+    pacer = LayerPacer(layers=4, clock=clock, sleep=clock.sleep)
+    pacer.begin(0.010, by_layer=False)
+    clock.work(0.015)
+    pacer.launched()
+    pacer.wait_for_device()
+    record = pacer.end()
+    assert clock.sleeps == [] and record.wall_s == pytest.approx(0.015) and record.launch_s == pytest.approx(0.015)

@@ -51,6 +51,7 @@ class ForwardRecord:
     wall_s: float = 0.0
     slept_s: float = 0.0
     cpu_s: float = 0.0  # the forward thread's own CPU time: its work, without the time others had the core
+    launch_s: float | None = None  # asynchronous (``launched``): when its host work was done, from its start
 
     @property
     def busy_s(self) -> float:
@@ -98,6 +99,24 @@ class LayerPacer:
             self.sleep(deadline - now)
             record.slept_s += self.clock() - now  # what the sleep took, overshoot included
 
+    @property
+    def started_at(self) -> float | None:
+        """When the running forward began (``clock()``), None between forwards."""
+        return self._start
+
+    def launched(self) -> None:
+        """Asynchronous, as on a GPU: the forward's host work is done and it returns; the
+        device runs on until ``wait_for_device``. Its CPU share counts the work until now."""
+        record = self._record
+        if record is None or self._start is None:
+            return
+        record.launch_s = self.clock() - self._start
+        record.cpu_s = self.cpu_clock() - self._cpu_start
+
+    def wait_for_device(self) -> None:
+        """Sampling: wait until the step's modeled end."""
+        self.after_layer(self.layers - 1)
+
     def end(self) -> ForwardRecord | None:
         """The forward is done: its record (``None`` if it was never begun)."""
         record, start = self._record, self._start
@@ -105,5 +124,6 @@ class LayerPacer:
         if record is None or start is None:
             return None
         record.wall_s = self.clock() - start
-        record.cpu_s = self.cpu_clock() - self._cpu_start
+        if record.launch_s is None:
+            record.cpu_s = self.cpu_clock() - self._cpu_start
         return record

@@ -8,8 +8,12 @@ the proxies) was divided by k with it. The stand-in computes nothing. Per step:
 - each layer writes a cheap deterministic pattern into the new tokens' KV slots (vLLM's own
   cache write, through the attention layer's backend), with the connector's per-layer hooks
   around it exactly where vLLM's attention calls them (``wait_for_layer_load`` before,
-  ``save_kv_layer`` after), and the layers are paced to end at their share of the modeled
-  step, as in the timed model;
+  ``save_kv_layer`` after);
+- the device is asynchronous, as a GPU is (:mod:`kvpush.tools.emulation.device`): the forward
+  returns once its host work is done, so vLLM runs the connector's ``wait_for_save`` and
+  ``get_finished`` inside the modeled step, and ``compute_logits`` (sampling) waits for the
+  step's modeled end. A WRITE a hook asks for leaves once its layer (or the step) would be
+  computed: the connector's marks (``kvpush.connector.compute_marks``) are this device's;
 - each layer then reads one value of every block of each request's context (the first key
   of the block's first token) and adds it to that request's sum. The sampled token is a
   function of that sum, the last input token and its position: **an output proves its KV
@@ -22,7 +26,7 @@ What it does not model: anything of the real network's numerics. Use it for time
 language model. vLLM loads it by its architecture name (``KvpushStandInForCausalLM``,
 registered by :mod:`kvpush.tools.emulation.plugin`) from a folder ``kvpush model build
 --profile stand-in-*`` writes; it reads the same settings from the environment as the timed
-model (target, dilation, pacing, forward log).
+model (target, dilation, forward log; the pacing switch is the timed model's only).
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 
+from kvpush.connector import compute_marks
+from kvpush.tools.emulation.device import EmulatedDevice
 from kvpush.tools.emulation.kv_pattern import next_tokens, token_pattern
-from kvpush.tools.emulation.pacing import LayerPacer, paced_by_layer
+from kvpush.tools.emulation.pacing import LayerPacer
 from kvpush.tools.emulation.plugin import STAND_IN_ARCHITECTURE
 from kvpush.tools.emulation.time_model import step_time
 from kvpush.tools.emulation.timed_model import LOG_ENV, batch_of_this_step, dilation_from_env, \
-    emulated_deployment, log_forward, pacing_from_env
+    emulated_deployment, log_forward
 
 class KvpushStandInForCausalLM(nn.Module):
     """The model vLLM loads: one vLLM ``Attention`` per layer, only so that vLLM allocates each
@@ -64,8 +70,10 @@ class KvpushStandInForCausalLM(nn.Module):
                       prefix=f"{prefix}layers.{index}.attn")
             for index in range(config.num_hidden_layers))
         self.layer_names = [layer.layer_name for layer in self.layers]
-        self._pacing = pacing_from_env()
         self._pacer = LayerPacer(len(self.layers), clock=time.perf_counter, sleep=time.sleep)
+        self._device = EmulatedDevice(len(self.layers), clock=time.perf_counter)
+        self._step: tuple[list, float] | None = None  # the running step's batch and modeled seconds
+        compute_marks.install(self._device.mark)  # the connector in this process asks this device
         self._log_path = os.environ.get(LOG_ENV)
         self._log_lock = threading.Lock()
         self._cache_views: dict[str, _CacheViews] = {}
@@ -79,18 +87,30 @@ class KvpushStandInForCausalLM(nn.Module):
         if not batch:
             return hidden  # a dummy run (warm-up, memory profiling): nothing to write or time
         modeled = step_time(self.deployment, batch).seconds
-        self._pacer.begin(modeled * self.dilation, by_layer=paced_by_layer(self._pacing, batch))
-        try:
-            sums = self._layers(input_ids, positions, len(batch))
-            metadata = get_attention_context(self.layer_names[0])[0]
-            last = metadata.query_start_loc[1:len(batch) + 1].long() - 1
-            hidden[last, 0] = next_tokens(sums, input_ids[last], positions[last], self.vocab).to(torch.float32)
-            return hidden
-        finally:
-            record = self._pacer.end()
-            if record is not None and self._log_path:
-                with self._log_lock:
-                    log_forward(self._log_path, self.dilation, batch, modeled, record)
+        self._pacer.begin(modeled * self.dilation, by_layer=False)
+        self._device.begin(self._pacer.started_at, modeled * self.dilation)
+        self._step = (batch, modeled)
+        sums = self._layers(input_ids, positions, len(batch))
+        metadata = get_attention_context(self.layer_names[0])[0]
+        last = metadata.query_start_loc[1:len(batch) + 1].long() - 1
+        hidden[last, 0] = next_tokens(sums, input_ids[last], positions[last], self.vocab).to(torch.float32)
+        self._pacer.launched()  # the device runs on; the connector's hooks run now
+        return hidden
+
+    def _device_done(self) -> None:
+        """Sampling: wait for the running step's modeled end, and log the step."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._pacer.wait_for_device()
+        marks = self._device.marks
+        self._device.end()
+        record = self._pacer.end()
+        if record is not None and self._log_path:
+            batch, modeled = step
+            with self._log_lock:
+                log_forward(self._log_path, self.dilation, batch, modeled, record, launch_s=record.launch_s,
+                            marks=[[layer, round(at, 6)] for layer, at in marks])
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, requests: int) -> torch.Tensor:
         """Write every layer's KV for the new tokens and read one value per context block;
@@ -115,7 +135,6 @@ class KvpushStandInForCausalLM(nn.Module):
             if hooked:
                 connector.save_kv_layer(name, layer.kv_cache, metadata)
             sums += views.firsts[tables]
-            self._pacer.after_layer(index)
         return (sums * used).sum(dim=1)
 
     def _views(self, layer: Attention) -> "_CacheViews":
@@ -127,6 +146,7 @@ class KvpushStandInForCausalLM(nn.Module):
         return views
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._device_done()
         logits = torch.zeros(hidden.shape[0], self.vocab, dtype=torch.float32)
         # Greedy takes it; sampled at any sane temperature, every other token is e^-100 as likely.
         logits[torch.arange(hidden.shape[0]), hidden[:, 0].long().clamp(0, self.vocab - 1)] = 100.0

@@ -208,10 +208,11 @@ class KvpushTimedForCausalLM(nn.Module):
         return loaded
 
 
-def log_forward(path: str, dilation: float, batch, modeled: float, record) -> None:
+def log_forward(path: str, dilation: float, batch, modeled: float, record, **extra) -> None:
     """One paced forward, one JSON line (the bench's CPU share reads them): its batch, the
-    modeled and target seconds, its wall and busy seconds, and the cores it may run on."""
-    line = json.dumps({
+    modeled and target seconds, its wall and busy seconds, the cores it may run on, and
+    ``extra`` (an asynchronous forward's launch and the connector's marks)."""
+    line = json.dumps({**extra,
         "pid": os.getpid(), "at": time.time(), "dilation": dilation,
         "batch": [[r.new, r.context] for r in batch],
         "modeled_s": modeled, "target_s": record.target_s,
