@@ -54,13 +54,22 @@ def test_the_cpu_share_sums_each_engines_forwards_inside_the_point(tmp_path):
             {"pid": 2, "at": 99.0, "busy_s": 50.0, "target_s": 1.0, "wall_s": 50.0}]  # after the point
     log.write_text("\n".join(json.dumps(r) for r in rows) + "\n{\"pid\": 3, \"at\"")  # a line cut by a kill
     share = cpu_share(log, since=9.0, until=20.0)
-    assert share == {"all": pytest.approx(0.125), "by_pid": {"1": 0.2, "2": 0.05}, "forwards": 3, "late": 1}
+    assert share == {"all": pytest.approx(0.125), "by_pid": {"1": 0.2, "2": 0.05}, "forwards": 3, "late": 1,
+                     "step_gap_ms": {}}  # pid 1's forwards overlap (made-up rows), pid 2 has one
     # The forward thread's own CPU time, where logged, rather than its wall time less its
     # sleeps (which counts the time other processes held the core).
     log.write_text(json.dumps({"pid": 1, "at": 10.0, "busy_s": 4.0, "cpu_s": 1.0, "target_s": 10.0,
                                "wall_s": 10.0}) + "\n")
     assert cpu_share(log, since=9.0, until=20.0)["all"] == pytest.approx(0.1)
     assert cpu_share(tmp_path / "missing.jsonl", 0, 1)["all"] is None
+
+
+def test_the_step_gap_is_the_median_time_between_an_engines_forwards_while_it_keeps_stepping(tmp_path):
+    log = tmp_path / "forwards.jsonl"
+    ends = [10.010, 10.023, 10.035, 10.049, 15.0]  # 10 ms forwards, 3, 2 and 4 ms apart; then idle 4.9 s
+    log.write_text("".join(json.dumps({"pid": 7, "at": at, "busy_s": 0.001, "target_s": 0.01, "wall_s": 0.01}) + "\n"
+                           for at in ends))
+    assert cpu_share(log, since=0, until=20)["step_gap_ms"] == {"7": pytest.approx(3.0)}
 
 
 def test_the_grid_keeps_only_the_rates_one_emulated_prefill_holds():

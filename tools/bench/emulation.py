@@ -195,9 +195,13 @@ def cpu_share(log_path: Path, since: float, until: float) -> dict:
     is the forward thread's own CPU time where the log has it (``cpu_s``), else its wall time
     less its sleeps, which also counts the time other processes held the core. ``late``: the
     forwards that ended more than 10% (and 2 ms) after their target: the host, not the
-    model, set their time."""
+    model, set their time. ``step_gap_ms``: per engine, the median real time between one
+    forward's end and the next one's start while it keeps stepping (gaps under a second): vLLM's
+    step loop and the connector's bookkeeping, which a GPU's asynchronous scheduling would
+    overlap with the device's step, and which vLLM's CPU platform cannot (it turns that off)."""
     busy: dict[int, float] = {}
     target: dict[int, float] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}
     count = late = 0
     try:
         lines = log_path.read_text().splitlines()
@@ -215,10 +219,25 @@ def cpu_share(log_path: Path, since: float, until: float) -> dict:
         target[pid] = target.get(pid, 0.0) + record["target_s"]
         count += 1
         late += record["wall_s"] > 1.10 * record["target_s"] + 0.002
+        spans.setdefault(pid, []).append((record["at"] - record["wall_s"], record["at"]))
     total_target = sum(target.values())
     return {"all": round(sum(busy.values()) / total_target, 3) if total_target else None,
             "by_pid": {str(pid): round(busy[pid] / target[pid], 3) for pid in busy if target[pid]},
-            "forwards": count, "late": late}
+            "forwards": count, "late": late,
+            "step_gap_ms": {str(pid): gap for pid, gap in ((pid, step_gap_ms(s)) for pid, s in spans.items())
+                            if gap is not None}}
+
+
+def step_gap_ms(spans: list[tuple[float, float]], idle_s: float = 1.0) -> float | None:
+    """The median gap between consecutive forwards (start, end), leaving out idle ones."""
+    ordered = sorted(spans)
+    gaps = sorted(later[0] - earlier[1] for earlier, later in zip(ordered, ordered[1:])
+                  if 0 <= later[0] - earlier[1] < idle_s)
+    if not gaps:
+        return None
+    middle = len(gaps) // 2
+    median = gaps[middle] if len(gaps) % 2 else (gaps[middle - 1] + gaps[middle]) / 2
+    return round(median * 1000, 3)
 
 
 SEED_LENGTHS = (1024, 4096, 8192, 16384)

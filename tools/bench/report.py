@@ -68,9 +68,9 @@ def _split(segments: dict) -> str:
 
 def cpu_table(points: list) -> str:
     emulated = any(p.cpu_share for p in points)
-    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) | late forwards | late transfers |"
+    out = ["| workload | system | rate | CPU s/s by process |" + (" k | CPU share of the forwards (all; by engine pid) | late forwards | late transfers | host gap between steps, ms (by engine pid) |"
                                                               if emulated else ""),
-           "|---|---|---:|---|" + ("---:|---|---:|---:|" if emulated else "")]
+           "|---|---|---:|---|" + ("---:|---|---:|---:|---|" if emulated else "")]
     for p in points:
         if p.cpu_s_per_s:
             cpu = ", ".join(f"{name} {value:.2f}" for name, value in sorted(p.cpu_s_per_s.items()))
@@ -80,7 +80,9 @@ def cpu_table(points: list) -> str:
                 late = f"{p.cpu_share['late']} of {p.cpu_share['forwards']}" if "late" in p.cpu_share else "–"
                 moved = p.late_transfers
                 late_moves = f"{moved['late']} of {moved['transfers']}" if moved else "–"
-                share = f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} | {late} | {late_moves} |"
+                gaps = ", ".join(f"{pid} {gap:.1f}" for pid, gap in p.cpu_share.get("step_gap_ms", {}).items()) or "–"
+                share = (f" {p.summary.get('dilation', '–')} | {p.cpu_share.get('all')}; {by_pid} | {late} | {late_moves}"
+                         f" | {gaps} |")
             out.append(f"| {p.workload} | {p.variant} | {p.rate:g} | {cpu} |{share}")
     return "\n".join(out) + "\n"
 
