@@ -188,11 +188,12 @@ class Producer:
         index = self._layer_of.get(layer_name)
         if index is not None:
             computed = compute_marks.mark(index)
-            with self._lock:
-                for transfer_id in self._this_step:
-                    push = self._layered.get(transfer_id)
-                    if push is not None:
-                        push.computed[index] = computed
+            if computed is not COMPUTED:  # a synchronous device's layers need no mark kept
+                with self._lock:
+                    for transfer_id in self._this_step:
+                        push = self._layered.get(transfer_id)
+                        if push is not None:
+                            push.computed[index] = computed
             self._post_layers(lambda writes: writes.layer_computed(index))
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
@@ -557,7 +558,8 @@ class Producer:
         transfer_id = push.match.transfer_id
         return [self._write_job(push.match, exchange, remote,
                                 lambda result: self._layer_done(transfer_id, index, result),
-                                push.computed.get(index, COMPUTED), part=index, parts=push.writes.layers, regions=(first, end))
+                                push.computed.get(index, COMPUTED), part=index, parts=push.writes.layers,
+                                regions=(first, end))
                 for exchange, remote in push.targets]
 
     def _digest(self, ready: ReadyPrefill, blocks: list[int], regions: tuple[int, int] | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -38,13 +39,21 @@ def _decode_side(conn) -> None:
     thread.stop()
 
 
-def test_write_lands_in_the_registered_blocks_of_another_process():
+@contextlib.contextmanager
+def _decode_peer():
+    """A decode side in its own process: (its process, our end of its pipe, its agent)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode_side, args=(child,))
     proc.start()
     try:
-        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+        yield proc, parent, msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+    finally:
+        proc.join(timeout=30)
+
+
+def test_write_lands_in_the_registered_blocks_of_another_process():
+    with _decode_peer() as (proc, parent, remote):
         caches = _kv_caches(0.0)
         for name, tensor in caches.items():
             for block in range(NUM_BLOCKS):
@@ -59,8 +68,6 @@ def test_write_lands_in_the_registered_blocks_of_another_process():
         notes = parent.recv()
         landed = parent.recv()
         writer.stop()
-    finally:
-        proc.join(timeout=30)
     assert [parse_notification(n.encode()) for n in notes] == [Notification("t-1", 0, 1, "tag")]
     assert len(results) == 1 and results[0].ok, results
     # 2 layers x 2 runs ([0,1,2]->[5,6,7] and [7]->[12])
@@ -90,12 +97,7 @@ def test_a_write_of_blocks_still_being_computed_leaves_once_they_are_and_others_
     """On a device that runs on after the forward returned (a GPU, the emulated one), a WRITE
     the step's hook asked for waits for its compute mark; a WRITE of computed blocks is not
     held behind it."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child,))
-    proc.start()
-    try:
-        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
+    with _decode_peer() as (proc, parent, remote):
         caches = _kv_caches(3.0)
         writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
         writer.start()
@@ -116,8 +118,6 @@ def test_a_write_of_blocks_still_being_computed_leaves_once_they_are_and_others_
         notes = parent.recv()
         landed = parent.recv()
         writer.stop()
-    finally:
-        proc.join(timeout=30)
     assert [r.transfer_id for r in results] == ["t-free", "t-held"] and all(r.ok for r in results), results
     assert [parse_notification(n.encode()).transfer_id for n in notes] == ["t-held"]
     assert torch.all(torch.tensor(landed["model.layers.0.attn"])[5] == 3.0)
@@ -135,33 +135,28 @@ def test_a_write_to_a_stopped_peer_is_reported_stuck_and_its_late_end_reported_a
     monkeypatch.setenv("UCX_TLS", "tcp")  # no shared memory, no CMA: the peer must take part
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     monkeypatch.setattr(transfer_thread, "STUCK_AFTER_S", 1.0)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child,))
-    proc.start()
-    try:
-        remote = msgspec.msgpack.decode(parent.recv_bytes(), type=AgentInfo)
-        caches = _kv_caches(7.0)
-        writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
-        writer.start()
-        os.kill(proc.pid, signal.SIGSTOP)
-        results = []
-        writer.submit(TransferJob("WRITE", "t-1", remote, [0, 1], [3, 4], notification("t-1", 0, 1, "tag"),
-                                  results.append))
-        deadline = time.monotonic() + 20
-        while not results and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [(r.ok, r.stuck) for r in results] == [(False, True)]  # stuck, not failed: it may still land
-        os.kill(proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 20
-        while len(results) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        notes = parent.recv()
-        landed = parent.recv()
-        writer.stop()
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.join(timeout=30)
+    with _decode_peer() as (proc, parent, remote):
+        try:
+            caches = _kv_caches(7.0)
+            writer = TransferThread("prefill", 0, describe(caches, NUM_BLOCKS))
+            writer.start()
+            os.kill(proc.pid, signal.SIGSTOP)
+            results = []
+            writer.submit(TransferJob("WRITE", "t-1", remote, [0, 1], [3, 4], notification("t-1", 0, 1, "tag"),
+                                      results.append))
+            deadline = time.monotonic() + 20
+            while not results and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [(r.ok, r.stuck) for r in results] == [(False, True)]  # stuck, not failed: it may still land
+            os.kill(proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while len(results) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            notes = parent.recv()
+            landed = parent.recv()
+            writer.stop()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
     assert [(r.ok, r.stuck) for r in results] == [(False, True), (True, False)]
     assert notes == [notification("t-1", 0, 1, "tag").decode()]  # the peer was told, late
     for layer in range(2):

@@ -77,6 +77,7 @@ class KvpushStandInForCausalLM(nn.Module):
         self._log_path = os.environ.get(LOG_ENV)
         self._log_lock = threading.Lock()
         self._cache_views: dict[str, _CacheViews] = {}
+        self._layer_offsets = torch.arange(len(self.layers), dtype=torch.float32)  # layer i's pattern adds i
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], self.hidden_size, dtype=torch.float32)
@@ -124,7 +125,7 @@ class KvpushStandInForCausalLM(nn.Module):
         width = first.num_kv_heads * first.head_size
         layers = len(self.layers)
         # Layer i's pattern is the tokens' pattern plus i: every layer's, in one add.
-        patterns = (token_pattern(input_ids, positions).unsqueeze(0) + self._layer_offsets(layers).unsqueeze(1))
+        patterns = (token_pattern(input_ids, positions).unsqueeze(0) + self._layer_offsets.unsqueeze(1))
         patterns = patterns.unsqueeze(2).expand(-1, -1, width).contiguous().view(  # vLLM's write wants it dense
             layers, -1, first.num_kv_heads, first.head_size)
         slots = metadata.slot_mapping if slots is None else slots
@@ -142,12 +143,6 @@ class KvpushStandInForCausalLM(nn.Module):
                 connector.save_kv_layer(name, layer.kv_cache, metadata)
             torch.index_select(views.firsts, 0, flat_tables, out=read[index])
         return (read.sum(dim=0).view(tables.shape) * used).sum(dim=1)
-
-    def _layer_offsets(self, layers: int) -> torch.Tensor:
-        offsets = getattr(self, "_offsets", None)
-        if offsets is None or offsets.numel() != layers:
-            offsets = self._offsets = torch.arange(layers, dtype=torch.float32)
-        return offsets
 
     def _views(self, layer: Attention) -> "_CacheViews":
         """The layer's cache views, made again only when vLLM hands the layer another tensor."""
